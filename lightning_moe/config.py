@@ -1,0 +1,188 @@
+"""Typed configuration of an MoE layer.
+
+Plain values only (int, float, bool, ``Literal``, ``None`` for "off"), so that LightningCLI and
+``--print_config`` round-trip it. Every rule is checked in ``__post_init__`` and a broken rule is
+reported as ``MoEConfig: field=value breaks rule; fix.``
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["MoEConfig", "ScoreFunc", "AuxLossType", "DropPolicy", "ExpertsBackend"]
+
+ScoreFunc = Literal["softmax", "sigmoid"]
+AuxLossType = Literal["none", "switch", "seq", "global"]
+DropPolicy = Literal["probs", "position"]
+ExpertsBackend = Literal["auto", "torch", "loop", "te", "grouped_gemm"]
+RouterDtype = Literal["float32", "float64", "bfloat16"]
+
+_SCORE_FUNCS = ("softmax", "sigmoid")
+_AUX_LOSSES = ("none", "switch", "seq", "global")
+_DROP_POLICIES = ("probs", "position")
+_BACKENDS = ("auto", "torch", "loop", "te", "grouped_gemm")
+_ROUTER_DTYPES = ("float32", "float64", "bfloat16")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(kw_only=True)
+class MoEConfig:
+    """One MoE FFN layer: router, experts, optional shared expert.
+
+    Args:
+        hidden_size: model width H.
+        ffn_hidden_size: per-expert FFN width F (SwiGLU: gate and up are each F wide).
+        num_experts: routed experts E.
+        top_k: experts per token K.
+        score_func: ``softmax`` or ``sigmoid`` scores from the router logits.
+        pre_softmax: softmax over all E before top-k (required for ``top_k=1`` with softmax);
+            otherwise softmax runs over the K selected logits.
+        norm_topk_prob: renormalise the K selected weights to sum to one (sigmoid, or softmax
+            with ``pre_softmax``); softmax over the K logits is already normalised.
+        scaling_factor: multiply the routing weights by this value; ``None`` leaves them.
+        num_groups: expert groups for group-limited routing (DeepSeek-V3); ``None`` is off.
+        group_topk: groups kept per token when ``num_groups`` is set.
+        router_dtype: dtype of the router GEMM and scores.
+        expert_bias: aux-loss-free balancing bias added to scores for selection only.
+        bias_update_rate: step of ``b += rate * sign(mean(c) - c_i)`` after each optimizer step.
+        aux_loss: load-balancing loss: ``switch`` (per micro-batch), ``seq`` (per sequence),
+            ``global`` (counts summed over data-parallel ranks), or ``none``.
+        aux_loss_coeff: weight of the load-balancing loss.
+        z_loss_coeff: weight of the router z-loss; ``None`` is off.
+        capacity_factor: expert capacity ``ceil(T*K/E * capacity_factor)``; ``None`` is dropless.
+        drop_policy: which tokens an over-full expert keeps: ``probs`` (highest score) or
+            ``position`` (earliest).
+        pad_to_capacity: pad every expert to its capacity so shapes are static.
+        shared_expert_ffn_size: FFN width of an always-on shared expert; ``None`` is off.
+        shared_expert_gate: scale the shared expert's output by ``sigmoid(x @ g)``.
+        memory_efficient_permute: apply the routing weight inside the expert activation, so the
+            combine is a plain sum and nothing extra is saved for the weight's gradient.
+        experts_backend: grouped GEMM backend; ``auto`` picks the fastest importable one.
+        check_finite: raise, naming the layer, when router logits are not finite.
+        init_std: standard deviation of the normal initialisation of all weights.
+    """
+
+    hidden_size: int
+    ffn_hidden_size: int
+    num_experts: int
+    top_k: int
+    score_func: ScoreFunc = "softmax"
+    pre_softmax: bool = False
+    norm_topk_prob: bool = True
+    scaling_factor: float | None = None
+    num_groups: int | None = None
+    group_topk: int | None = None
+    router_dtype: RouterDtype = "float32"
+    expert_bias: bool = False
+    bias_update_rate: float = 1e-3
+    aux_loss: AuxLossType = "switch"
+    aux_loss_coeff: float = 1e-2
+    z_loss_coeff: float | None = None
+    capacity_factor: float | None = None
+    drop_policy: DropPolicy = "probs"
+    pad_to_capacity: bool = False
+    shared_expert_ffn_size: int | None = None
+    shared_expert_gate: bool = False
+    memory_efficient_permute: bool = True
+    experts_backend: ExpertsBackend = "auto"
+    check_finite: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoEConfig: {name}={value!r} must be a positive int; set it to 1 or more.")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"MoEConfig: top_k={self.top_k} exceeds num_experts={self.num_experts}; "
+                f"choose top_k <= {self.num_experts}."
+            )
+        if self.score_func not in _SCORE_FUNCS:
+            raise ValueError(f"MoEConfig: score_func={self.score_func!r} is unknown; choose one of {_SCORE_FUNCS}.")
+        if self.score_func == "softmax" and self.top_k == 1 and not self.pre_softmax:
+            raise ValueError(
+                "MoEConfig: score_func='softmax' with top_k=1 and pre_softmax=False gives every token weight 1 "
+                "and the router no gradient; set pre_softmax=True."
+            )
+        if self.aux_loss not in _AUX_LOSSES:
+            raise ValueError(f"MoEConfig: aux_loss={self.aux_loss!r} is unknown; choose one of {_AUX_LOSSES}.")
+        if self.drop_policy not in _DROP_POLICIES:
+            raise ValueError(
+                f"MoEConfig: drop_policy={self.drop_policy!r} is unknown; choose one of {_DROP_POLICIES}."
+            )
+        if self.experts_backend not in _BACKENDS:
+            raise ValueError(
+                f"MoEConfig: experts_backend={self.experts_backend!r} is unknown; choose one of {_BACKENDS}."
+            )
+        if self.router_dtype not in _ROUTER_DTYPES:
+            raise ValueError(
+                f"MoEConfig: router_dtype={self.router_dtype!r} is unknown; choose one of {_ROUTER_DTYPES}."
+            )
+        self._check_groups()
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(
+                f"MoEConfig: capacity_factor={self.capacity_factor} must be > 0; use e.g. 1.25, or None for dropless."
+            )
+        if self.pad_to_capacity and self.capacity_factor is None:
+            raise ValueError(
+                "MoEConfig: pad_to_capacity=True needs a capacity; set capacity_factor (e.g. 1.25)."
+            )
+        if self.aux_loss_coeff < 0:
+            raise ValueError(f"MoEConfig: aux_loss_coeff={self.aux_loss_coeff} must be >= 0.")
+        if self.z_loss_coeff is not None and self.z_loss_coeff < 0:
+            raise ValueError(f"MoEConfig: z_loss_coeff={self.z_loss_coeff} must be >= 0, or None for off.")
+        if self.shared_expert_ffn_size is not None and self.shared_expert_ffn_size < 1:
+            raise ValueError(
+                f"MoEConfig: shared_expert_ffn_size={self.shared_expert_ffn_size} must be >= 1, or None for off."
+            )
+        if self.shared_expert_gate and self.shared_expert_ffn_size is None:
+            raise ValueError("MoEConfig: shared_expert_gate=True needs shared_expert_ffn_size; set it or drop the gate.")
+        if self.bias_update_rate < 0:
+            raise ValueError(f"MoEConfig: bias_update_rate={self.bias_update_rate} must be >= 0.")
+
+    def _check_groups(self) -> None:
+        if self.num_groups is None and self.group_topk is None:
+            return
+        if self.num_groups is None or self.group_topk is None:
+            raise ValueError(
+                f"MoEConfig: num_groups={self.num_groups} and group_topk={self.group_topk} must be set together; "
+                "set both or neither."
+            )
+        if self.num_groups < 1 or self.num_experts % self.num_groups != 0:
+            raise ValueError(
+                f"MoEConfig: num_experts={self.num_experts} is not divisible by num_groups={self.num_groups}; "
+                f"choose num_groups from {_divisors(self.num_experts)}."
+            )
+        if not 1 <= self.group_topk <= self.num_groups:
+            raise ValueError(
+                f"MoEConfig: group_topk={self.group_topk} must be in [1, num_groups={self.num_groups}]; "
+                "lower group_topk."
+            )
+        if self.top_k % self.group_topk != 0:
+            raise ValueError(
+                f"MoEConfig: top_k={self.top_k} must be divisible by group_topk={self.group_topk} "
+                "(each kept group scores with its top top_k/group_topk experts); choose group_topk from "
+                f"{[d for d in _divisors(self.top_k) if d <= self.num_groups]}."
+            )
+        experts_per_group = self.num_experts // self.num_groups
+        if self.group_topk * experts_per_group < self.top_k:
+            raise ValueError(
+                f"MoEConfig: group_topk={self.group_topk} groups of {experts_per_group} experts hold fewer than "
+                f"top_k={self.top_k} experts; raise group_topk."
+            )
+        if self.top_k // self.group_topk > experts_per_group:
+            raise ValueError(
+                f"MoEConfig: top_k/group_topk={self.top_k // self.group_topk} exceeds the {experts_per_group} "
+                "experts of one group; raise group_topk."
+            )
+
+    @property
+    def router_torch_dtype(self):  # noqa: ANN201 - torch imported lazily to keep config import-light
+        import torch
+
+        return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[self.router_dtype]
