@@ -1,0 +1,264 @@
+// lightning-moe CUDA kernels: launcher declarations (host C++) and shared device helpers.
+//
+// Legend (as in lightning_moe/moe and lightning_moe/ops): T tokens, H hidden, F expert FFN width,
+// E experts, K top-k slots per token, N = T*K slots, R rows after permutation, S source rows.
+// Every row index is int32; a row index of -1 means "dropped / none".
+//
+// Split of responsibilities:
+//   * permute.cu, swiglu.cu, routing.cu hold the kernels and the launchers declared below. They
+//     include only CUDA headers, so they compile with a bare nvcc (the CPU torch wheel ships no
+//     CUDA headers; tests/unit/test_csrc_compiles.py compiles them on the CPU dev machine).
+//   * bindings.cpp is the only file that sees torch: it validates tensors and calls these
+//     launchers on the current stream. This header is therefore included by a host-only C++
+//     compiler too, so everything device-side sits behind `#ifdef __CUDACC__`.
+//
+// Launcher contract: raw pointers to contiguous row-major buffers, element counts as int64,
+// a DType for the floating tensors (index tensors are int32, weights/scales are fp32), and a
+// stream. Launchers never allocate and never synchronise; they return cudaGetLastError() so
+// a bad launch configuration surfaces at the call site. Zero-sized problems launch nothing.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+
+#include <cuda_runtime_api.h>
+
+namespace lightning_moe {
+
+// Element type of the activation tensors. The values are part of no ABI; bindings.cpp maps
+// at::ScalarType onto them.
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// ---------------------------------------------------------------------------------------------
+// permute.cu
+
+// out[r, :] = x[src_idx[r], :] * (row_scale ? row_scale[r] : 1) for r < R; src_idx[r] < 0 gives a
+// zero row (padding). x: [S, H], out: [R, H], same dtype. Requires src_idx[r] < S.
+cudaError_t permute_rows(const void* x, const int32_t* src_idx, const float* row_scale, void* out,
+                         int64_t num_rows, int64_t num_src_rows, int64_t hidden, DType dtype,
+                         cudaStream_t stream);
+
+// out[t, :] = sum_k w[t, k] * y[slot_row[t, k], :] over k with slot_row >= 0 (w = 1 when null).
+// Accumulates in fp32, in increasing k (deterministic, no atomics); all -1 gives a zero row.
+// y: [R, H], slot_row: [T, K], w: [T, K] fp32 or null, out: [T, H].
+cudaError_t unpermute_sum(const void* y, const int32_t* slot_row, const float* w, void* out,
+                          int64_t num_tokens, int64_t top_k, int64_t hidden, DType dtype,
+                          cudaStream_t stream);
+
+// grad_w[t, k] = <grad_out[t, :], y[slot_row[t, k], :]> in fp32 (0 where slot_row is -1).
+// grad_out: [T, H], y: [R, H] (same dtype), slot_row: [T, K], grad_w: [T, K] fp32.
+cudaError_t unpermute_weight_grad(const void* grad_out, const void* y, const int32_t* slot_row,
+                                  float* grad_w, int64_t num_tokens, int64_t top_k, int64_t hidden,
+                                  DType dtype, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// swiglu.cu
+
+// a[r, f] = silu(h[r, f]) * h[r, F + f] * (w ? w[r] : 1); fp32 math, output in h's dtype.
+// h: [R, 2F], w: [R] fp32 or null, a: [R, F].
+cudaError_t weighted_swiglu_fwd(const void* h, const float* w, void* a, int64_t num_rows,
+                                int64_t ffn, DType dtype, cudaStream_t stream);
+
+// grad_h[r, f]     = grad_a * w * up * silu'(gate)
+// grad_h[r, F + f] = grad_a * w * silu(gate)
+// grad_w[r]        = sum_f grad_a * silu(gate) * up      (only when grad_w is non-null)
+// h, grad_h: [R, 2F]; grad_a: [R, F] (same dtype as h); w, grad_w: [R] fp32 or null.
+// The row sum has a fixed order for a given F (deterministic).
+cudaError_t weighted_swiglu_bwd(const void* h, const float* w, const void* grad_a, void* grad_h,
+                                float* grad_w, int64_t num_rows, int64_t ffn, DType dtype,
+                                cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// routing.cu
+
+// Bytes of scratch that build_permutation needs for (num_slots = T*K, num_experts); 16-byte
+// multiple, never 0. The caller allocates it (the torch caching allocator, in bindings.cpp).
+size_t build_permutation_workspace_bytes(int64_t num_slots, int64_t num_experts);
+
+// Stable counting sort of the N = T*K flattened slots s = t*K + k by expert id.
+//   counts[e]  = slots routed to e;  offsets[e] = counts[0] + ... + counts[e] (inclusive)
+//   rows of expert e are offsets[e]-counts[e] .. offsets[e]-1, in increasing s;
+//   src_idx[r] = s / K (the token of row r); slot_row[t, k] = r.
+// ids outside [0, E) are dropped: slot_row = -1 and no row; the N - offsets[E-1] unused tail
+// rows of src_idx are set to -1. Deterministic (no order-dependent atomics).
+// topk_ids: [T, K] int32 (ids_are_int64 = false) or int64; src_idx: [N]; slot_row: [T, K];
+// counts, offsets: [E]; 1 <= E <= kMaxPermuteExperts.
+constexpr int64_t kMaxPermuteExperts = 8192;
+cudaError_t build_permutation(const void* topk_ids, bool ids_are_int64, int64_t num_tokens,
+                              int64_t top_k, int64_t num_experts, int32_t* src_idx,
+                              int32_t* slot_row, int32_t* counts, int32_t* offsets, void* workspace,
+                              size_t workspace_bytes, cudaStream_t stream);
+
+enum class ScoreFunc : int { kSoftmax = 0, kSigmoid = 1 };
+
+// Forward expert selection of a top-k router, one warp per token (see routing.cu for the exact
+// semantics of each score function, the expert bias and group-limited routing).
+// logits: [T, E] fp32; bias: [E] fp32 or null (selection only); outputs [T, K] int32 / fp32.
+// Limits (checked by bindings.cpp): E <= kMaxRouterExperts, 1 <= K <= kMaxRouterTopK, and with
+// num_groups > 0: num_groups <= 32, E % num_groups == 0, 1 <= group_topk <= num_groups,
+// K >= group_topk and K <= group_topk * E / num_groups.
+constexpr int64_t kMaxRouterExperts = 1024;
+constexpr int64_t kMaxRouterTopK = 32;
+constexpr int64_t kMaxRouterGroups = 32;
+cudaError_t router_topk(const float* logits, const float* bias, int64_t num_tokens,
+                        int64_t num_experts, int64_t top_k, ScoreFunc score_func, bool pre_softmax,
+                        bool norm_topk_prob, float scaling_factor, int64_t num_groups,
+                        int64_t group_topk, int32_t* topk_ids, float* topk_weights,
+                        cudaStream_t stream);
+
+}  // namespace lightning_moe
+
+// =============================================================================================
+// Device-side helpers shared by the .cu files (invisible to the host-only bindings compile).
+#ifdef __CUDACC__
+
+namespace lightning_moe {
+namespace detail {
+
+constexpr int kThreads = 256;  // every elementwise kernel: 8 warps, 8 blocks fill an SM
+
+// Element tags. Storage is a plain trivially-copyable type (float or the 16-bit pattern), not
+// __nv_bfloat16 / __half: torch compiles .cu files with __CUDA_NO_{HALF,BFLOAT16}_CONVERSIONS__,
+// and a raw pattern in a union never depends on those types' constructors. Conversions are
+// explicit and round to nearest even, like torch's `.to(dtype)`.
+struct F32 {
+  using storage = float;
+  static __device__ __forceinline__ float load(storage v) { return v; }
+  static __device__ __forceinline__ storage store(float v) { return v; }
+};
+struct BF16 {
+  using storage = uint16_t;
+  // bf16 is the top half of an fp32: widening is a shift (exact).
+  static __device__ __forceinline__ float load(storage v) {
+    return __uint_as_float(static_cast<uint32_t>(v) << 16);
+  }
+  static __device__ __forceinline__ storage store(float v) {
+    storage b;  // round to nearest even (sm_80+ instruction)
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));
+    return b;
+  }
+};
+struct F16 {
+  using storage = uint16_t;
+  static __device__ __forceinline__ float load(storage v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+    return f;
+  }
+  static __device__ __forceinline__ storage store(float v) {
+    storage h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    return h;
+  }
+};
+
+// One memory transaction of kBytes: the widest type the hardware loads in one instruction.
+template <int kBytes> struct RawVec;
+template <> struct RawVec<16> { using type = uint4; };
+template <> struct RawVec<8> { using type = uint2; };
+template <> struct RawVec<4> { using type = uint32_t; };
+template <> struct RawVec<2> { using type = uint16_t; };
+
+// kN elements moved as one kN*sizeof(storage)-byte access (16 bytes = 8 x bf16 or 4 x fp32).
+template <typename Tag, int kN>
+union Pack {
+  using storage = typename Tag::storage;
+  using raw_t = typename RawVec<kN * static_cast<int>(sizeof(storage))>::type;
+  raw_t raw;
+  storage v[kN];
+};
+
+template <typename Tag, int kN>
+__device__ __forceinline__ Pack<Tag, kN> load_pack(const typename Tag::storage* p) {
+  Pack<Tag, kN> pk;
+  pk.raw = *reinterpret_cast<const typename Pack<Tag, kN>::raw_t*>(p);
+  return pk;
+}
+
+template <typename Tag, int kN>
+__device__ __forceinline__ void store_pack(typename Tag::storage* p, const Pack<Tag, kN>& pk) {
+  *reinterpret_cast<typename Pack<Tag, kN>::raw_t*>(p) = pk.raw;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  // xor butterfly: every lane ends with the same sum, in a fixed order (deterministic).
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Largest access (16, 8, 4 bytes, else one element) such that every row of every listed buffer
+// starts on that boundary: each row pitch (in bytes) is a multiple of it and each base pointer
+// is aligned to it. Rows whose pitch is not a
+// multiple of 16 bytes (odd H, H % 8 != 0 in bf16) are not 16-byte aligned row by row, so a
+// "vector body + scalar tail" split would still need misaligned vector loads; choosing the
+// widest width that divides every pitch handles those shapes with no tail at all.
+inline int pick_vec_bytes(int elem_bytes, std::initializer_list<int64_t> pitches_bytes,
+                          std::initializer_list<const void*> ptrs) {
+  for (int vb = 16; vb > elem_bytes; vb >>= 1) {
+    bool ok = true;
+    for (int64_t p : pitches_bytes) ok = ok && (p % vb == 0);
+    for (const void* q : ptrs) ok = ok && (reinterpret_cast<uintptr_t>(q) % vb == 0);
+    if (ok) return vb;
+  }
+  return elem_bytes;
+}
+
+inline int elem_bytes(DType dt) { return dt == DType::kFloat32 ? 4 : 2; }
+
+// Blocks for a grid-stride loop over `work_blocks` blocks of work: at most 8 resident blocks
+// of 256 threads per SM, one wave; more blocks only add scheduling.
+inline int grid_size(int64_t work_blocks) {
+  int dev = 0, sms = 132;
+  if (cudaGetDevice(&dev) == cudaSuccess) {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && v > 0) sms = v;
+  }
+  const int64_t cap = static_cast<int64_t>(sms) * 8;
+  return static_cast<int>(work_blocks < cap ? (work_blocks > 0 ? work_blocks : 1) : cap);
+}
+
+// Threads per row (a power of two <= 256) for `vecs` vector accesses per row: small rows share
+// a block (several rows per block) instead of idling most of it.
+inline int threads_per_row_log2(int64_t vecs) {
+  int l = 0;
+  while (l < 8 && (int64_t{1} << l) < vecs) ++l;
+  return l;
+}
+
+// Calls f(Tag{}) for the runtime dtype.
+template <typename Fn>
+cudaError_t dispatch_dtype(DType dt, Fn&& f) {
+  switch (dt) {
+    case DType::kFloat32: return f(F32{});
+    case DType::kBFloat16: return f(BF16{});
+    case DType::kFloat16: return f(F16{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <int kV> struct IntTag { static constexpr int value = kV; };
+
+// Calls f(IntTag<elements per access>{}) for a vector width in bytes picked by pick_vec_bytes.
+template <typename Tag, typename Fn>
+cudaError_t dispatch_vec(int vec_bytes, Fn&& f) {
+  constexpr int kE = static_cast<int>(sizeof(typename Tag::storage));
+  switch (vec_bytes) {
+    case 16: return f(IntTag<16 / kE>{});
+    case 8: return f(IntTag<8 / kE>{});
+    case 4: return f(IntTag<(4 / kE > 0 ? 4 / kE : 1)>{});
+    default: return f(IntTag<1>{});
+  }
+}
+
+}  // namespace detail
+}  // namespace lightning_moe
+
+#endif  // __CUDACC__

@@ -1,0 +1,138 @@
+"""MoELanguageModel: the LightningModule that trains an :class:`MoETransformer`.
+
+It logs ``train/loss``, ``train/ppl``, every aux loss summed over layers, and the per-layer load
+imbalance ``max(c)/mean(c)`` of routed tokens per expert; ``val/loss`` and ``val/ppl``. It also
+keeps the MoE layers' bookkeeping in step with the optimizer: aux-loss gradient scale
+(``1/accumulate_grad_batches``, times the fp16 loss scale), expert-bias updates and
+global-aux-loss counts, once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from lightning_moe.models.transformer import MoETransformer, TransformerConfig
+from lightning_moe.moe.utils import find_moe_layers, reset_global_aux_counts, set_aux_loss_scale, update_expert_biases
+
+__all__ = ["MoELanguageModel"]
+
+
+class MoELanguageModel(L.LightningModule):
+    """Causal language modelling on ``batch["input_ids"]`` / ``batch["labels"]``.
+
+    Args:
+        model: the transformer's shape (vocabulary, layers, MoE config).
+        learning_rate: peak AdamW learning rate.
+        weight_decay: AdamW weight decay (not applied to norms and the router's expert bias).
+        warmup_steps: linear warm-up steps, then cosine decay to 10 % over ``max_steps``.
+        betas: AdamW betas.
+        log_layer_load: log each MoE layer's ``max/mean`` routed-token load.
+    """
+
+    def __init__(
+        self,
+        model: TransformerConfig,
+        learning_rate: float = 3e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 20,
+        betas: tuple[float, float] = (0.9, 0.95),
+        log_layer_load: bool = True,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = model
+        self.model = MoETransformer(model)
+        self.val_history: list[tuple[int, float]] = []
+        self._val_sum = torch.zeros(2)
+
+    # --- Lightning hooks ---------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        set_aux_loss_scale(self.model, self._aux_loss_scale())
+        loss = self._lm_loss(batch)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=False)
+        self.log("train/ppl", torch.exp(loss.detach().clamp(max=30)))
+        self._log_moe_stats()
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._lm_loss(batch)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val/ppl", torch.exp(loss.clamp(max=30)), sync_dist=True)
+        self._val_sum += torch.stack([loss.detach().float().cpu(), torch.ones(())])
+        return loss
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sum.zero_()
+
+    def on_validation_epoch_end(self) -> None:
+        # Kept also during the sanity check, which gives the loss before the first step.
+        if self._val_sum[1] > 0:
+            self.val_history.append((self.global_step, float(self._val_sum[0] / self._val_sum[1])))
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        group = getattr(self.trainer.strategy, "expert_bias_group", None) if self._trainer is not None else None
+        update_expert_biases(self.model, group)
+        reset_global_aux_counts(self.model)
+
+    def configure_optimizers(self) -> Any:
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                continue
+            (decay if p.dim() >= 2 else no_decay).append(p)
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.learning_rate,
+            betas=tuple(hp.betas),
+        )
+        total = self.trainer.max_steps if self._trainer is not None and self.trainer.max_steps > 0 else 10_000
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(hp.warmup_steps, total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def _lm_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits_BSV = self.model(batch["input_ids"])
+        return F.cross_entropy(logits_BSV.flatten(0, 1).float(), batch["labels"].flatten())
+
+    def _aux_loss_scale(self) -> float:
+        if self._trainer is None:
+            return 1.0
+        scale = 1.0 / max(self.trainer.accumulate_grad_batches, 1)
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if scaler is not None and scaler.is_enabled():
+            scale *= float(scaler.get_scale())
+        return scale
+
+    def _log_moe_stats(self) -> None:
+        totals: dict[str, torch.Tensor] = {}
+        for name, layer in find_moe_layers(self.model):
+            for key, value in layer.last_aux_losses.items():
+                totals[key] = totals.get(key, 0) + value
+            counts = layer.last_tokens_per_expert
+            if self.hparams.log_layer_load and counts is not None:
+                counts = counts.float()
+                self.log(f"load_imbalance/{name}", counts.max() / counts.mean().clamp(min=1e-9))
+        for key, value in totals.items():
+            self.log(f"train/{key}", value)
+
+
+def _warmup_cosine(warmup: int, total: int):  # noqa: ANN202 - returns a LambdaLR schedule
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return schedule

@@ -1,0 +1,80 @@
+"""Routed experts as two 3-D parameters, run by one grouped GEMM per projection.
+
+Legend: R rows grouped by expert, H hidden, F expert FFN width, e local experts.
+
+``w13 [e, H, 2F]`` holds each expert's gate and up projections side by side (gate first) and
+``w2 [e, F, H]`` the down projection. One parameter per projection (never a ModuleList of
+Linear): one GEMM launch for all experts, and FSDP never waits on an expert that got no tokens.
+These names are the checkpoint format.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn as nn
+
+from lightning_moe.config import ExpertsBackend
+from lightning_moe.ops.expert_mlp import expert_swiglu_mlp
+from lightning_moe.ops.grouped_gemm import GemmBackend, offsets_from_counts, resolve_gemm_backend
+
+__all__ = ["GroupedExperts"]
+
+
+class GroupedExperts(nn.Module):
+    """SwiGLU experts: ``y = (silu(x @ W_gate) * (x @ W_up) * w) @ W_down`` per expert."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        backend: ExpertsBackend = "auto",
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.ffn_hidden_size = ffn_hidden_size
+        self.requested_backend = backend
+        self.init_std = init_std
+        self.w13 = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * ffn_hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
+        self._resolved: dict[tuple[str, torch.dtype], GemmBackend] = {}
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.w13, std=self.init_std)
+        nn.init.normal_(self.w2, std=self.init_std)
+
+    def gemm_backend(self, device: torch.device, dtype: torch.dtype) -> GemmBackend:
+        """Resolved once per (device type, dtype); ``auto`` warns once when it must fall back."""
+        key = (device.type, dtype)
+        if key not in self._resolved:
+            dims = (self.hidden_size, 2 * self.ffn_hidden_size, self.ffn_hidden_size)
+            backend, reason = resolve_gemm_backend(self.requested_backend, device, dtype, dims)
+            if reason is not None:
+                warnings.warn(f"GroupedExperts: using the per-expert loop: {reason}.", stacklevel=2)
+            self._resolved[key] = backend
+        return self._resolved[key]
+
+    def forward(
+        self, x_RH: torch.Tensor, tokens_per_expert_e: torch.Tensor, weights_R: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        device_type = x_RH.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+        else:
+            dtype = self.w13.dtype
+        w13, w2 = self.w13.to(dtype), self.w2.to(dtype)
+        offs_e = offsets_from_counts(tokens_per_expert_e)
+        backend = self.gemm_backend(x_RH.device, dtype)
+        with torch.autocast(device_type=device_type, enabled=False):
+            return expert_swiglu_mlp(x_RH.to(dtype), w13, w2, offs_e, weights_R, backend)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"ffn_hidden_size={self.ffn_hidden_size}, backend={self.requested_backend!r}"
+        )

@@ -1,0 +1,186 @@
+"""The MoE FFN layer: router → dispatch → grouped experts → combine (+ shared expert).
+
+Legend: T tokens, H hidden, E experts, K experts per token, R dispatched rows.
+
+Stages of :meth:`MoELayer.forward`:
+
+1. Router (``moe/router.py``): fp32 logits, top-k ids and weights, capacity drops.
+2. Aux losses (``moe/losses.py``): load balancing (switch / seq / global) and z-loss, attached
+   to the output by :class:`AuxLossScaler` so they reach backward with ``aux_loss_scale``.
+3. ``dispatcher.dispatch``: rows grouped by local expert (local: a gather; expert parallel: an
+   all-to-all over the EP group — the dispatcher decides, the layer does not ask).
+4. ``experts``: one grouped GEMM per projection; the routing weight is applied inside the
+   SwiGLU when ``memory_efficient_permute`` (then the combine is a plain sum).
+5. ``dispatcher.combine``: back to token order, summed over the K slots.
+6. Shared expert, optionally gated by ``sigmoid(x @ g)``, added.
+
+Published hooks (what callbacks and the LightningModule read or set): ``last_aux_losses``,
+``last_tokens_per_expert`` (routed, before drops), ``last_dropped_fraction``,
+``aux_loss_scale``, ``router.set_routing_override``, ``dispatcher``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lightning_moe.config import MoEConfig
+from lightning_moe.moe.dispatch import Dispatcher, LocalDispatcher
+from lightning_moe.moe.experts import GroupedExperts
+from lightning_moe.moe.losses import (
+    AuxLossScaler,
+    aux_probs,
+    load_balancing_loss,
+    sequence_load_balancing_loss,
+    z_loss,
+)
+from lightning_moe.moe.router import RouterOutput, TopKRouter, expert_capacity
+
+__all__ = ["MoELayer", "SharedExpert"]
+
+
+class SharedExpert(nn.Module):
+    """A dense SwiGLU FFN every token passes through; optional scalar sigmoid gate per token."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, gated: bool, init_std: float = 0.02) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(hidden_size, 2 * ffn_hidden_size, bias=False)
+        self.down = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
+        self.gate = nn.Linear(hidden_size, 1, bias=False) if gated else None
+        for p in self.parameters():
+            nn.init.normal_(p, std=init_std)
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        gate_TF, up_TF = self.gate_up(x_TH).chunk(2, dim=-1)
+        y_TH = self.down(F.silu(gate_TF) * up_TF)
+        if self.gate is not None:
+            y_TH = torch.sigmoid(self.gate(x_TH)) * y_TH
+        return y_TH
+
+
+class MoELayer(nn.Module):
+    """Mixture-of-Experts FFN: ``forward(x[..., H]) -> y[..., H]``.
+
+    Built with a :class:`LocalDispatcher`; the strategy replaces ``dispatcher`` (and sets
+    ``aux_loss_group`` for the global aux loss) when it shards experts.
+    """
+
+    def __init__(self, config: MoEConfig, layer_name: str = "MoELayer") -> None:
+        super().__init__()
+        self.config = config
+        self.layer_name = layer_name
+        self.router = TopKRouter(config)
+        self.experts = GroupedExperts(
+            config.num_experts, config.hidden_size, config.ffn_hidden_size, config.experts_backend, config.init_std
+        )
+        self.shared_expert = (
+            SharedExpert(config.hidden_size, config.shared_expert_ffn_size, config.shared_expert_gate, config.init_std)
+            if config.shared_expert_ffn_size is not None
+            else None
+        )
+        self.dispatcher: Dispatcher = LocalDispatcher(config.num_experts)
+        self.aux_loss_scale: float = 1.0
+        self.aux_loss_group: Any = None
+        self.last_aux_losses: dict[str, torch.Tensor] = {}
+        self.last_tokens_per_expert: torch.Tensor | None = None
+        self.last_dropped_fraction: torch.Tensor | None = None
+        self.register_buffer("global_tokens_per_expert", torch.zeros(config.num_experts), persistent=False)
+        self.register_buffer("global_num_tokens", torch.zeros(()), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        if x.shape[-1] != cfg.hidden_size:
+            raise ValueError(
+                f"{self.layer_name}: input has hidden size {x.shape[-1]}, the layer was built for "
+                f"hidden_size={cfg.hidden_size}; pass [..., {cfg.hidden_size}] activations."
+            )
+        lead_shape = x.shape[:-1]
+        x_TH = x.reshape(-1, cfg.hidden_size)
+        T = x_TH.shape[0]
+
+        routing = self.router(x_TH)
+        if cfg.check_finite and not bool(torch.isfinite(routing.logits_TE).all()):  # SYNC: opt-in check
+            raise FloatingPointError(
+                f"{self.layer_name}: router logits are not finite (NaN/Inf in the input or the router weight); "
+                "lower the learning rate or check the data, or set check_finite=False to skip this check."
+            )
+        capacity = (
+            expert_capacity(T, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
+            if cfg.pad_to_capacity and cfg.capacity_factor is not None
+            else None
+        )
+        dispatched, handle = self.dispatcher.dispatch(x_TH, routing.topk_ids_TK, routing.topk_weights_TK, capacity)
+        me = cfg.memory_efficient_permute
+        y_RH = self.experts(dispatched.x_RH, dispatched.tokens_per_expert_e, dispatched.weights_R if me else None)
+        y_TH = self.dispatcher.combine(y_RH, handle, weighted=not me).to(x.dtype)
+        if self.shared_expert is not None:
+            y_TH = y_TH + self.shared_expert(x_TH).to(y_TH.dtype)
+
+        self._record(routing, T)
+        aux_total = self._aux_losses(routing, lead_shape)
+        if aux_total is not None and torch.is_grad_enabled() and self.training:
+            y_TH = AuxLossScaler.apply(y_TH, aux_total, self.aux_loss_scale)
+        return y_TH.view(*lead_shape, cfg.hidden_size)
+
+    # ------------------------------------------------------------------------------------------
+
+    def _record(self, routing: RouterOutput, num_tokens: int) -> None:
+        self.last_tokens_per_expert = routing.tokens_per_expert_E.detach()
+        if self.config.capacity_factor is None:
+            self.last_dropped_fraction = None
+        else:
+            dropped = (routing.topk_ids_TK < 0).sum()
+            self.last_dropped_fraction = dropped.float() / max(num_tokens * self.config.top_k, 1)
+
+    def _aux_losses(self, routing: RouterOutput, lead_shape: torch.Size) -> torch.Tensor | None:
+        cfg = self.config
+        losses: dict[str, torch.Tensor] = {}
+        if cfg.aux_loss != "none" and cfg.aux_loss_coeff > 0 and self.training:
+            probs_TE = aux_probs(routing.logits_TE, cfg.score_func)
+            T = probs_TE.shape[0]
+            if cfg.aux_loss == "switch":
+                losses["load_balancing_loss"] = load_balancing_loss(
+                    probs_TE, routing.tokens_per_expert_E, T, cfg.top_k, cfg.aux_loss_coeff
+                )
+            elif cfg.aux_loss == "seq":
+                B = lead_shape[0] if len(lead_shape) > 1 else 1
+                losses["seq_load_balancing_loss"] = sequence_load_balancing_loss(
+                    probs_TE.view(B, -1, cfg.num_experts),
+                    routing.routed_ids_TK.view(B, -1, cfg.top_k),
+                    cfg.top_k,
+                    cfg.aux_loss_coeff,
+                )
+            else:
+                counts_E, num_counted = self._global_counts(routing.tokens_per_expert_E, T)
+                losses["global_load_balancing_loss"] = load_balancing_loss(
+                    probs_TE, counts_E, num_counted, cfg.top_k, cfg.aux_loss_coeff
+                )
+        if cfg.z_loss_coeff is not None and cfg.z_loss_coeff > 0 and self.training:
+            losses["z_loss"] = z_loss(routing.logits_TE, cfg.z_loss_coeff)
+        self.last_aux_losses = {k: v.detach() for k, v in losses.items()}
+        return sum(losses.values()) if losses else None  # type: ignore[return-value]
+
+    def _global_counts(self, tokens_per_expert_E: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Counts summed over this step's micro-batches so far and over ``aux_loss_group``."""
+        counts_E = tokens_per_expert_E.float()
+        num = torch.tensor(float(num_tokens), device=counts_E.device)
+        if self.aux_loss_group is not None:
+            import torch.distributed as dist
+
+            counts_and_num = torch.cat([counts_E, num.view(1)])
+            dist.all_reduce(counts_and_num, group=self.aux_loss_group)
+            counts_E, num = counts_and_num[:-1], counts_and_num[-1]
+        self.global_tokens_per_expert += counts_E
+        self.global_num_tokens += num
+        return self.global_tokens_per_expert.clone(), self.global_num_tokens.clone()
+
+    def reset_global_aux_counts(self) -> None:
+        """Call once per optimizer step (the LightningModule does) for ``aux_loss='global'``."""
+        self.global_tokens_per_expert.zero_()
+        self.global_num_tokens.zero_()
+
+    def extra_repr(self) -> str:
+        return f"name={self.layer_name!r}, dispatcher={self.dispatcher!r}"

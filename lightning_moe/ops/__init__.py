@@ -1,0 +1,32 @@
+"""Kernels with a Python face; every op sits next to its torch reference.
+
+Backend choice (``ops/backend.py``): the csrc kernels on CUDA when they build, the torch path
+otherwise; ``LIGHTNING_MOE_KERNELS=auto|csrc|torch`` forces one. Triton, transformer-engine and
+grouped_gemm are imported only inside their adapters.
+"""
+
+from lightning_moe.ops.expert_mlp import expert_swiglu_mlp, expert_swiglu_mlp_reference
+from lightning_moe.ops.permute import (
+    Permutation,
+    build_permutation,
+    build_permutation_reference,
+    permute_rows,
+    permute_rows_reference,
+    unpermute_sum,
+    unpermute_sum_reference,
+)
+from lightning_moe.ops.swiglu import weighted_swiglu, weighted_swiglu_reference
+
+__all__ = [
+    "Permutation",
+    "build_permutation",
+    "build_permutation_reference",
+    "expert_swiglu_mlp",
+    "expert_swiglu_mlp_reference",
+    "permute_rows",
+    "permute_rows_reference",
+    "unpermute_sum",
+    "unpermute_sum_reference",
+    "weighted_swiglu",
+    "weighted_swiglu_reference",
+]

@@ -1,0 +1,215 @@
+"""Token permutation: group (token, slot) pairs by expert, and put them back.
+
+Legend: T tokens, H hidden, E experts, K top-k slots per token, N = T*K slots, R rows after
+permutation (N when dropless, fewer when slots are dropped, E*capacity when padded), S source
+rows a permutation gathers from (T for the local dispatcher).
+
+A permutation is described by three integer tensors (see :class:`Permutation`):
+
+* ``slot_of_row_R`` — the flattened slot ``t*K + k`` each row came from (``-1`` for padding);
+* ``slot_row_TK`` — the inverse: the row of slot ``(t, k)`` (``-1`` for a dropped slot);
+* ``tokens_per_expert_E`` — rows per expert; rows of expert ``e`` are contiguous, and within an
+  expert rows keep increasing slot order (a stable sort), so results are deterministic.
+
+Two data movements use it, each the other's backward:
+
+* :func:`permute_rows` ``x_RH[r] = x_SH[src_r]`` (a gather);
+* :func:`unpermute_sum` ``out_TH[t] = sum_k w_TK[t, k] * y_RH[slot_row_TK[t, k]]`` (a gather-sum,
+  no atomics, fp32 accumulation).
+
+Each has a torch reference (the spec) and, on CUDA, the csrc kernel when it builds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lightning_moe.ops.backend import csrc_extension
+
+__all__ = [
+    "Permutation",
+    "build_permutation",
+    "build_permutation_reference",
+    "permute_rows",
+    "permute_rows_reference",
+    "unpermute_sum",
+    "unpermute_sum_reference",
+]
+
+
+@dataclass(frozen=True)
+class Permutation:
+    """Where every routed slot goes. Index tensors are int64 on the routing device."""
+
+    slot_of_row_R: torch.Tensor
+    slot_row_TK: torch.Tensor
+    tokens_per_expert_E: torch.Tensor
+    top_k: int
+
+    @property
+    def src_token_R(self) -> torch.Tensor:
+        """Token each row reads (padding rows read token 0 and carry weight 0)."""
+        return self.slot_of_row_R.clamp(min=0) // self.top_k
+
+    @property
+    def num_rows(self) -> int:
+        return self.slot_of_row_R.shape[0]
+
+
+def build_permutation_reference(
+    topk_ids_TK: torch.Tensor, num_experts: int, capacity: int | None = None
+) -> Permutation:
+    """Stable sort of slots by expert; ids ``< 0`` are dropped slots and take no row.
+
+    With ``capacity`` every expert owns exactly ``capacity`` rows (static shapes): expert ``e``'s
+    rows start at ``e * capacity`` and the unused tail rows are padding (``slot_of_row == -1``).
+    The caller must already have dropped slots beyond capacity.
+    """
+    T, K = topk_ids_TK.shape
+    ids_N = topk_ids_TK.reshape(-1).long()
+    kept_N = ids_N >= 0
+    # Dropped slots sort after every expert, so the first R rows are the kept ones.
+    sort_key_N = torch.where(kept_N, ids_N, torch.full_like(ids_N, num_experts))
+    order_N = torch.argsort(sort_key_N, stable=True)
+    tokens_per_expert_E = torch.bincount(ids_N[kept_N], minlength=num_experts)
+    num_kept = int(kept_N.sum())  # SYNC: the row count sizes the expert buffers (dropless only)
+    slot_of_row_R = order_N[:num_kept]
+    rows_R = torch.arange(num_kept, device=ids_N.device)
+    if capacity is not None:
+        if bool((tokens_per_expert_E > capacity).any()):  # SYNC: guard against a caller bug
+            raise ValueError(f"build_permutation: an expert holds more than capacity={capacity} slots.")
+        start_E = torch.cumsum(tokens_per_expert_E, 0) - tokens_per_expert_E
+        expert_R = sort_key_N[slot_of_row_R]
+        rows_R = expert_R * capacity + (rows_R - start_E[expert_R])
+        padded_R = torch.full((num_experts * capacity,), -1, dtype=torch.long, device=ids_N.device)
+        padded_R[rows_R] = slot_of_row_R
+        slot_of_row_R = padded_R
+        tokens_per_expert_E = torch.full_like(tokens_per_expert_E, capacity)
+    slot_row_N = torch.full((T * K,), -1, dtype=torch.long, device=ids_N.device)
+    slot_row_N[order_N[:num_kept]] = rows_R
+    return Permutation(slot_of_row_R, slot_row_N.view(T, K), tokens_per_expert_E, K)
+
+
+def build_permutation(topk_ids_TK: torch.Tensor, num_experts: int, capacity: int | None = None) -> Permutation:
+    """Public entry: csrc kernel on CUDA for the dropless case, the reference otherwise."""
+    ext = csrc_extension(topk_ids_TK)
+    if ext is None or capacity is not None:
+        return build_permutation_reference(topk_ids_TK, num_experts, capacity)
+    src_idx_N, slot_row_TK, counts_E, _offsets_E = ext.build_permutation(topk_ids_TK.int(), num_experts)
+    T, K = topk_ids_TK.shape
+    slot_row_TK = slot_row_TK.long()
+    num_rows = src_idx_N.shape[0]
+    slot_of_row_R = torch.empty(num_rows, dtype=torch.long, device=topk_ids_TK.device)
+    kept_N = slot_row_TK.reshape(-1) >= 0
+    slot_of_row_R[slot_row_TK.reshape(-1)[kept_N]] = torch.arange(T * K, device=topk_ids_TK.device)[kept_N]
+    return Permutation(slot_of_row_R, slot_row_TK, counts_E.long(), K)
+
+
+# ----------------------------------------------------------------------------------------------
+# references (the spec)
+
+
+def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half types; never lower than the input (fp64 stays fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def permute_rows_reference(x_SH: torch.Tensor, src_R: torch.Tensor) -> torch.Tensor:
+    """``x_RH[r] = x_SH[src_R[r]]``."""
+    return x_SH.index_select(0, src_R.long())
+
+
+def unpermute_sum_reference(
+    y_RH: torch.Tensor, slot_row_TK: torch.Tensor, weights_TK: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``out_TH[t] = sum_k w[t, k] * y_RH[slot_row_TK[t, k]]``, skipping ``-1``; fp32 sum (fp64 kept)."""
+    T, K = slot_row_TK.shape
+    acc = _accum_dtype(y_RH.dtype)
+    kept_TK = slot_row_TK >= 0
+    rows_TK = slot_row_TK.clamp(min=0).long()
+    gathered_TKH = y_RH.index_select(0, rows_TK.reshape(-1)).view(T, K, -1).to(acc)
+    scale_TK = kept_TK.to(acc) if weights_TK is None else weights_TK.to(acc) * kept_TK
+    return (gathered_TKH * scale_TK.unsqueeze(-1)).sum(1).to(y_RH.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# autograd
+
+
+class _PermuteRows(torch.autograd.Function):
+    """Gather rows; backward is the gather-sum through the inverse map (no atomics)."""
+
+    @staticmethod
+    def forward(ctx, x_SH: torch.Tensor, perm: Permutation) -> torch.Tensor:  # type: ignore[override]
+        ctx.perm = perm
+        ctx.num_src = x_SH.shape[0]
+        return _permute_rows_impl(x_SH, perm.src_token_R)
+
+    @staticmethod
+    def backward(ctx, grad_RH: torch.Tensor):  # type: ignore[override]
+        perm: Permutation = ctx.perm
+        grad_TH = _unpermute_sum_impl(grad_RH.contiguous(), perm.slot_row_TK, None)
+        return grad_TH, None
+
+
+class _UnpermuteSum(torch.autograd.Function):
+    """Weighted gather-sum back to token order; backward is a gather (and a dot for weights)."""
+
+    @staticmethod
+    def forward(ctx, y_RH: torch.Tensor, perm: Permutation, weights_TK: torch.Tensor | None):  # type: ignore[override]
+        ctx.perm = perm
+        ctx.has_weights = weights_TK is not None
+        ctx.save_for_backward(y_RH if ctx.has_weights else None, weights_TK)
+        return _unpermute_sum_impl(y_RH, perm.slot_row_TK, weights_TK)
+
+    @staticmethod
+    def backward(ctx, grad_TH: torch.Tensor):  # type: ignore[override]
+        perm: Permutation = ctx.perm
+        y_RH, weights_TK = ctx.saved_tensors
+        grad_TH = grad_TH.contiguous()
+        grad_RH = _permute_rows_impl(grad_TH, perm.src_token_R)
+        kept_R = perm.slot_of_row_R >= 0
+        if not ctx.has_weights:
+            if not bool(kept_R.all()):  # padding rows take no gradient
+                grad_RH = grad_RH * kept_R.unsqueeze(-1).to(grad_RH.dtype)
+            return grad_RH, None, None
+        acc = _accum_dtype(grad_TH.dtype)
+        w_R = weights_TK.reshape(-1)[perm.slot_of_row_R.clamp(min=0)].to(acc) * kept_R
+        grad_RH = (grad_RH.to(acc) * w_R.unsqueeze(-1)).to(grad_TH.dtype)
+        grad_w_TK = None
+        if ctx.needs_input_grad[2]:
+            rows_TK = perm.slot_row_TK.clamp(min=0)
+            T, K = rows_TK.shape
+            y_TKH = y_RH.index_select(0, rows_TK.reshape(-1)).view(T, K, -1).to(acc)
+            grad_w_TK = (y_TKH * grad_TH.to(acc).unsqueeze(1)).sum(-1) * (perm.slot_row_TK >= 0)
+            grad_w_TK = grad_w_TK.to(weights_TK.dtype)
+        return grad_RH, None, grad_w_TK
+
+
+def _permute_rows_impl(x_SH: torch.Tensor, src_R: torch.Tensor) -> torch.Tensor:
+    ext = csrc_extension(x_SH)
+    if ext is None:
+        return permute_rows_reference(x_SH, src_R)
+    return ext.permute_rows(x_SH.contiguous(), src_R.int(), None)
+
+
+def _unpermute_sum_impl(
+    y_RH: torch.Tensor, slot_row_TK: torch.Tensor, weights_TK: torch.Tensor | None
+) -> torch.Tensor:
+    ext = csrc_extension(y_RH)
+    if ext is None:
+        return unpermute_sum_reference(y_RH, slot_row_TK, weights_TK)
+    w = None if weights_TK is None else weights_TK.float().contiguous()
+    return ext.unpermute_sum(y_RH.contiguous(), slot_row_TK.int().contiguous(), w)
+
+
+def permute_rows(x_SH: torch.Tensor, perm: Permutation) -> torch.Tensor:
+    """Rows of ``x_SH`` in expert order (``x_RH``); differentiable."""
+    return _PermuteRows.apply(x_SH, perm)
+
+
+def unpermute_sum(y_RH: torch.Tensor, perm: Permutation, weights_TK: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows back in token order, summed over the K slots (weighted when ``weights_TK``)."""
+    return _UnpermuteSum.apply(y_RH, perm, weights_TK)
