@@ -117,69 +117,146 @@ namespace lightning_moe {
 namespace detail {
 
 constexpr int kThreads = 256;  // every elementwise kernel: 8 warps, 8 blocks fill an SM
+// Second __launch_bounds__ argument (register cap 64 at 256 threads). With the first argument
+// alone ptxas -v showed ptxas squeezing some row kernels into 32 registers and spilling 4-8
+// bytes; at least 4 resident blocks (half occupancy) is plenty for these bandwidth-bound loops.
+constexpr int kMinBlocks = 4;
 
 // Element tags. Storage is a plain trivially-copyable type (float or the 16-bit pattern), not
 // __nv_bfloat16 / __half: torch compiles .cu files with __CUDA_NO_{HALF,BFLOAT16}_CONVERSIONS__,
-// and a raw pattern in a union never depends on those types' constructors. Conversions are
-// explicit and round to nearest even, like torch's `.to(dtype)`.
+// and raw patterns never depend on those types' operators. Conversions round to nearest even,
+// like torch's `.to(dtype)`, and use the sm_80+ paired instructions (two values per 32-bit
+// register) so that converted rows are stored as full 16-byte vectors, not 2-byte pieces.
 struct F32 {
   using storage = float;
-  static __device__ __forceinline__ float load(storage v) { return v; }
-  static __device__ __forceinline__ storage store(float v) { return v; }
 };
 struct BF16 {
   using storage = uint16_t;
   // bf16 is the top half of an fp32: widening is a shift (exact).
-  static __device__ __forceinline__ float load(storage v) {
-    return __uint_as_float(static_cast<uint32_t>(v) << 16);
+  static __device__ __forceinline__ float lo(uint32_t w) { return __uint_as_float(w << 16); }
+  static __device__ __forceinline__ float hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+  static __device__ __forceinline__ float one(uint16_t v) { return lo(v); }
+  static __device__ __forceinline__ uint32_t pack2(float l, float h) {
+    uint32_t d;  // PTX puts the first source in the upper half
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(h), "f"(l));
+    return d;
   }
-  static __device__ __forceinline__ storage store(float v) {
-    storage b;  // round to nearest even (sm_80+ instruction)
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));
-    return b;
+  static __device__ __forceinline__ uint16_t pack1(float v) {
+    uint16_t d;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(d) : "f"(v));
+    return d;
   }
 };
 struct F16 {
   using storage = uint16_t;
-  static __device__ __forceinline__ float load(storage v) {
+  static __device__ __forceinline__ float one(uint16_t v) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
     return f;
   }
-  static __device__ __forceinline__ storage store(float v) {
-    storage h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    return h;
+  static __device__ __forceinline__ float lo(uint32_t w) { return one(static_cast<uint16_t>(w)); }
+  static __device__ __forceinline__ float hi(uint32_t w) { return one(static_cast<uint16_t>(w >> 16)); }
+  static __device__ __forceinline__ uint32_t pack2(float l, float h) {
+    uint32_t d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(h), "f"(l));
+    return d;
+  }
+  static __device__ __forceinline__ uint16_t pack1(float v) {
+    uint16_t d;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(d) : "f"(v));
+    return d;
   }
 };
 
-// One memory transaction of kBytes: the widest type the hardware loads in one instruction.
+// One memory transaction of kBytes: the widest type the hardware moves in one instruction.
 template <int kBytes> struct RawVec;
 template <> struct RawVec<16> { using type = uint4; };
 template <> struct RawVec<8> { using type = uint2; };
 template <> struct RawVec<4> { using type = uint32_t; };
 template <> struct RawVec<2> { using type = uint16_t; };
 
-// kN elements moved as one kN*sizeof(storage)-byte access (16 bytes = 8 x bf16 or 4 x fp32).
+// kN consecutive elements moved as one kN*sizeof(storage)-byte access (16 bytes = 8 x bf16 or
+// 4 x fp32) and converted to / from kN fp32 registers. Element i of a word-sized pack lives in
+// 32-bit word i / 2 (low half for even i) for 16-bit types, word i for fp32 (little endian).
 template <typename Tag, int kN>
-union Pack {
+struct Vec {
   using storage = typename Tag::storage;
-  using raw_t = typename RawVec<kN * static_cast<int>(sizeof(storage))>::type;
-  raw_t raw;
-  storage v[kN];
+  static constexpr int kBytes = kN * static_cast<int>(sizeof(storage));
+  using raw_t = typename RawVec<kBytes>::type;
+  static constexpr int kWords = kBytes >= 4 ? kBytes / 4 : 1;
+
+  // Words <-> raw by value (no union, which nvcc lowered through memory).
+  static __device__ __forceinline__ void words(raw_t v, uint32_t (&w)[kWords]) {
+    if constexpr (kBytes == 16) {
+      w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    } else if constexpr (kBytes == 8) {
+      w[0] = v.x; w[1] = v.y;
+    } else {
+      w[0] = v;
+    }
+  }
+  static __device__ __forceinline__ raw_t from_words(const uint32_t (&w)[kWords]) {
+    if constexpr (kBytes == 16) {
+      return make_uint4(w[0], w[1], w[2], w[3]);
+    } else if constexpr (kBytes == 8) {
+      return make_uint2(w[0], w[1]);
+    } else {
+      return static_cast<raw_t>(w[0]);
+    }
+  }
+
+  static __device__ __forceinline__ raw_t load(const storage* p) {
+    return *reinterpret_cast<const raw_t*>(p);
+  }
+  static __device__ __forceinline__ void store(storage* p, raw_t v) {
+    // __stwb is an ordinary (write-back) store; a plain `*p = v` of a uint4 assembled from
+    // converted halves was emitted as four 4-byte stores.
+    __stwb(reinterpret_cast<raw_t*>(p), v);
+  }
+  static __device__ __forceinline__ raw_t zero() { return raw_t{}; }
+
+  static __device__ __forceinline__ void to_float(raw_t v, float (&f)[kN]) {
+    if constexpr (sizeof(storage) == 2 && kN == 1) {
+      f[0] = Tag::one(v);
+    } else {
+      uint32_t w[kWords];
+      words(v, w);
+      if constexpr (sizeof(storage) == 4) {
+#pragma unroll
+        for (int i = 0; i < kN; ++i) f[i] = __uint_as_float(w[i]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kN / 2; ++i) {
+          f[2 * i] = Tag::lo(w[i]);
+          f[2 * i + 1] = Tag::hi(w[i]);
+        }
+      }
+    }
+  }
+
+  static __device__ __forceinline__ raw_t from_float(const float (&f)[kN]) {
+    if constexpr (sizeof(storage) == 2 && kN == 1) {
+      return Tag::pack1(f[0]);
+    } else {
+      uint32_t w[kWords];
+      if constexpr (sizeof(storage) == 4) {
+#pragma unroll
+        for (int i = 0; i < kN; ++i) w[i] = __float_as_uint(f[i]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kN / 2; ++i) w[i] = Tag::pack2(f[2 * i], f[2 * i + 1]);
+      }
+      return from_words(w);
+    }
+  }
+
+  static __device__ __forceinline__ void load_float(const storage* p, float (&f)[kN]) {
+    to_float(load(p), f);
+  }
+  static __device__ __forceinline__ void store_float(storage* p, const float (&f)[kN]) {
+    store(p, from_float(f));
+  }
 };
-
-template <typename Tag, int kN>
-__device__ __forceinline__ Pack<Tag, kN> load_pack(const typename Tag::storage* p) {
-  Pack<Tag, kN> pk;
-  pk.raw = *reinterpret_cast<const typename Pack<Tag, kN>::raw_t*>(p);
-  return pk;
-}
-
-template <typename Tag, int kN>
-__device__ __forceinline__ void store_pack(typename Tag::storage* p, const Pack<Tag, kN>& pk) {
-  *reinterpret_cast<typename Pack<Tag, kN>::raw_t*>(p) = pk.raw;
-}
 
 __device__ __forceinline__ float warp_sum(float v) {
   // xor butterfly: every lane ends with the same sum, in a fixed order (deterministic).

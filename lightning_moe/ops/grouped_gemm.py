@@ -65,10 +65,14 @@ def _wgrad_reference(x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tens
 
 
 def _torch_gmm(x_RD: torch.Tensor, w_EDO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    if x_RD.shape[0] == 0:  # F.grouped_mm rejects the zero strides of an empty expanded grad
+        return x_RD.new_zeros(0, w_EDO.shape[-1])
     return F.grouped_mm(x_RD, w_EDO, offs=offs_E)
 
 
 def _torch_wgrad(x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    if x_RD.shape[0] == 0:
+        return x_RD.new_zeros(offs_E.shape[0], x_RD.shape[1], dy_RO.shape[1])
     return F.grouped_mm(x_RD.t(), dy_RO, offs=offs_E)
 
 

@@ -30,6 +30,7 @@ from lightning_moe.ops.backend import csrc_extension
 
 __all__ = [
     "Permutation",
+    "count_per_expert",
     "build_permutation",
     "build_permutation_reference",
     "permute_rows",
@@ -58,12 +59,26 @@ class Permutation:
         return self.slot_of_row_R.shape[0]
 
 
+def count_per_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Slots per expert (int64 ``[E]``); ids ``< 0`` are not counted.
+
+    A scatter-add rather than ``torch.bincount``, which syncs with the host on CUDA to size
+    its output.
+    """
+    ids_N = ids.reshape(-1).long()
+    bins_N = torch.where(ids_N >= 0, ids_N, num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device)
+    counts.scatter_add_(0, bins_N, torch.ones_like(bins_N))
+    return counts[:num_experts]
+
+
 def build_permutation_reference(
-    topk_ids_TK: torch.Tensor, num_experts: int, capacity: int | None = None
+    topk_ids_TK: torch.Tensor, num_experts: int, capacity: int | None = None, dropless: bool = False
 ) -> Permutation:
     """Stable sort of slots by expert; ids ``< 0`` are dropped slots and take no row.
 
-    With ``capacity`` every expert owns exactly ``capacity`` rows (static shapes): expert ``e``'s
+    ``dropless=True`` promises there is no ``-1`` id, so the row count is ``T*K`` without a
+    device-to-host sync. With ``capacity`` every expert owns exactly ``capacity`` rows (static shapes): expert ``e``'s
     rows start at ``e * capacity`` and the unused tail rows are padding (``slot_of_row == -1``).
     The caller must already have dropped slots beyond capacity.
     """
@@ -73,8 +88,9 @@ def build_permutation_reference(
     # Dropped slots sort after every expert, so the first R rows are the kept ones.
     sort_key_N = torch.where(kept_N, ids_N, torch.full_like(ids_N, num_experts))
     order_N = torch.argsort(sort_key_N, stable=True)
-    tokens_per_expert_E = torch.bincount(ids_N[kept_N], minlength=num_experts)
-    num_kept = int(kept_N.sum())  # SYNC: the row count sizes the expert buffers (dropless only)
+    tokens_per_expert_E = count_per_expert(ids_N, num_experts)
+    # SYNC: with drops, the kept-row count sizes the expert buffers; dropless knows it is T*K.
+    num_kept = T * K if dropless else int(kept_N.sum())
     slot_of_row_R = order_N[:num_kept]
     rows_R = torch.arange(num_kept, device=ids_N.device)
     if capacity is not None:
@@ -92,18 +108,20 @@ def build_permutation_reference(
     return Permutation(slot_of_row_R, slot_row_N.view(T, K), tokens_per_expert_E, K)
 
 
-def build_permutation(topk_ids_TK: torch.Tensor, num_experts: int, capacity: int | None = None) -> Permutation:
-    """Public entry: csrc kernel on CUDA for the dropless case, the reference otherwise."""
+def build_permutation(
+    topk_ids_TK: torch.Tensor, num_experts: int, capacity: int | None = None, dropless: bool = False
+) -> Permutation:
+    """Public entry: the csrc kernel on CUDA when dropless, the reference otherwise."""
     ext = csrc_extension(topk_ids_TK)
-    if ext is None or capacity is not None:
-        return build_permutation_reference(topk_ids_TK, num_experts, capacity)
+    if ext is None or capacity is not None or not dropless:
+        return build_permutation_reference(topk_ids_TK, num_experts, capacity, dropless)
     src_idx_N, slot_row_TK, counts_E, _offsets_E = ext.build_permutation(topk_ids_TK.int(), num_experts)
     T, K = topk_ids_TK.shape
     slot_row_TK = slot_row_TK.long()
     num_rows = src_idx_N.shape[0]
+    # Dropless: every slot has a row, so the inverse map is a plain scatter (no mask, no sync).
     slot_of_row_R = torch.empty(num_rows, dtype=torch.long, device=topk_ids_TK.device)
-    kept_N = slot_row_TK.reshape(-1) >= 0
-    slot_of_row_R[slot_row_TK.reshape(-1)[kept_N]] = torch.arange(T * K, device=topk_ids_TK.device)[kept_N]
+    slot_of_row_R[slot_row_TK.reshape(-1)] = torch.arange(T * K, device=topk_ids_TK.device)
     return Permutation(slot_of_row_R, slot_row_TK, counts_E.long(), K)
 
 

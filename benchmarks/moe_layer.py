@@ -1,0 +1,290 @@
+"""One MoE FFN layer, forward + backward, lightning-moe beside its peers in one process.
+
+Protocol (BENCHMARKS.md): bf16 parameters and activations, router in fp32, SwiGLU experts,
+softmax top-k with renormalised weights, dropless; median of >= 8 timed steps after warm-up
+with CUDA events; TFLOP/s on the expert GEMMs only (18*T*k*H*F per fwd+bwd); activation peak =
+max_memory_allocated above the allocation before the step. Prints ratios against every peer
+and a breakdown of our layer (router, permute, GEMMs, combine).
+
+    python benchmarks/moe_layer.py                     # the three BENCHMARKS.md shapes
+    python benchmarks/moe_layer.py --quick             # tiny shapes (CPU smoke test)
+    python benchmarks/moe_layer.py --json out.json --skew 0,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import peers  # noqa: E402  (the peer implementations, benchmarks/peers.py)
+
+from lightning_moe import MoEConfig, MoELayer  # noqa: E402
+from lightning_moe.ops.expert_mlp import expert_swiglu_mlp  # noqa: E402
+from lightning_moe.ops.grouped_gemm import offsets_from_counts  # noqa: E402
+from lightning_moe.ops.permute import build_permutation, permute_rows, unpermute_sum  # noqa: E402
+
+SHAPES = peers.SHAPES
+QUICK = {"tiny": (256, 64, 32, 8, 2)}
+
+
+def ours(H: int, Fh: int, E: int, k: int, dev: str, skew: float) -> MoELayer:
+    cfg = MoEConfig(
+        hidden_size=H,
+        ffn_hidden_size=Fh,
+        num_experts=E,
+        top_k=k,
+        score_func="softmax",
+        pre_softmax=True,
+        norm_topk_prob=True,
+        aux_loss="none",
+    )
+    layer = MoELayer(cfg).to(device=dev, dtype=torch.bfloat16)
+    _skew_router(layer.router.weight, skew)
+    return layer
+
+
+def _skew_router(weight: torch.Tensor, skew: float) -> None:
+    """Skewed routing: add a shared direction to the first experts' router rows.
+
+    With ``skew=0`` the router is random (about balanced). With ``skew=s`` the first E/8 experts
+    get a row correlated with the mean input direction, so they win most top-k slots.
+    """
+    if skew <= 0:
+        return
+    with torch.no_grad():
+        g = torch.Generator(device="cpu").manual_seed(7)
+        direction = torch.randn(weight.shape[1], generator=g).to(weight.device, weight.dtype)
+        hot = max(weight.shape[0] // 8, 1)
+        weight[:hot] += skew * 0.02 * direction
+
+
+def skewed_input(T: int, H: int, dev: str, skew: float) -> torch.Tensor:
+    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    if skew > 0:
+        g = torch.Generator(device="cpu").manual_seed(7)
+        direction = torch.randn(H, generator=g).to(dev, torch.bfloat16)
+        x = x + direction
+    return x
+
+
+def bench(name, make, T, H, dev, flops, skew, call=None) -> dict:  # noqa: ANN001
+    """Time fwd+bwd of one module on the same inputs as every peer."""
+    torch.manual_seed(0)
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        mod = make()
+        x = skewed_input(T, H, dev, skew).requires_grad_(True)
+        go = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+        fwd = call or (lambda m, x: m(x))
+
+        def step() -> None:
+            fwd(mod, x).backward(go)
+
+        step()  # first call: kernel build/load and grads allocated, before the baseline
+        if dev == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        ms = peers.timeit(step, 2, 10)
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if dev == "cuda" else float("nan")
+        r = dict(peer=name, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 4), act_peak_gib=round(peak, 2))
+        del mod
+    except Exception as e:  # a peer that cannot run is reported, not hidden
+        r = dict(peer=name, error=f"{type(e).__name__}: {str(e)[:300]}")
+    print(json.dumps(r), flush=True)
+    return r
+
+
+def breakdown(T: int, H: int, Fh: int, E: int, k: int, dev: str, skew: float) -> dict:
+    """Our layer's stages timed alone (fwd+bwd each), to see where the time goes."""
+    layer = ours(H, Fh, E, k, dev, skew)
+    x = skewed_input(T, H, dev, skew).requires_grad_(True)
+    with torch.no_grad():
+        routing = layer.router(x)
+    ids, w = routing.topk_ids_TK, routing.topk_weights_TK.detach().requires_grad_(True)
+    perm = build_permutation(ids, E)
+    x_RH = permute_rows(x.detach(), perm).detach().requires_grad_(True)
+    offs = offsets_from_counts(perm.tokens_per_expert_E)
+    w_R = w.detach().reshape(-1)[perm.slot_of_row_R].float().requires_grad_(True)
+    g_TH = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    g_RH = torch.randn(x_RH.shape, device=dev, dtype=torch.bfloat16)
+    w13, w2 = layer.experts.w13, layer.experts.w2
+    backend = layer.experts.gemm_backend(x.device, torch.bfloat16)
+
+    def router() -> None:
+        r = layer.router(x)
+        r.topk_weights_TK.sum().backward()
+
+    def permute() -> None:
+        p = build_permutation(ids, E)
+        permute_rows(x, p).backward(g_RH)
+
+    def experts() -> None:
+        expert_swiglu_mlp(x_RH, w13, w2, offs, w_R, backend).backward(g_RH)
+
+    def combine() -> None:
+        unpermute_sum(x_RH, perm, None).backward(g_TH)
+
+    M = T * k
+    gemm_flops = 18.0 * M * H * Fh
+    out = {}
+    for name, fn in (("router", router), ("permute", permute), ("experts", experts), ("combine", combine)):
+        out[f"{name}_ms"] = round(peers.timeit(fn, 2, 10), 3)
+    out["experts_tflops"] = round(gemm_flops / out["experts_ms"] / 1e9, 1)
+    out["gemms_fwd_bwd_alone"] = gemms_alone(x_RH.detach(), w13.detach(), w2.detach(), offs, Fh)
+    return out
+
+
+def gemms_alone(x_RH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, Fh: int) -> dict:
+    """The six grouped GEMMs of fwd+bwd, nothing else (this routing's real group sizes)."""
+    M, H = x_RH.shape
+    a_RF = torch.randn(M, Fh, device=x_RH.device, dtype=x_RH.dtype)
+    h_R2F = torch.randn(M, 2 * Fh, device=x_RH.device, dtype=x_RH.dtype)
+    g_RH = torch.randn(M, H, device=x_RH.device, dtype=x_RH.dtype)
+
+    def fwd() -> None:
+        F.grouped_mm(x_RH, w13, offs=offs)
+        F.grouped_mm(a_RF, w2, offs=offs)
+
+    def bwd() -> None:
+        F.grouped_mm(g_RH, w2.transpose(1, 2), offs=offs)
+        F.grouped_mm(a_RF.t(), g_RH, offs=offs)
+        F.grouped_mm(h_R2F, w13.transpose(1, 2), offs=offs)
+        F.grouped_mm(x_RH.t(), h_R2F, offs=offs)
+
+    f_ms, b_ms = peers.timeit(fwd, 3, 10), peers.timeit(bwd, 3, 10)
+    return {
+        "fwd_ms": round(f_ms, 3),
+        "bwd_ms": round(b_ms, 3),
+        "fwd_tflops": round(6.0 * M * H * Fh / f_ms / 1e9, 1),
+        "fwd_bwd_tflops": round(18.0 * M * H * Fh / (f_ms + b_ms) / 1e9, 1),
+    }
+
+
+def peer_makers(H: int, Fh: int, E: int, k: int, dev: str) -> dict:
+    return {
+        "torch-grouped_mm-ref": (lambda: peers.GroupedRef(H, Fh, E, k, dev), None),
+        "hf-grouped_mm": (lambda: peers.hf_block(H, Fh, E, k, dev, "grouped_mm"), _hf_call),
+        "hf-eager-loop": (lambda: peers.hf_block(H, Fh, E, k, dev, "eager"), _hf_call),
+        "liger-triton-fused": (lambda: peers.LigerPeer(H, Fh, E, k, dev), None),
+        "mcore-sequential": (lambda: peers.mcore_block(H, Fh, E, k, dev), _mcore_call),
+    }
+
+
+def _hf_call(m, x):  # noqa: ANN001, ANN202
+    out = m(x[None])
+    return (out[0] if isinstance(out, tuple) else out)[0]
+
+
+def _mcore_call(m, x):  # noqa: ANN001, ANN202
+    return m(x[:, None, :])[0][:, 0, :]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--shapes", default="")
+    ap.add_argument("--peers", default="", help="comma list; default all")
+    ap.add_argument("--skew", default="0", help="comma list of router skews (0 = balanced)")
+    ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = QUICK if a.quick else SHAPES
+    if a.shapes:
+        shapes = {n: s for n, s in shapes.items() if n in a.shapes.split(",")}
+    only = set(a.peers.split(",")) if a.peers else None
+    skews = [float(s) for s in a.skew.split(",")]
+    out = dict(
+        device=torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+        torch=torch.__version__,
+        kernels=os.environ.get("LIGHTNING_MOE_KERNELS", "auto"),
+    )
+    out["dense_bf16_tflops"] = round(peers.dense_ceiling(dev), 1)
+    print(json.dumps(out), flush=True)
+    results = []
+    for sname, (T, H, Fh, E, k) in shapes.items():
+        flops = 18.0 * T * k * H * Fh
+        for skew in skews:
+            tag = f"{sname}" + (f"/skew{skew:g}" if skew else "")
+            print(f"== {tag}: T={T} H={H} F={Fh} E={E} k={k}", flush=True)
+            r = bench("lightning-moe", lambda: ours(H, Fh, E, k, dev, skew), T, H, dev, flops, skew)
+            r["shape"] = tag
+            results.append(r)
+            for pname, (make, call) in peer_makers(H, Fh, E, k, dev).items():
+                if (only and pname not in only) or (pname in ("mcore-sequential", "liger-triton-fused") and dev != "cuda"):
+                    continue
+                if skew and pname not in ("torch-grouped_mm-ref", "hf-grouped_mm"):
+                    continue
+                make = _with_skew(make, skew)
+                r = bench(pname, make, T, H, dev, flops, skew, call)
+                r["shape"] = tag
+                results.append(r)
+            if not a.no_breakdown:
+                b = breakdown(T, H, Fh, E, k, dev, skew)
+                b.update(shape=tag, peer="breakdown")
+                print(json.dumps(b), flush=True)
+                results.append(b)
+            if dev == "cuda" and not skew:
+                g = peers.gemm_only(T, H, Fh, E, k, dev)
+                g.update(shape=tag, peer="gemm-only")
+                print(json.dumps(g), flush=True)
+                results.append(g)
+    out["results"] = results
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    print_table(out)
+
+
+def _with_skew(make, skew):  # noqa: ANN001, ANN202
+    """Apply the same router skew to a peer's router weight (balanced: unchanged)."""
+
+    def built():  # noqa: ANN202
+        mod = make()
+        if skew:
+            router = getattr(mod, "router", None)
+            if router is None:
+                router = mod.gate.weight  # HF block
+            _skew_router(router, skew)
+        return mod
+
+    return built
+
+
+def print_table(out: dict) -> None:
+    print(f"\ndevice {out['device']}  torch {out['torch']}  dense bf16 {out['dense_bf16_tflops']} TFLOP/s")
+    print(f"{'shape':24s} {'peer':22s} {'ms':>8s} {'TFLOP/s':>8s} {'act GiB':>8s} {'ours/peer':>9s}")
+    by_shape: dict[str, dict] = {}
+    for r in out["results"]:
+        by_shape.setdefault(r["shape"], {})[r["peer"]] = r
+    for shape, rows in by_shape.items():
+        mine = rows.get("lightning-moe", {})
+        for name, r in rows.items():
+            if name == "gemm-only":
+                print(f"{shape:24s} GEMMs alone fwd: {r.get('bf16_fwd_tflops')} TFLOP/s")
+            elif name == "breakdown":
+                g = r["gemms_fwd_bwd_alone"]
+                print(
+                    f"{shape:24s} ours: router {r['router_ms']} permute {r['permute_ms']} experts {r['experts_ms']} "
+                    f"({r['experts_tflops']} TFLOP/s) combine {r['combine_ms']} ms; GEMMs alone fwd+bwd "
+                    f"{g['fwd_ms'] + g['bwd_ms']:.2f} ms = {g['fwd_bwd_tflops']} TFLOP/s (fwd {g['fwd_tflops']})"
+                )
+            elif "error" in r:
+                print(f"{shape:24s} {name:22s} ERROR {r['error'][:90]}")
+            else:
+                ratio = r["ms"] / mine["ms"] if mine.get("ms") else float("nan")
+                print(f"{shape:24s} {name:22s} {r['ms']:8.2f} {r['tflops']:8.1f} {r['act_peak_gib']:8.2f} {ratio:9.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,341 @@
+// The torch face of the csrc kernels: the only file that includes torch headers.
+//
+// Registration: TORCH_LIBRARY(lightning_moe_C, ...) with CUDA implementations, so the ops are
+// dispatcher ops, callable as torch.ops.lightning_moe_C.<name> and visible to torch.compile
+// once the Python side registers fake (meta) kernels for them. No pybind11 module:
+// lightning_moe/ops/build.py loads the library with is_python_module=False and returns the
+// op namespace torch.ops.lightning_moe_C.
+//
+// Each op: validate (device, dtype, contiguity, shapes; messages name the op, the argument and
+// the bad value), allocate the outputs, launch on the current stream of the inputs' device,
+// raise if the launch failed. Nothing here synchronises with the host.
+//
+// Legend: T tokens, H hidden, F expert FFN width, E experts, K top-k, N = T*K, R rows, S
+// source rows.
+
+#include <limits>
+#include <optional>
+#include <tuple>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include "moe_kernels.cuh"
+
+namespace lightning_moe {
+namespace {
+
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+
+void check_tensor(const at::Tensor& t, const char* op, const char* name, const at::Device& device) {
+  TORCH_CHECK(t.is_cuda(), "lightning_moe_C.", op, ": ", name, " is on ", t.device(),
+              "; every input must be a CUDA tensor (use the torch path on CPU).");
+  TORCH_CHECK(t.device() == device, "lightning_moe_C.", op, ": ", name, " is on ", t.device(),
+              " but the first input is on ", device, "; move all inputs to one device.");
+  TORCH_CHECK(t.is_contiguous(), "lightning_moe_C.", op, ": ", name, " with shape ", t.sizes(),
+              " and strides ", t.strides(), " is not contiguous; pass ", name, ".contiguous().");
+}
+
+void check_dtype(const at::Tensor& t, const char* op, const char* name, at::ScalarType want) {
+  TORCH_CHECK(t.scalar_type() == want, "lightning_moe_C.", op, ": ", name, ".dtype=",
+              t.scalar_type(), " must be ", want, ".");
+}
+
+void check_dim(const at::Tensor& t, const char* op, const char* name, int64_t dim,
+               const char* shape) {
+  TORCH_CHECK(t.dim() == dim, "lightning_moe_C.", op, ": ", name, " has shape ", t.sizes(),
+              "; expected ", shape, ".");
+}
+
+// Activations: fp32, bf16 or fp16.
+DType activation_dtype(const at::Tensor& t, const char* op, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kHalf: return DType::kFloat16;
+    default:
+      TORCH_CHECK(false, "lightning_moe_C.", op, ": ", name, ".dtype=", t.scalar_type(),
+                  " is not supported; use float32, bfloat16 or float16.");
+  }
+  return DType::kFloat32;  // unreachable
+}
+
+void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, "lightning_moe_C.", op, ": kernel launch failed: ",
+              cudaGetErrorString(err));
+}
+
+cudaStream_t current_stream() { return at::cuda::getCurrentCUDAStream().stream(); }
+
+// ---------------------------------------------------------------------------------------------
+
+// out[R, H] = x[src_idx[r]] (* row_scale[r]); src_idx[r] = -1 gives a zero row.
+at::Tensor permute_rows_op(const at::Tensor& x, const at::Tensor& src_idx,
+                           const std::optional<at::Tensor>& row_scale) {
+  constexpr const char* op = "permute_rows";
+  const at::Device dev = x.device();
+  check_tensor(x, op, "x", dev);
+  check_tensor(src_idx, op, "src_idx", dev);
+  check_dim(x, op, "x", 2, "[S, H]");
+  check_dim(src_idx, op, "src_idx", 1, "[R]");
+  check_dtype(src_idx, op, "src_idx", at::kInt);
+  const DType dt = activation_dtype(x, op, "x");
+  const int64_t R = src_idx.size(0);
+  TORCH_CHECK(x.size(0) <= kInt32Max, "lightning_moe_C.", op, ": x has ", x.size(0),
+              " rows; int32 row indices address at most ", kInt32Max, ".");
+  if (row_scale.has_value()) {
+    check_tensor(*row_scale, op, "row_scale", dev);
+    check_dtype(*row_scale, op, "row_scale", at::kFloat);
+    TORCH_CHECK(row_scale->dim() == 1 && row_scale->size(0) == R, "lightning_moe_C.", op,
+                ": row_scale has shape ", row_scale->sizes(), "; expected [R] = [", R, "].");
+  }
+  const c10::cuda::CUDAGuard guard(dev);
+  at::Tensor out = at::empty({R, x.size(1)}, x.options());
+  check_launch(permute_rows(x.data_ptr(), src_idx.data_ptr<int32_t>(),
+                            row_scale.has_value() ? row_scale->data_ptr<float>() : nullptr,
+                            out.data_ptr(), R, x.size(0), x.size(1), dt, current_stream()),
+               op);
+  return out;
+}
+
+// out[T, H] = sum_k w[t, k] * y[slot_row[t, k]] (rows -1 skipped; fp32 accumulation).
+at::Tensor unpermute_sum_op(const at::Tensor& y, const at::Tensor& slot_row,
+                            const std::optional<at::Tensor>& weights) {
+  constexpr const char* op = "unpermute_sum";
+  const at::Device dev = y.device();
+  check_tensor(y, op, "y", dev);
+  check_tensor(slot_row, op, "slot_row", dev);
+  check_dim(y, op, "y", 2, "[R, H]");
+  check_dim(slot_row, op, "slot_row", 2, "[T, K]");
+  check_dtype(slot_row, op, "slot_row", at::kInt);
+  const DType dt = activation_dtype(y, op, "y");
+  if (weights.has_value()) {
+    check_tensor(*weights, op, "weights", dev);
+    check_dtype(*weights, op, "weights", at::kFloat);
+    TORCH_CHECK(weights->sizes() == slot_row.sizes(), "lightning_moe_C.", op,
+                ": weights has shape ", weights->sizes(), " but slot_row has ", slot_row.sizes(),
+                "; they must match ([T, K]).");
+  }
+  const c10::cuda::CUDAGuard guard(dev);
+  const int64_t T = slot_row.size(0), K = slot_row.size(1);
+  at::Tensor out = at::empty({T, y.size(1)}, y.options());
+  check_launch(unpermute_sum(y.data_ptr(), slot_row.data_ptr<int32_t>(),
+                             weights.has_value() ? weights->data_ptr<float>() : nullptr,
+                             out.data_ptr(), T, K, y.size(1), dt, current_stream()),
+               op);
+  return out;
+}
+
+// grad_w[T, K] (fp32) = <grad_out[t], y[slot_row[t, k]]>, 0 where slot_row is -1.
+at::Tensor unpermute_weight_grad_op(const at::Tensor& grad_out, const at::Tensor& y,
+                                    const at::Tensor& slot_row) {
+  constexpr const char* op = "unpermute_weight_grad";
+  const at::Device dev = grad_out.device();
+  check_tensor(grad_out, op, "grad_out", dev);
+  check_tensor(y, op, "y", dev);
+  check_tensor(slot_row, op, "slot_row", dev);
+  check_dim(grad_out, op, "grad_out", 2, "[T, H]");
+  check_dim(y, op, "y", 2, "[R, H]");
+  check_dim(slot_row, op, "slot_row", 2, "[T, K]");
+  check_dtype(slot_row, op, "slot_row", at::kInt);
+  const DType dt = activation_dtype(grad_out, op, "grad_out");
+  check_dtype(y, op, "y", grad_out.scalar_type());
+  TORCH_CHECK(y.size(1) == grad_out.size(1), "lightning_moe_C.", op, ": y has H=", y.size(1),
+              " but grad_out has H=", grad_out.size(1), "; they must match.");
+  TORCH_CHECK(slot_row.size(0) == grad_out.size(0), "lightning_moe_C.", op, ": slot_row has T=",
+              slot_row.size(0), " but grad_out has T=", grad_out.size(0), "; they must match.");
+  const c10::cuda::CUDAGuard guard(dev);
+  const int64_t T = slot_row.size(0), K = slot_row.size(1);
+  at::Tensor grad_w = at::empty({T, K}, grad_out.options().dtype(at::kFloat));
+  check_launch(unpermute_weight_grad(grad_out.data_ptr(), y.data_ptr(),
+                                     slot_row.data_ptr<int32_t>(), grad_w.data_ptr<float>(), T, K,
+                                     grad_out.size(1), dt, current_stream()),
+               op);
+  return grad_w;
+}
+
+// a[R, F] = silu(h[:, :F]) * h[:, F:] * w[:, None].
+at::Tensor weighted_swiglu_fwd_op(const at::Tensor& h, const std::optional<at::Tensor>& w) {
+  constexpr const char* op = "weighted_swiglu_fwd";
+  const at::Device dev = h.device();
+  check_tensor(h, op, "h", dev);
+  check_dim(h, op, "h", 2, "[R, 2F]");
+  TORCH_CHECK(h.size(1) % 2 == 0, "lightning_moe_C.", op, ": h has ", h.size(1),
+              " columns; expected an even 2F = [gate | up].");
+  const DType dt = activation_dtype(h, op, "h");
+  const int64_t R = h.size(0), F = h.size(1) / 2;
+  if (w.has_value()) {
+    check_tensor(*w, op, "w", dev);
+    check_dtype(*w, op, "w", at::kFloat);
+    TORCH_CHECK(w->dim() == 1 && w->size(0) == R, "lightning_moe_C.", op, ": w has shape ",
+                w->sizes(), "; expected [R] = [", R, "].");
+  }
+  const c10::cuda::CUDAGuard guard(dev);
+  at::Tensor a = at::empty({R, F}, h.options());
+  check_launch(weighted_swiglu_fwd(h.data_ptr(), w.has_value() ? w->data_ptr<float>() : nullptr,
+                                   a.data_ptr(), R, F, dt, current_stream()),
+               op);
+  return a;
+}
+
+// (grad_h[R, 2F], grad_w[R] fp32 or None). grad_w is computed iff need_grad_w.
+std::tuple<at::Tensor, std::optional<at::Tensor>> weighted_swiglu_bwd_op(
+    const at::Tensor& h, const std::optional<at::Tensor>& w, const at::Tensor& grad_a,
+    bool need_grad_w) {
+  constexpr const char* op = "weighted_swiglu_bwd";
+  const at::Device dev = h.device();
+  check_tensor(h, op, "h", dev);
+  check_tensor(grad_a, op, "grad_a", dev);
+  check_dim(h, op, "h", 2, "[R, 2F]");
+  check_dim(grad_a, op, "grad_a", 2, "[R, F]");
+  TORCH_CHECK(h.size(1) % 2 == 0, "lightning_moe_C.", op, ": h has ", h.size(1),
+              " columns; expected an even 2F = [gate | up].");
+  const DType dt = activation_dtype(h, op, "h");
+  check_dtype(grad_a, op, "grad_a", h.scalar_type());
+  const int64_t R = h.size(0), F = h.size(1) / 2;
+  TORCH_CHECK(grad_a.size(0) == R && grad_a.size(1) == F, "lightning_moe_C.", op,
+              ": grad_a has shape ", grad_a.sizes(), "; expected [R, F] = [", R, ", ", F, "].");
+  if (w.has_value()) {
+    check_tensor(*w, op, "w", dev);
+    check_dtype(*w, op, "w", at::kFloat);
+    TORCH_CHECK(w->dim() == 1 && w->size(0) == R, "lightning_moe_C.", op, ": w has shape ",
+                w->sizes(), "; expected [R] = [", R, "].");
+  }
+  const c10::cuda::CUDAGuard guard(dev);
+  at::Tensor grad_h = at::empty({R, 2 * F}, h.options());
+  std::optional<at::Tensor> grad_w;
+  if (need_grad_w) grad_w = at::empty({R}, h.options().dtype(at::kFloat));
+  check_launch(weighted_swiglu_bwd(h.data_ptr(), w.has_value() ? w->data_ptr<float>() : nullptr,
+                                   grad_a.data_ptr(), grad_h.data_ptr(),
+                                   need_grad_w ? grad_w->data_ptr<float>() : nullptr, R, F, dt,
+                                   current_stream()),
+               op);
+  return {grad_h, grad_w};
+}
+
+// (src_idx[N], slot_row[T, K], counts[E], offsets[E]), all int32; see moe_kernels.cuh.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_permutation_op(
+    const at::Tensor& topk_ids, int64_t num_experts) {
+  constexpr const char* op = "build_permutation";
+  const at::Device dev = topk_ids.device();
+  check_tensor(topk_ids, op, "topk_ids", dev);
+  check_dim(topk_ids, op, "topk_ids", 2, "[T, K]");
+  TORCH_CHECK(topk_ids.scalar_type() == at::kInt || topk_ids.scalar_type() == at::kLong,
+              "lightning_moe_C.", op, ": topk_ids.dtype=", topk_ids.scalar_type(),
+              " must be int32 or int64.");
+  TORCH_CHECK(num_experts >= 1 && num_experts <= kMaxPermuteExperts, "lightning_moe_C.", op,
+              ": num_experts=", num_experts, " must be in [1, ", kMaxPermuteExperts, "].");
+  const int64_t T = topk_ids.size(0), K = topk_ids.size(1), N = T * K;
+  TORCH_CHECK(N <= kInt32Max, "lightning_moe_C.", op, ": T*K=", N,
+              " slots exceed int32 row indices (max ", kInt32Max, "); split the batch.");
+  const c10::cuda::CUDAGuard guard(dev);
+  const auto i32 = topk_ids.options().dtype(at::kInt);
+  at::Tensor src_idx = at::empty({N}, i32);
+  at::Tensor slot_row = at::empty({T, K}, i32);
+  at::Tensor counts = at::empty({num_experts}, i32);
+  at::Tensor offsets = at::empty({num_experts}, i32);
+  const size_t ws_bytes = build_permutation_workspace_bytes(N, num_experts);
+  at::Tensor workspace =
+      at::empty({static_cast<int64_t>(ws_bytes)}, topk_ids.options().dtype(at::kByte));
+  check_launch(build_permutation(topk_ids.data_ptr(), topk_ids.scalar_type() == at::kLong, T, K,
+                                 num_experts, src_idx.data_ptr<int32_t>(),
+                                 slot_row.data_ptr<int32_t>(), counts.data_ptr<int32_t>(),
+                                 offsets.data_ptr<int32_t>(), workspace.data_ptr(), ws_bytes,
+                                 current_stream()),
+               op);
+  return {src_idx, slot_row, counts, offsets};
+}
+
+// (topk_ids[T, K] int32, topk_weights[T, K] fp32); semantics in routing.cu.
+std::tuple<at::Tensor, at::Tensor> router_topk_op(const at::Tensor& logits,
+                                                  const std::optional<at::Tensor>& bias,
+                                                  int64_t top_k, c10::string_view score_func,
+                                                  bool pre_softmax, bool norm_topk_prob,
+                                                  double scaling_factor, int64_t num_groups,
+                                                  int64_t group_topk) {
+  constexpr const char* op = "router_topk";
+  const at::Device dev = logits.device();
+  check_tensor(logits, op, "logits", dev);
+  check_dim(logits, op, "logits", 2, "[T, E]");
+  check_dtype(logits, op, "logits", at::kFloat);
+  const int64_t T = logits.size(0), E = logits.size(1);
+  ScoreFunc sf = ScoreFunc::kSoftmax;
+  if (score_func == "sigmoid") {
+    sf = ScoreFunc::kSigmoid;
+  } else {
+    TORCH_CHECK(score_func == "softmax", "lightning_moe_C.", op, ": score_func='",
+                std::string(score_func), "' is unknown; use 'softmax' or 'sigmoid'.");
+  }
+  TORCH_CHECK(E >= 1 && E <= kMaxRouterExperts, "lightning_moe_C.", op, ": E=", E,
+              " experts; the kernel handles 1..", kMaxRouterExperts, " (use the torch path).");
+  TORCH_CHECK(top_k >= 1 && top_k <= kMaxRouterTopK && top_k <= E, "lightning_moe_C.", op,
+              ": top_k=", top_k, " must be in [1, min(E=", E, ", ", kMaxRouterTopK, ")].");
+  if (bias.has_value()) {
+    check_tensor(*bias, op, "bias", dev);
+    check_dtype(*bias, op, "bias", at::kFloat);
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == E, "lightning_moe_C.", op,
+                ": bias has shape ", bias->sizes(), "; expected [E] = [", E, "].");
+  }
+  TORCH_CHECK(num_groups >= 0 && num_groups <= kMaxRouterGroups, "lightning_moe_C.", op,
+              ": num_groups=", num_groups, " must be in [0, ", kMaxRouterGroups, "] (0 = off).");
+  if (num_groups > 0) {
+    TORCH_CHECK(E % num_groups == 0, "lightning_moe_C.", op, ": num_groups=", num_groups,
+                " must divide E=", E, ".");
+    TORCH_CHECK(group_topk >= 1 && group_topk <= num_groups, "lightning_moe_C.", op,
+                ": group_topk=", group_topk, " must be in [1, num_groups=", num_groups, "].");
+    TORCH_CHECK(top_k >= group_topk && top_k <= group_topk * (E / num_groups),
+                "lightning_moe_C.", op, ": top_k=", top_k, " must be in [group_topk=",
+                group_topk, ", group_topk * E / num_groups=", group_topk * (E / num_groups),
+                "] so that every kept group contributes and enough experts stay selectable.");
+  }
+  const c10::cuda::CUDAGuard guard(dev);
+  at::Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kInt));
+  at::Tensor weights = at::empty({T, top_k}, logits.options());
+  check_launch(router_topk(logits.data_ptr<float>(),
+                           bias.has_value() ? bias->data_ptr<float>() : nullptr, T, E, top_k, sf,
+                           pre_softmax, norm_topk_prob, static_cast<float>(scaling_factor),
+                           num_groups, group_topk, ids.data_ptr<int32_t>(),
+                           weights.data_ptr<float>(), current_stream()),
+               op);
+  return {ids, weights};
+}
+
+}  // namespace
+}  // namespace lightning_moe
+
+// Schemas: the Python-visible contract (torch.ops.lightning_moe_C.<name>). Outputs are always
+// allocated here; no op mutates an input.
+TORCH_LIBRARY(lightning_moe_C, m) {
+  m.def("permute_rows(Tensor x, Tensor src_idx, Tensor? row_scale=None) -> Tensor");
+  m.def("unpermute_sum(Tensor y, Tensor slot_row, Tensor? weights=None) -> Tensor");
+  m.def("unpermute_weight_grad(Tensor grad_out, Tensor y, Tensor slot_row) -> Tensor");
+  m.def("weighted_swiglu_fwd(Tensor h, Tensor? w=None) -> Tensor");
+  m.def(
+      "weighted_swiglu_bwd(Tensor h, Tensor? w, Tensor grad_a, bool need_grad_w) "
+      "-> (Tensor, Tensor?)");
+  m.def(
+      "build_permutation(Tensor topk_ids, int num_experts) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "router_topk(Tensor logits, Tensor? bias, int top_k, str score_func, bool pre_softmax, "
+      "bool norm_topk_prob, float scaling_factor, int num_groups, int group_topk) "
+      "-> (Tensor, Tensor)");
+}
+
+// The CUDA kernels. The same functions are registered for CPU only so that a call with CPU
+// tensors fails in check_tensor with a message naming the argument and the fix, instead of the
+// dispatcher's generic "Could not run ... with arguments from the 'CPU' backend".
+#define LMOE_REGISTER_OPS(m)                                                    \
+  m.impl("permute_rows", &lightning_moe::permute_rows_op);                      \
+  m.impl("unpermute_sum", &lightning_moe::unpermute_sum_op);                    \
+  m.impl("unpermute_weight_grad", &lightning_moe::unpermute_weight_grad_op);    \
+  m.impl("weighted_swiglu_fwd", &lightning_moe::weighted_swiglu_fwd_op);        \
+  m.impl("weighted_swiglu_bwd", &lightning_moe::weighted_swiglu_bwd_op);        \
+  m.impl("build_permutation", &lightning_moe::build_permutation_op);            \
+  m.impl("router_topk", &lightning_moe::router_topk_op)
+
+TORCH_LIBRARY_IMPL(lightning_moe_C, CUDA, m) { LMOE_REGISTER_OPS(m); }
+TORCH_LIBRARY_IMPL(lightning_moe_C, CPU, m) { LMOE_REGISTER_OPS(m); }
+
+#undef LMOE_REGISTER_OPS

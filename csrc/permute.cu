@@ -1,0 +1,222 @@
+// Row movement between token order [T, H] and expert order [R, H]: the gather (permute), the
+// weighted gather-sum back (unpermute / combine; also the permute backward), and the routing
+// weight's gradient of the latter. All three are bandwidth-bound: every row is moved with the
+// widest aligned access (16 bytes when the row pitch allows it), and a row's index is one
+// broadcast load for the threads that share the row.
+//
+// Legend: T tokens, H hidden, K top-k slots, R rows in expert order, S source rows.
+
+#include <cassert>
+
+#include "moe_kernels.cuh"
+
+namespace lightning_moe {
+namespace {
+
+using detail::kMinBlocks;
+using detail::kThreads;
+using detail::Vec;
+
+// Thread layout shared by the row kernels: a block of 256 threads is cut into groups of
+// 2^tpr_log2 threads; each group owns one row per grid-stride step and walks the row's kN-wide
+// vectors. Short rows (few vectors) then pack several rows per block instead of idling threads.
+
+// out[r] = x[src_idx[r]] (* row_scale[r]); a negative source index writes a zero row (padding
+// rows of capacity-bounded buffers).
+template <typename Tag, int kN, bool kScale>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    permute_rows_kernel(const typename Tag::storage* __restrict__ x,
+                        const int32_t* __restrict__ src_idx, const float* __restrict__ row_scale,
+                        typename Tag::storage* __restrict__ out, int64_t num_rows,
+                        int64_t num_src_rows, int64_t vecs_per_row, int tpr_log2) {
+  using V = Vec<Tag, kN>;
+  const int64_t tpr = int64_t{1} << tpr_log2;
+  const int64_t lane = threadIdx.x & (tpr - 1);
+  const int64_t rows_per_block = kThreads >> tpr_log2;
+  const int64_t pitch = vecs_per_row * kN;
+  for (int64_t r = blockIdx.x * rows_per_block + (threadIdx.x >> tpr_log2); r < num_rows;
+       r += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+    const int64_t s = src_idx[r];
+    assert(s < num_src_rows);  // a corrupt index would read another allocation silently
+    typename Tag::storage* dst = out + r * pitch;
+    if (s < 0) {
+      for (int64_t j = lane; j < vecs_per_row; j += tpr) V::store(dst + j * kN, V::zero());
+      continue;
+    }
+    const float scale = kScale ? row_scale[r] : 1.0f;
+    const typename Tag::storage* src = x + s * pitch;
+#pragma unroll 2
+    for (int64_t j = lane; j < vecs_per_row; j += tpr) {
+      if (kScale) {
+        // Scale in fp32 and round once, as torch's `(x.float() * s).to(dtype)`.
+        float f[kN];
+        V::load_float(src + j * kN, f);
+#pragma unroll
+        for (int i = 0; i < kN; ++i) f[i] *= scale;
+        V::store_float(dst + j * kN, f);
+      } else {
+        V::store(dst + j * kN, V::load(src + j * kN));  // bit-exact copy, no conversion
+      }
+    }
+  }
+}
+
+// out[t] = sum_k w[t,k] * y[slot_row[t,k]]. Each thread keeps kN fp32 accumulators and adds the
+// K rows in increasing k: a fixed order, so the result is bitwise reproducible, and no atomics
+// (each output element has exactly one writer).
+template <typename Tag, int kN, bool kWeighted>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    unpermute_sum_kernel(const typename Tag::storage* __restrict__ y,
+                         const int32_t* __restrict__ slot_row, const float* __restrict__ w,
+                         typename Tag::storage* __restrict__ out, int64_t num_tokens,
+                         int64_t top_k, int64_t vecs_per_row, int tpr_log2) {
+  using V = Vec<Tag, kN>;
+  const int64_t tpr = int64_t{1} << tpr_log2;
+  const int64_t lane = threadIdx.x & (tpr - 1);
+  const int64_t rows_per_block = kThreads >> tpr_log2;
+  const int64_t pitch = vecs_per_row * kN;
+  for (int64_t t = blockIdx.x * rows_per_block + (threadIdx.x >> tpr_log2); t < num_tokens;
+       t += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+    const int32_t* rows = slot_row + t * top_k;  // same address across the group: one broadcast
+    for (int64_t j = lane; j < vecs_per_row; j += tpr) {
+      float acc[kN];
+#pragma unroll
+      for (int i = 0; i < kN; ++i) acc[i] = 0.0f;
+      // Unrolled so that several rows' loads are in flight at once (memory-level parallelism).
+#pragma unroll 4
+      for (int64_t k = 0; k < top_k; ++k) {
+        const int64_t r = rows[k];
+        if (r < 0) continue;  // dropped slot
+        float v[kN];
+        V::load_float(y + r * pitch + j * kN, v);
+        if (kWeighted) {
+          const float wk = w[t * top_k + k];
+#pragma unroll
+          for (int i = 0; i < kN; ++i) acc[i] = fmaf(wk, v[i], acc[i]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < kN; ++i) acc[i] += v[i];
+        }
+      }
+      V::store_float(out + t * pitch + j * kN, acc);
+    }
+  }
+}
+
+// grad_w[t,k] = <grad_out[t], y[slot_row[t,k]]>: one warp per (t, k) pair, lane-strided vectors
+// (coalesced), per-lane fp32 FMA chain, then a fixed-order butterfly (deterministic). grad_out[t]
+// is read K times; the K reads of one token land in consecutive warps and hit L2.
+template <typename Tag, int kN>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    unpermute_weight_grad_kernel(const typename Tag::storage* __restrict__ grad_out,
+                                 const typename Tag::storage* __restrict__ y,
+                                 const int32_t* __restrict__ slot_row, float* __restrict__ grad_w,
+                                 int64_t num_pairs, int64_t top_k, int64_t vecs_per_row) {
+  using V = Vec<Tag, kN>;
+  constexpr int64_t kWarps = kThreads / 32;
+  const int lane = threadIdx.x & 31;
+  const int64_t pitch = vecs_per_row * kN;
+  // The loop condition is uniform across the warp, as warp_sum's full mask requires.
+  for (int64_t p = blockIdx.x * kWarps + (threadIdx.x >> 5); p < num_pairs;
+       p += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int64_t r = slot_row[p];
+    float acc = 0.0f;
+    if (r >= 0) {
+      const typename Tag::storage* g = grad_out + (p / top_k) * pitch;
+      const typename Tag::storage* yr = y + r * pitch;
+      for (int64_t j = lane; j < vecs_per_row; j += 32) {
+        float a[kN], b[kN];
+        V::load_float(g + j * kN, a);
+        V::load_float(yr + j * kN, b);
+#pragma unroll
+        for (int i = 0; i < kN; ++i) acc = fmaf(a[i], b[i], acc);
+      }
+    }
+    acc = detail::warp_sum(acc);
+    if (lane == 0) grad_w[p] = acc;
+  }
+}
+
+template <typename Tag>
+using St = typename Tag::storage;
+
+}  // namespace
+
+cudaError_t permute_rows(const void* x, const int32_t* src_idx, const float* row_scale, void* out,
+                         int64_t num_rows, int64_t num_src_rows, int64_t hidden, DType dtype,
+                         cudaStream_t stream) {
+  if (num_rows <= 0 || hidden <= 0) return cudaSuccess;
+  const int eb = detail::elem_bytes(dtype);
+  const int vb = detail::pick_vec_bytes(eb, {hidden * eb}, {x, out});
+  return detail::dispatch_dtype(dtype, [&](auto tag) {
+    using Tag = decltype(tag);
+    return detail::dispatch_vec<Tag>(vb, [&](auto n) {
+      constexpr int kN = decltype(n)::value;
+      const int64_t vecs = hidden / kN;
+      const int l = detail::threads_per_row_log2(vecs);
+      const int64_t rows_per_block = kThreads >> l;
+      const int grid = detail::grid_size((num_rows + rows_per_block - 1) / rows_per_block);
+      const auto* xs = static_cast<const St<Tag>*>(x);
+      auto* os = static_cast<St<Tag>*>(out);
+      if (row_scale != nullptr) {
+        permute_rows_kernel<Tag, kN, true><<<grid, kThreads, 0, stream>>>(
+            xs, src_idx, row_scale, os, num_rows, num_src_rows, vecs, l);
+      } else {
+        permute_rows_kernel<Tag, kN, false><<<grid, kThreads, 0, stream>>>(
+            xs, src_idx, nullptr, os, num_rows, num_src_rows, vecs, l);
+      }
+      return cudaGetLastError();
+    });
+  });
+}
+
+cudaError_t unpermute_sum(const void* y, const int32_t* slot_row, const float* w, void* out,
+                          int64_t num_tokens, int64_t top_k, int64_t hidden, DType dtype,
+                          cudaStream_t stream) {
+  if (num_tokens <= 0 || hidden <= 0) return cudaSuccess;
+  const int eb = detail::elem_bytes(dtype);
+  const int vb = detail::pick_vec_bytes(eb, {hidden * eb}, {y, out});
+  return detail::dispatch_dtype(dtype, [&](auto tag) {
+    using Tag = decltype(tag);
+    return detail::dispatch_vec<Tag>(vb, [&](auto n) {
+      constexpr int kN = decltype(n)::value;
+      const int64_t vecs = hidden / kN;
+      const int l = detail::threads_per_row_log2(vecs);
+      const int64_t rows_per_block = kThreads >> l;
+      const int grid = detail::grid_size((num_tokens + rows_per_block - 1) / rows_per_block);
+      const auto* ys = static_cast<const St<Tag>*>(y);
+      auto* os = static_cast<St<Tag>*>(out);
+      if (w != nullptr) {
+        unpermute_sum_kernel<Tag, kN, true><<<grid, kThreads, 0, stream>>>(
+            ys, slot_row, w, os, num_tokens, top_k, vecs, l);
+      } else {
+        unpermute_sum_kernel<Tag, kN, false><<<grid, kThreads, 0, stream>>>(
+            ys, slot_row, nullptr, os, num_tokens, top_k, vecs, l);
+      }
+      return cudaGetLastError();
+    });
+  });
+}
+
+cudaError_t unpermute_weight_grad(const void* grad_out, const void* y, const int32_t* slot_row,
+                                  float* grad_w, int64_t num_tokens, int64_t top_k, int64_t hidden,
+                                  DType dtype, cudaStream_t stream) {
+  const int64_t pairs = num_tokens * top_k;
+  if (pairs <= 0) return cudaSuccess;
+  const int eb = detail::elem_bytes(dtype);
+  const int vb = detail::pick_vec_bytes(eb, {hidden * eb}, {grad_out, y});
+  return detail::dispatch_dtype(dtype, [&](auto tag) {
+    using Tag = decltype(tag);
+    return detail::dispatch_vec<Tag>(vb, [&](auto n) {
+      constexpr int kN = decltype(n)::value;
+      const int64_t vecs = hidden / kN;
+      const int grid = detail::grid_size((pairs + kThreads / 32 - 1) / (kThreads / 32));
+      unpermute_weight_grad_kernel<Tag, kN><<<grid, kThreads, 0, stream>>>(
+          static_cast<const St<Tag>*>(grad_out), static_cast<const St<Tag>*>(y), slot_row, grad_w,
+          pairs, top_k, vecs);
+      return cudaGetLastError();
+    });
+  });
+}
+
+}  // namespace lightning_moe

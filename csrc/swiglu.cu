@@ -1,0 +1,191 @@
+// Weighted SwiGLU between the two expert GEMMs: h = x @ w13 is [R, 2F] = [gate | up] and
+//   a[r, f] = silu(gate[r, f]) * up[r, f] * w[r].
+// Carrying the routing weight w into the activation (the memory-efficient permutation of
+// DESIGN.md §4) makes combine a plain sum and gives the weight's gradient from h alone:
+//   grad_w[r] = sum_f grad_a[r, f] * silu(gate[r, f]) * up[r, f].
+// Both kernels are bandwidth-bound elementwise passes: 16-byte vectors when F allows it, fp32
+// math, one rounding to h's dtype at the store.
+//
+// Precise expf and IEEE division on purpose (no --use_fast_math): the pass is memory-bound, so
+// the approximations would buy nothing, while __expf's error grows with |x| and would break the
+// fp32 comparison with torch (rel 1e-5).
+//
+// Legend: R rows (dispatched tokens), F expert FFN width.
+
+#include "moe_kernels.cuh"
+
+namespace lightning_moe {
+namespace {
+
+using detail::kMinBlocks;
+using detail::kThreads;
+using detail::Vec;
+
+template <typename Tag>
+using St = typename Tag::storage;
+
+__device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+
+// Layout as in permute.cu: groups of 2^tpr_log2 threads own one row per grid-stride step.
+template <typename Tag, int kN, bool kWeighted>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    swiglu_fwd_kernel(const St<Tag>* __restrict__ h, const float* __restrict__ w,
+                      St<Tag>* __restrict__ a, int64_t num_rows, int64_t vecs_per_row,
+                      int tpr_log2) {
+  using V = Vec<Tag, kN>;
+  const int64_t tpr = int64_t{1} << tpr_log2;
+  const int64_t lane = threadIdx.x & (tpr - 1);
+  const int64_t rows_per_block = kThreads >> tpr_log2;
+  const int64_t ffn = vecs_per_row * kN;
+  for (int64_t r = blockIdx.x * rows_per_block + (threadIdx.x >> tpr_log2); r < num_rows;
+       r += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+    const float wr = kWeighted ? w[r] : 1.0f;
+    const St<Tag>* gate_row = h + r * 2 * ffn;
+    const St<Tag>* up_row = gate_row + ffn;
+    for (int64_t j = lane; j < vecs_per_row; j += tpr) {
+      float g[kN], u[kN], o[kN];
+      V::load_float(gate_row + j * kN, g);
+      V::load_float(up_row + j * kN, u);
+#pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        o[i] = g[i] * sigmoid(g[i]) * u[i];  // same association as silu(gate) * up * w in torch
+        if (kWeighted) o[i] *= wr;
+      }
+      V::store_float(a + r * ffn + j * kN, o);
+    }
+  }
+}
+
+// grad_h = [grad_a*w*up*silu'(gate) | grad_a*w*silu(gate)], silu'(g) = s*(1 + g*(1 - s)) with
+// s = sigmoid(g); grad_w[r] = sum_f grad_a*silu(gate)*up. The row sum runs over the row's
+// thread group: per-thread partials in vector order, a fixed xor butterfly inside each warp,
+// then (rows wider than a warp) the warps' partials in warp order through shared memory. The
+// order depends only on F, so grad_w is bitwise reproducible.
+template <typename Tag, int kN, bool kWeighted, bool kGradW>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    swiglu_bwd_kernel(const St<Tag>* __restrict__ h, const float* __restrict__ w,
+                      const St<Tag>* __restrict__ grad_a, St<Tag>* __restrict__ grad_h,
+                      float* __restrict__ grad_w, int64_t num_rows, int64_t vecs_per_row,
+                      int tpr_log2) {
+  using V = Vec<Tag, kN>;
+  __shared__ float warp_partial[kThreads / 32];
+  const int64_t tpr = int64_t{1} << tpr_log2;
+  const int64_t lane = threadIdx.x & (tpr - 1);
+  const int64_t rows_per_block = kThreads >> tpr_log2;
+  const int64_t ffn = vecs_per_row * kN;
+  // `base` is uniform across the block, so every thread reaches the shuffles and barriers
+  // below, including threads whose row is past the end.
+  for (int64_t base = blockIdx.x * rows_per_block; base < num_rows;
+       base += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+    const int64_t r = base + (threadIdx.x >> tpr_log2);
+    float partial = 0.0f;
+    if (r < num_rows) {
+      const float wr = kWeighted ? w[r] : 1.0f;
+      const St<Tag>* gate_row = h + r * 2 * ffn;
+      const St<Tag>* up_row = gate_row + ffn;
+      St<Tag>* dgate_row = grad_h + r * 2 * ffn;
+      St<Tag>* dup_row = dgate_row + ffn;
+      for (int64_t j = lane; j < vecs_per_row; j += tpr) {
+        float g[kN], u[kN], da[kN], dg[kN], du[kN];
+        V::load_float(gate_row + j * kN, g);
+        V::load_float(up_row + j * kN, u);
+        V::load_float(grad_a + r * ffn + j * kN, da);
+#pragma unroll
+        for (int i = 0; i < kN; ++i) {
+          const float s = sigmoid(g[i]);
+          const float silu = g[i] * s;
+          if (kGradW) partial += da[i] * silu * u[i];
+          const float daw = kWeighted ? da[i] * wr : da[i];
+          dg[i] = daw * u[i] * (s * (1.0f + g[i] * (1.0f - s)));
+          du[i] = daw * silu;
+        }
+        V::store_float(dgate_row + j * kN, dg);
+        V::store_float(dup_row + j * kN, du);
+      }
+    }
+    if (kGradW) {
+      const int seg = tpr < 32 ? static_cast<int>(tpr) : 32;
+      for (int o = seg >> 1; o > 0; o >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, o);
+      if (tpr <= 32) {
+        if (lane == 0 && r < num_rows) grad_w[r] = partial;
+      } else {
+        if ((threadIdx.x & 31) == 0) warp_partial[threadIdx.x >> 5] = partial;
+        __syncthreads();
+        if (lane == 0 && r < num_rows) {
+          float total = 0.0f;
+          for (int k = 0; k < static_cast<int>(tpr >> 5); ++k) total += warp_partial[(threadIdx.x >> 5) + k];
+          grad_w[r] = total;
+        }
+        __syncthreads();  // warp_partial is rewritten by the next step
+      }
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t weighted_swiglu_fwd(const void* h, const float* w, void* a, int64_t num_rows,
+                                int64_t ffn, DType dtype, cudaStream_t stream) {
+  if (num_rows <= 0 || ffn <= 0) return cudaSuccess;
+  const int eb = detail::elem_bytes(dtype);
+  // gate and up start F elements apart inside a row: F's pitch bounds the width too.
+  const int vb = detail::pick_vec_bytes(eb, {ffn * eb}, {h, a});
+  return detail::dispatch_dtype(dtype, [&](auto tag) {
+    using Tag = decltype(tag);
+    return detail::dispatch_vec<Tag>(vb, [&](auto n) {
+      constexpr int kN = decltype(n)::value;
+      const int64_t vecs = ffn / kN;
+      const int l = detail::threads_per_row_log2(vecs);
+      const int64_t rows_per_block = kThreads >> l;
+      const int grid = detail::grid_size((num_rows + rows_per_block - 1) / rows_per_block);
+      const auto* hs = static_cast<const St<Tag>*>(h);
+      auto* as = static_cast<St<Tag>*>(a);
+      if (w != nullptr) {
+        swiglu_fwd_kernel<Tag, kN, true><<<grid, kThreads, 0, stream>>>(hs, w, as, num_rows, vecs, l);
+      } else {
+        swiglu_fwd_kernel<Tag, kN, false><<<grid, kThreads, 0, stream>>>(hs, nullptr, as, num_rows, vecs, l);
+      }
+      return cudaGetLastError();
+    });
+  });
+}
+
+cudaError_t weighted_swiglu_bwd(const void* h, const float* w, const void* grad_a, void* grad_h,
+                                float* grad_w, int64_t num_rows, int64_t ffn, DType dtype,
+                                cudaStream_t stream) {
+  if (num_rows <= 0) return cudaSuccess;
+  if (ffn <= 0) {
+    // Empty rows: the gradient of w is an empty sum.
+    if (grad_w != nullptr) cudaMemsetAsync(grad_w, 0, sizeof(float) * num_rows, stream);
+    return cudaGetLastError();
+  }
+  const int eb = detail::elem_bytes(dtype);
+  const int vb = detail::pick_vec_bytes(eb, {ffn * eb}, {h, grad_a, grad_h});
+  return detail::dispatch_dtype(dtype, [&](auto tag) {
+    using Tag = decltype(tag);
+    return detail::dispatch_vec<Tag>(vb, [&](auto n) {
+      constexpr int kN = decltype(n)::value;
+      const int64_t vecs = ffn / kN;
+      const int l = detail::threads_per_row_log2(vecs);
+      const int64_t rows_per_block = kThreads >> l;
+      const int grid = detail::grid_size((num_rows + rows_per_block - 1) / rows_per_block);
+      const auto* hs = static_cast<const St<Tag>*>(h);
+      const auto* gas = static_cast<const St<Tag>*>(grad_a);
+      auto* ghs = static_cast<St<Tag>*>(grad_h);
+      const bool weighted = w != nullptr;
+      const bool want_gw = grad_w != nullptr;
+      if (weighted && want_gw) {
+        swiglu_bwd_kernel<Tag, kN, true, true><<<grid, kThreads, 0, stream>>>(hs, w, gas, ghs, grad_w, num_rows, vecs, l);
+      } else if (weighted) {
+        swiglu_bwd_kernel<Tag, kN, true, false><<<grid, kThreads, 0, stream>>>(hs, w, gas, ghs, nullptr, num_rows, vecs, l);
+      } else if (want_gw) {
+        swiglu_bwd_kernel<Tag, kN, false, true><<<grid, kThreads, 0, stream>>>(hs, nullptr, gas, ghs, grad_w, num_rows, vecs, l);
+      } else {
+        swiglu_bwd_kernel<Tag, kN, false, false><<<grid, kThreads, 0, stream>>>(hs, nullptr, gas, ghs, nullptr, num_rows, vecs, l);
+      }
+      return cudaGetLastError();
+    });
+  });
+}
+
+}  // namespace lightning_moe
