@@ -7,6 +7,10 @@ registries and is not supported).
 
 from lightning_moe.config import MoEConfig
 from lightning_moe.moe.layer import MoELayer, SharedExpert
+from lightning_moe.parallel.layout import FoldedLayout
+from lightning_moe.strategies import FabricFoldedMoEStrategy, FoldedMoEStrategy, register_strategies
 
-__all__ = ["MoEConfig", "MoELayer", "SharedExpert"]
+register_strategies()
+
+__all__ = ["FabricFoldedMoEStrategy", "FoldedLayout", "FoldedMoEStrategy", "MoEConfig", "MoELayer", "SharedExpert"]
 __version__ = "0.1.0"

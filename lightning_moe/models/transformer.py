@@ -9,13 +9,14 @@ tensor parallelism can shard them column/row-wise by name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from lightning_moe.config import MoEConfig
+from lightning_moe.models.recompute import RecomputePlan, RecomputeScope, RecomputeTarget, guarded_checkpoint
 from lightning_moe.moe.layer import MoELayer
 
 __all__ = ["TransformerConfig", "MoETransformer", "Attention", "Block", "DenseMLP", "rope_tables", "apply_rope"]
@@ -23,7 +24,12 @@ __all__ = ["TransformerConfig", "MoETransformer", "Attention", "Block", "DenseML
 
 @dataclass(kw_only=True)
 class TransformerConfig:
-    """Model shape. ``moe`` describes every MoE FFN (its hidden size must equal ``hidden_size``)."""
+    """Model shape. ``moe`` describes every MoE FFN (its hidden size must equal ``hidden_size``).
+
+    ``recompute`` lists what each block rebuilds in backward instead of keeping (fine-grained
+    activation recompute; ``models/recompute.py``): ``norm``, ``moe_act``, ``moe``, ``attn``,
+    ``block``. ``[]`` keeps everything; ``["moe_act", "norm"]`` is the cheap, memory-heavy choice.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -38,8 +44,10 @@ class TransformerConfig:
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     init_std: float = 0.02
+    recompute: list[RecomputeTarget] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        RecomputePlan.from_targets(self.recompute)  # raises on a bad list
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"TransformerConfig: hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; "
@@ -126,10 +134,17 @@ class Block(nn.Module):
             self.ffn: nn.Module = DenseMLP(cfg.hidden_size, dense_ffn)
         else:
             self.ffn = MoELayer(cfg.moe, layer_name=f"layers.{index}.ffn")
+        self.recompute = RecomputePlan.from_targets(cfg.recompute)
 
     def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
-        x_BSH = x_BSH + self.attn(self.attn_norm(x_BSH), cos_SD, sin_SD)
-        return x_BSH + self.ffn(self.ffn_norm(x_BSH))
+        if self.recompute.block and torch.is_grad_enabled():
+            return guarded_checkpoint(self, self._forward, x_BSH, cos_SD, sin_SD)
+        return self._forward(x_BSH, cos_SD, sin_SD)
+
+    def _forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
+        with RecomputeScope(self.recompute) as rc:  # plain calls when recompute is empty
+            x_BSH = x_BSH + rc.attention(self.attn, rc.norm(self.attn_norm, x_BSH), cos_SD, sin_SD)
+            return x_BSH + rc.ffn(self.ffn, rc.norm(self.ffn_norm, x_BSH))
 
 
 class MoETransformer(nn.Module):

@@ -64,14 +64,15 @@ class LocalDispatcher:
     combine: 3. weighted gather-sum back to token order. No communication.
     """
 
-    def __init__(self, num_experts: int) -> None:
+    def __init__(self, num_experts: int, dropless: bool = False) -> None:
         self.num_experts = num_experts
         self.num_local_experts = num_experts
+        self.dropless = dropless  # no slot is ever dropped: row count known without a sync
 
     def dispatch(
         self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, capacity: int | None
     ) -> tuple[DispatchedTokens, LocalHandle]:
-        perm = build_permutation(topk_ids_TK, self.num_experts, capacity)
+        perm = build_permutation(topk_ids_TK, self.num_experts, capacity, self.dropless)
         x_RH = permute_rows(x_TH, perm)
         w_R = row_weights(topk_weights_TK, perm)
         return DispatchedTokens(x_RH, perm.tokens_per_expert_E, w_R), LocalHandle(perm, topk_weights_TK)
@@ -81,4 +82,4 @@ class LocalDispatcher:
         return unpermute_sum(y_RH, handle.perm, weights_TK)
 
     def __repr__(self) -> str:
-        return f"LocalDispatcher(num_experts={self.num_experts})"
+        return f"LocalDispatcher(num_experts={self.num_experts}, dropless={self.dropless})"

@@ -14,12 +14,17 @@ import warnings
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from lightning_moe.config import ExpertsBackend
 from lightning_moe.ops.expert_mlp import expert_swiglu_mlp
 from lightning_moe.ops.grouped_gemm import GemmBackend, offsets_from_counts, resolve_gemm_backend
 
 __all__ = ["GroupedExperts"]
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
 
 
 class GroupedExperts(nn.Module):
@@ -67,7 +72,9 @@ class GroupedExperts(nn.Module):
             dtype = torch.get_autocast_dtype(device_type)
         else:
             dtype = self.w13.dtype
-        w13, w2 = self.w13.to(dtype), self.w2.to(dtype)
+        # Under expert parallelism the parameters are DTensors over the expert mesh; the math
+        # runs on this rank's local experts (gradients flow back into the DTensor shard).
+        w13, w2 = _local(self.w13).to(dtype), _local(self.w2).to(dtype)
         offs_e = offsets_from_counts(tokens_per_expert_e)
         backend = self.gemm_backend(x_RH.device, dtype)
         with torch.autocast(device_type=device_type, enabled=False):

@@ -16,7 +16,7 @@ Stages of :meth:`MoELayer.forward`:
 
 Published hooks (what callbacks and the LightningModule read or set): ``last_aux_losses``,
 ``last_tokens_per_expert`` (routed, before drops), ``last_dropped_fraction``,
-``aux_loss_scale``, ``router.set_routing_override``, ``dispatcher``.
+``last_router_entropy``, ``aux_loss_scale``, ``router.set_routing_override``, ``dispatcher``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,24 @@ from lightning_moe.moe.losses import (
 )
 from lightning_moe.moe.router import RouterOutput, TopKRouter, expert_capacity
 
-__all__ = ["MoELayer", "SharedExpert"]
+__all__ = ["MoELayer", "SharedExpert", "router_entropy"]
+
+
+@torch.no_grad()
+def router_entropy(logits_TE: torch.Tensor, score_func: str) -> torch.Tensor:
+    """Mean over tokens of ``H(p_t) = -sum_i p_ti log p_ti`` in nats (0: one expert, ``log E``: uniform).
+
+    ``p_t`` is the softmax of token t's logits over all E experts, or its sigmoid scores
+    normalised to sum to one. A monitoring statistic only: no gradient, no host sync.
+    """
+    if score_func == "sigmoid":
+        probs_TE = torch.sigmoid(logits_TE.float())
+        probs_TE = probs_TE / probs_TE.sum(-1, keepdim=True).clamp(min=1e-20)
+        log_probs_TE = probs_TE.clamp(min=1e-20).log()
+    else:
+        log_probs_TE = torch.log_softmax(logits_TE.float(), dim=-1)
+        probs_TE = log_probs_TE.exp()
+    return -(probs_TE * log_probs_TE).sum(-1).mean()
 
 
 class SharedExpert(nn.Module):
@@ -81,12 +98,13 @@ class MoELayer(nn.Module):
             if config.shared_expert_ffn_size is not None
             else None
         )
-        self.dispatcher: Dispatcher = LocalDispatcher(config.num_experts)
+        self.dispatcher: Dispatcher = LocalDispatcher(config.num_experts, dropless=config.capacity_factor is None)
         self.aux_loss_scale: float = 1.0
         self.aux_loss_group: Any = None
         self.last_aux_losses: dict[str, torch.Tensor] = {}
         self.last_tokens_per_expert: torch.Tensor | None = None
         self.last_dropped_fraction: torch.Tensor | None = None
+        self.last_router_entropy: torch.Tensor | None = None
         self.register_buffer("global_tokens_per_expert", torch.zeros(config.num_experts), persistent=False)
         self.register_buffer("global_num_tokens", torch.zeros(()), persistent=False)
 
@@ -129,6 +147,7 @@ class MoELayer(nn.Module):
 
     def _record(self, routing: RouterOutput, num_tokens: int) -> None:
         self.last_tokens_per_expert = routing.tokens_per_expert_E.detach()
+        self.last_router_entropy = router_entropy(routing.logits_TE, self.config.score_func)
         if self.config.capacity_factor is None:
             self.last_dropped_fraction = None
         else:

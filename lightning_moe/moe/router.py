@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lightning_moe.config import MoEConfig
+from lightning_moe.ops.permute import count_per_expert
 
 __all__ = ["TopKRouter", "RouterOutput", "select_topk", "routing_weights", "drop_over_capacity", "expert_capacity"]
 
@@ -108,7 +109,7 @@ def drop_over_capacity(
         # Token-major slot order: earlier tokens first.
         order_N = torch.argsort(ids_N, stable=True)
     sorted_ids_N = ids_N[order_N]
-    counts_E = torch.bincount(ids_N, minlength=num_experts)
+    counts_E = count_per_expert(ids_N, num_experts)
     start_E = torch.cumsum(counts_E, 0) - counts_E
     rank_sorted_N = torch.arange(T * K, device=ids_N.device) - start_E[sorted_ids_N]
     rank_N = torch.empty_like(rank_sorted_N).scatter_(0, order_N, rank_sorted_N)
@@ -160,7 +161,7 @@ class TopKRouter(nn.Module):
         topk_weights_TK = routing_weights(
             logits_TE, topk_ids_TK, cfg.score_func, cfg.pre_softmax, cfg.norm_topk_prob, cfg.scaling_factor
         )
-        tokens_per_expert_E = torch.bincount(topk_ids_TK.reshape(-1), minlength=cfg.num_experts)
+        tokens_per_expert_E = count_per_expert(topk_ids_TK, cfg.num_experts)
         if self.expert_bias is not None and self.training:
             self.tokens_per_expert_since_update += tokens_per_expert_E.float()
         routed_ids_TK = topk_ids_TK

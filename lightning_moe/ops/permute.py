@@ -48,6 +48,7 @@ class Permutation:
     slot_row_TK: torch.Tensor
     tokens_per_expert_E: torch.Tensor
     top_k: int
+    padded: bool = False  # capacity-padded: rows with ``slot_of_row == -1`` exist (known without a sync)
 
     @property
     def src_token_R(self) -> torch.Tensor:
@@ -89,23 +90,52 @@ def build_permutation_reference(
     sort_key_N = torch.where(kept_N, ids_N, torch.full_like(ids_N, num_experts))
     order_N = torch.argsort(sort_key_N, stable=True)
     tokens_per_expert_E = count_per_expert(ids_N, num_experts)
+    if capacity is not None:
+        return _padded_permutation(sort_key_N, order_N, tokens_per_expert_E, capacity, T, K)
     # SYNC: with drops, the kept-row count sizes the expert buffers; dropless knows it is T*K.
     num_kept = T * K if dropless else int(kept_N.sum())
     slot_of_row_R = order_N[:num_kept]
     rows_R = torch.arange(num_kept, device=ids_N.device)
-    if capacity is not None:
-        if bool((tokens_per_expert_E > capacity).any()):  # SYNC: guard against a caller bug
-            raise ValueError(f"build_permutation: an expert holds more than capacity={capacity} slots.")
-        start_E = torch.cumsum(tokens_per_expert_E, 0) - tokens_per_expert_E
-        expert_R = sort_key_N[slot_of_row_R]
-        rows_R = expert_R * capacity + (rows_R - start_E[expert_R])
-        padded_R = torch.full((num_experts * capacity,), -1, dtype=torch.long, device=ids_N.device)
-        padded_R[rows_R] = slot_of_row_R
-        slot_of_row_R = padded_R
-        tokens_per_expert_E = torch.full_like(tokens_per_expert_E, capacity)
     slot_row_N = torch.full((T * K,), -1, dtype=torch.long, device=ids_N.device)
     slot_row_N[order_N[:num_kept]] = rows_R
     return Permutation(slot_of_row_R, slot_row_N.view(T, K), tokens_per_expert_E, K)
+
+
+def _check_capacity(tokens_per_expert_E: torch.Tensor, capacity: int) -> None:
+    """Guard against a caller that did not drop slots beyond capacity.
+
+    On CUDA an asynchronous device assert (no host sync, so the padded path stays capturable);
+    elsewhere a ``ValueError``.
+    """
+    if tokens_per_expert_E.device.type == "cuda":
+        torch._assert_async((tokens_per_expert_E <= capacity).all())
+    elif bool((tokens_per_expert_E > capacity).any()):  # SYNC (not on CUDA)
+        raise ValueError(f"build_permutation: an expert holds more than capacity={capacity} slots.")
+
+
+def _padded_permutation(
+    sort_key_N: torch.Tensor, order_N: torch.Tensor, tokens_per_expert_E: torch.Tensor, capacity: int, T: int, K: int
+) -> Permutation:
+    """The capacity case with no device-to-host sync, so a CUDA graph can capture it.
+
+    The i-th slot in sorted order goes to row ``e * capacity + (i - start_e)`` of its expert
+    ``e``; dropped slots (sort key ``E``) take no row. Every shape is fixed by ``E * capacity``.
+    """
+    E = tokens_per_expert_E.shape[0]
+    R = E * capacity
+    _check_capacity(tokens_per_expert_E, capacity)
+    sorted_key_N = sort_key_N[order_N]
+    start_E = torch.cumsum(tokens_per_expert_E, 0) - tokens_per_expert_E
+    pos_N = torch.arange(T * K, device=sort_key_N.device) - start_E[sorted_key_N.clamp(max=E - 1)]
+    kept_N = (sorted_key_N < E) & (pos_N < capacity)
+    row_N = torch.where(kept_N, sorted_key_N * capacity + pos_N, -1)
+    # Dropped slots write to a spare row R, cut off below; kept slots write distinct rows.
+    slot_of_row_R = torch.full((R + 1,), -1, dtype=torch.long, device=sort_key_N.device)
+    slot_of_row_R.scatter_(0, torch.where(kept_N, row_N, R), order_N)
+    slot_row_N = torch.empty_like(row_N).scatter_(0, order_N, row_N)
+    return Permutation(
+        slot_of_row_R[:R], slot_row_N.view(T, K), torch.full_like(tokens_per_expert_E, capacity), K, padded=True
+    )
 
 
 def build_permutation(
@@ -190,7 +220,7 @@ class _UnpermuteSum(torch.autograd.Function):
         grad_RH = _permute_rows_impl(grad_TH, perm.src_token_R)
         kept_R = perm.slot_of_row_R >= 0
         if not ctx.has_weights:
-            if not bool(kept_R.all()):  # padding rows take no gradient
+            if perm.padded:  # padding rows take no gradient
                 grad_RH = grad_RH * kept_R.unsqueeze(-1).to(grad_RH.dtype)
             return grad_RH, None, None
         acc = _accum_dtype(grad_TH.dtype)

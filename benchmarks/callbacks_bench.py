@@ -1,0 +1,430 @@
+"""Memory and launch-overhead features, each arm beside its baseline in one run (one GPU).
+
+    python benchmarks/callbacks_bench.py                  # the H200 protocol below
+    python benchmarks/callbacks_bench.py --quick          # tiny shapes; runs on CPU as a smoke test
+    python benchmarks/callbacks_bench.py --arms graphs --out graphs.json
+
+Model: the 4-layer Qwen3-30B-A3B-shaped transformer of BENCHMARKS.md (hidden 2048, 32 heads with
+4 KV heads, 128 experts, top-8, expert FFN 768, vocabulary 151936), bf16 parameters, AdamW.
+Plain torch loops (model + AdamW), same seed and batches in every arm. The LM head and loss run
+in token chunks under checkpoint in every arm (``ChunkedLM``), so [T, V] logits do not swamp the
+blocks' activations, which is what these features act on.
+
+Arms (baseline: no feature, same shapes):
+
+* ``recompute`` — ``TransformerConfig(recompute=["moe_act", "norm"])`` at micro-batch
+  ``--batch`` x ``--seq`` (4 x 4096 = 16384 tokens). Aim: activation peak -30 %, step time +10 % at most.
+* ``offload`` — ``CPUOffload()`` (activations of every block child, prefetch one ahead).
+  Aim: activation peak -40 %, step time +15 % at most, losses bitwise equal.
+* ``optimizer`` — ``CPUOffload(activations=[], optimizer_states=True)``. Aim: device memory
+  after the step lower by >= 2x the parameter bytes (AdamW's two states), losses equal.
+* ``graphs`` — ``CUDAGraphCapture(warmup_steps=3)`` on the launch-bound shape: micro-batch
+  1 x 512, ``capacity_factor=1.25, pad_to_capacity=True`` (static shapes) in both arms, 20 steps.
+  Aim: step time 1.3x faster, losses over the 20 steps identical.
+
+Measurements: "activation peak" is ``max_memory_allocated`` during forward + backward minus the
+allocation before the step, with gradients kept allocated (``zero_grad(set_to_none=False)``), so
+parameters, gradients and optimizer states are not counted; "saved at end of forward" is the
+allocation after the loss minus the same baseline. Step time is the median wall time of a whole
+step (forward, backward, optimizer) over the timed steps, synchronized. The table comes last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_moe.callbacks._optimizer_states import OptimizerStateOffloader  # noqa: E402
+from lightning_moe.callbacks._patterns import select_modules  # noqa: E402
+from lightning_moe.callbacks.cuda_graphs import CUDAGraphCapture  # noqa: E402
+from lightning_moe.callbacks.offload import DEFAULT_ACTIVATIONS, ActivationOffloader, CPUOffload  # noqa: E402
+from lightning_moe.config import MoEConfig  # noqa: E402
+from lightning_moe.models.transformer import MoETransformer, TransformerConfig  # noqa: E402
+
+__all__ = ["ChunkedLM", "main"]
+
+ARMS = ("recompute", "offload", "optimizer", "graphs")
+
+
+class ChunkedLM(nn.Module):
+    """The transformer, its LM head and loss applied ``chunk`` tokens at a time under checkpoint."""
+
+    def __init__(self, config: TransformerConfig, chunk: int) -> None:
+        super().__init__()
+        self.body = MoETransformer(config)
+        self.head = self.body.lm_head
+        self.body.lm_head = nn.Identity()
+        self.chunk = chunk
+
+    def forward(self, ids_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        h_TH = self.body(ids_BS).flatten(0, 1)
+        y_T = labels_BS.flatten()
+        total = h_TH.new_zeros((), dtype=torch.float32)
+        for i in range(0, h_TH.shape[0], self.chunk):
+            part = slice(i, i + self.chunk)
+            total = total + checkpoint(_ce_sum, h_TH[part], self.head.weight, y_T[part], use_reentrant=False)
+        return total / y_T.numel()
+
+
+def _ce_sum(h_TH: torch.Tensor, w_VH: torch.Tensor, y_T: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(F.linear(h_TH, w_VH).float(), y_T, reduction="sum")
+
+
+@dataclass
+class Shape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    experts: int
+    top_k: int
+    ffn: int
+    layers: int
+    vocab: int
+    batch: int
+    seq: int
+    graph_seq: int
+    chunk: int
+
+
+FULL = Shape(hidden=2048, heads=32, kv_heads=4, experts=128, top_k=8, ffn=768, layers=4, vocab=151936,
+             batch=4, seq=4096, graph_seq=512, chunk=256)  # fmt: skip
+QUICK = Shape(hidden=64, heads=4, kv_heads=2, experts=8, top_k=2, ffn=32, layers=2, vocab=256,
+              batch=2, seq=64, graph_seq=32, chunk=32)  # fmt: skip
+
+
+def model_config(s: Shape, seq: int, recompute: list[str] | None = None, static: bool = False) -> TransformerConfig:
+    moe = MoEConfig(
+        hidden_size=s.hidden,
+        ffn_hidden_size=s.ffn,
+        num_experts=s.experts,
+        top_k=s.top_k,
+        capacity_factor=1.25 if static else None,
+        pad_to_capacity=static,
+    )
+    return TransformerConfig(
+        vocab_size=s.vocab,
+        hidden_size=s.hidden,
+        num_layers=s.layers,
+        num_heads=s.heads,
+        num_kv_heads=s.kv_heads,
+        moe=moe,
+        max_seq_len=seq,
+        recompute=list(recompute or []),  # type: ignore[arg-type]
+    )
+
+
+@dataclass
+class Run:
+    """What one training loop measured."""
+
+    name: str
+    losses: list[float] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+    act_peak_gib: list[float] = field(default_factory=list)
+    saved_gib: list[float] = field(default_factory=list)
+    after_step_gib: float = float("nan")
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def median(self, key: str, skip: int) -> float:
+        values = getattr(self, key)[skip:]
+        return statistics.median(values) if values else float("nan")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _gib(n: float) -> float:
+    return n / 2**30
+
+
+def _batches(s: Shape, batch: int, seq: int, steps: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, s.vocab, (batch, seq + 1), generator=g)
+        out.append((tokens[:, :-1].to(device), tokens[:, 1:].to(device)))
+    return out
+
+
+def build(cfg: TransformerConfig, s: Shape, device: torch.device, dtype: torch.dtype) -> ChunkedLM:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = ChunkedLM(cfg, s.chunk)
+    return model.to(dtype)
+
+
+def train(
+    name: str,
+    model: ChunkedLM,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    set_to_none: bool,
+    setup: Callable[[ChunkedLM, torch.optim.Optimizer], Any] | None = None,
+    before_step: Callable[[], None] | None = None,
+) -> Run:
+    """One plain loop: forward, backward, AdamW step; memory and time per step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    attached = setup(model, opt) if setup is not None else None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    run = Run(name)
+    cuda = device.type == "cuda"
+    for ids, labels in batches:
+        if before_step is not None:
+            before_step()
+        _sync(device)
+        start = time.perf_counter()
+        if cuda:
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        loss = model(ids, labels)
+        if cuda:
+            run.saved_gib.append(_gib(torch.cuda.memory_allocated(device) - base))
+        loss.backward()
+        if cuda:
+            run.act_peak_gib.append(_gib(torch.cuda.max_memory_allocated(device) - base))
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        _sync(device)
+        run.step_ms.append((time.perf_counter() - start) * 1e3)
+        run.losses.append(float(loss.detach()))
+    if cuda:  # blocks freed behind side-stream copies are released once their events are processed
+        torch.cuda.empty_cache()
+        run.after_step_gib = _gib(torch.cuda.memory_allocated(device))
+    if isinstance(attached, _Attached):
+        run.extra.update(attached.stats())
+        attached.detach()
+    return run
+
+
+def _free(*objs: Any) -> None:
+    del objs
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _offload_setup(device: torch.device, activations: bool, optimizer_states: bool) -> Callable[..., Any]:
+    """CUDA: the CPUOffload callback's plain-loop API. CPU: its engines, copying host to host."""
+
+    def setup(model: ChunkedLM, opt: torch.optim.Optimizer) -> _Attached:
+        if device.type == "cuda":
+            cb = CPUOffload(activations=None if activations else [], optimizer_states=optimizer_states)
+            cb.attach(model, device, optimizers=[opt])
+            engines = [cb.activation_offloader, *cb.optimizer_offloaders]
+            return _Attached([e for e in engines if e is not None], cb.detach)
+        engines: list[Any] = []
+        if activations:
+            selected = select_modules("bench", model, DEFAULT_ACTIVATIONS, "activations")
+            engines.append(ActivationOffloader(selected, device, min_tensor_bytes=0))
+        if optimizer_states:
+            engines.append(OptimizerStateOffloader(opt, device, min_tensor_bytes=64))
+        for e in engines:
+            e.attach()
+        return _Attached(engines, lambda: [e.detach() for e in engines])
+
+    return setup
+
+
+class _Attached:
+    """Engines attached for one run: their statistics, and how to detach them."""
+
+    def __init__(self, engines: list[Any], detach: Callable[[], Any]) -> None:
+        self.engines = engines
+        self.detach = detach
+
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for e in self.engines:
+            if isinstance(e, ActivationOffloader):
+                out["offloaded_gib_per_step"] = _gib(e.offloaded_bytes)
+            if isinstance(e, OptimizerStateOffloader):
+                out["optimizer_state_gib_on_device"] = _gib(e.state_bytes_on_device())
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def bench_memory_arms(s: Shape, arms: list[str], device: torch.device, dtype: torch.dtype, steps: int, warmup: int) -> dict[str, Any]:
+    batches = _batches(s, s.batch, s.seq, steps, device)
+    runs: dict[str, Run] = {}
+
+    def go(name: str, recompute: list[str] | None = None, **offload: bool) -> None:
+        model = build(model_config(s, s.seq, recompute), s, device, dtype)
+        setup = _offload_setup(device, **offload) if offload else None  # type: ignore[arg-type]
+        runs[name] = train(name, model, batches, device, set_to_none=False, setup=setup)
+        if name == "optimizer":
+            runs[name].extra["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+        _report(runs[name], warmup)
+        _free(model)
+
+    go("baseline")
+    if "recompute" in arms:
+        go("recompute", ["moe_act", "norm"])
+    if "offload" in arms:
+        go("offload", activations=True, optimizer_states=False)
+    if "optimizer" in arms:
+        go("optimizer", activations=False, optimizer_states=True)
+    return {name: asdict(run) for name, run in runs.items()}
+
+
+def bench_graphs(s: Shape, device: torch.device, dtype: torch.dtype, steps: int) -> dict[str, Any]:
+    if device.type != "cuda":
+        print("graphs: skipped, CUDA graphs need a CUDA device", flush=True)
+        return {"skipped": "needs CUDA"}
+    batches = _batches(s, 1, s.graph_seq, steps, device)
+    cfg = model_config(s, s.graph_seq, static=True)
+    out: dict[str, Any] = {}
+    model = build(cfg, s, device, dtype)
+    out["eager"] = asdict(train("graphs-eager", model, batches, device, set_to_none=True))
+    _free(model)
+    model = build(cfg, s, device, dtype)
+    cb = CUDAGraphCapture(warmup_steps=3)
+    cb.attach(model, device, precision="bf16-true")
+    run = train("graphs-captured", model, batches, device, set_to_none=True, before_step=cb.step)
+    run.extra["captured"] = [t.name for t in cb.captured]
+    run.extra["replays"] = sum(t.module.forward.replays for t in cb.captured)  # type: ignore[union-attr]
+    cb.detach()
+    out["graphed"] = asdict(run)
+    _free(model)
+    return out
+
+
+def _report(run: Run, warmup: int) -> None:
+    peak = run.median("act_peak_gib", warmup)
+    print(
+        f"{run.name:>16}: step {run.median('step_ms', warmup):8.1f} ms | activation peak {peak:6.2f} GiB | "
+        f"saved at end of forward {run.median('saved_gib', warmup):6.2f} GiB | after step {run.after_step_gib:6.2f} GiB"
+        f" | losses {['%.4f' % x for x in run.losses[:3]]} {run.extra or ''}",
+        flush=True,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _pct(new: float, old: float) -> float:
+    return (new / old - 1.0) * 100.0 if old == old and old else float("nan")
+
+
+def summarize(results: dict[str, Any], warmup: int) -> list[tuple[str, str, str, str, str, str]]:
+    """Rows of (arm, metric, baseline, with, change, aim: met?)."""
+    rows: list[tuple[str, str, str, str, str, str]] = []
+    mem = results.get("memory", {})
+    base = mem.get("baseline")
+
+    def med(run: dict[str, Any], key: str, skip: int = warmup) -> float:
+        values = run[key][skip:]
+        return statistics.median(values) if values else float("nan")
+
+    def verdict(ok: bool | None) -> str:
+        return "n/a" if ok is None else ("MET" if ok else "NOT MET")
+
+    if base is not None:
+        b_peak, b_ms = med(base, "act_peak_gib"), med(base, "step_ms")
+        for arm, peak_aim, time_aim in (("recompute", -30.0, 10.0), ("offload", -40.0, 15.0)):
+            if arm not in mem:
+                continue
+            run = mem[arm]
+            peak, ms = med(run, "act_peak_gib"), med(run, "step_ms")
+            d_peak, d_ms = _pct(peak, b_peak), _pct(ms, b_ms)
+            same = run["losses"] == base["losses"]
+            rows.append((arm, "activation peak GiB", f"{b_peak:.2f}", f"{peak:.2f}", f"{d_peak:+.1f}%",
+                         f"<= {peak_aim:.0f}%: {verdict(None if d_peak != d_peak else d_peak <= peak_aim)}"))  # fmt: skip
+            rows.append((arm, "saved at end of forward GiB", f"{med(base, 'saved_gib'):.2f}", f"{med(run, 'saved_gib'):.2f}",
+                         f"{_pct(med(run, 'saved_gib'), med(base, 'saved_gib')):+.1f}%", ""))  # fmt: skip
+            rows.append((arm, "step ms", f"{b_ms:.1f}", f"{ms:.1f}", f"{d_ms:+.1f}%", f"<= +{time_aim:.0f}%: {verdict(d_ms <= time_aim)}"))
+            rows.append((arm, "losses bitwise equal", "", "", "yes" if same else "NO", verdict(same)))
+        if "optimizer" in mem:
+            run = mem["optimizer"]
+            freed = (base["after_step_gib"] - run["after_step_gib"]) * 2**30
+            ratio = freed / run["extra"]["param_bytes"]
+            rows.append(("optimizer", "device GiB after step", f"{base['after_step_gib']:.2f}", f"{run['after_step_gib']:.2f}",
+                         f"freed {ratio:.2f}x param bytes", f">= 2.0x: {verdict(None if ratio != ratio else ratio >= 1.995)}"))  # fmt: skip
+            ms, b_ms2 = med(run, "step_ms"), med(base, "step_ms")
+            rows.append(("optimizer", "step ms", f"{b_ms2:.1f}", f"{ms:.1f}", f"{_pct(ms, b_ms2):+.1f}%", ""))
+            same = run["losses"] == base["losses"]
+            rows.append(("optimizer", "losses bitwise equal", "", "", "yes" if same else "NO", verdict(same)))
+    graphs = results.get("graphs", {})
+    if "eager" in graphs:
+        eager, graphed = graphs["eager"], graphs["graphed"]
+        skip = 8  # capture happens before step 4; time steady replays
+        e_ms, g_ms = med(eager, "step_ms", skip), med(graphed, "step_ms", skip)
+        speedup = e_ms / g_ms
+        rows.append(("graphs", "step ms (1 x 512 tokens)", f"{e_ms:.2f}", f"{g_ms:.2f}", f"{speedup:.2f}x faster", f">= 1.3x: {verdict(speedup >= 1.3)}"))
+        diffs = [abs(a - b) for a, b in zip(eager["losses"], graphed["losses"])]
+        same = eager["losses"] == graphed["losses"]
+        rows.append(("graphs", f"losses over {len(diffs)} steps", "", "", "identical" if same else f"max |diff| {max(diffs):.2e}",
+                     verdict(same)))  # fmt: skip
+        rows.append(("graphs", "captured modules", "", "", str(len(graphed["extra"]["captured"])), f"replays {graphed['extra']['replays']}"))
+    elif graphs:
+        rows.append(("graphs", "skipped", "", "", graphs.get("skipped", ""), "n/a"))
+    return rows
+
+
+def print_table(rows: list[tuple[str, ...]]) -> None:
+    header = ("arm", "metric", "baseline", "with feature", "change", "aim")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = "  ".join("-" * w for w in widths)
+    print("\n" + "  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    print(line)
+    for r in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma list from {ARMS}")
+    parser.add_argument("--batch", type=int, default=None, help="micro-batch of the memory arms")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length of the memory arms")
+    parser.add_argument("--steps", type=int, default=None, help="steps per memory arm (first --warmup not timed)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--graph-steps", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    args = parser.parse_args(argv)
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        parser.error(f"--arms: unknown {unknown}; choose from {ARMS}")
+    s = QUICK if args.quick else FULL
+    s = Shape(**{**asdict(s), **{k: v for k, v in (("batch", args.batch), ("seq", args.seq)) if v is not None}})
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    steps = args.steps or args.warmup + (2 if args.quick else 4)
+    print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+          f"{dtype}, shape {asdict(s)}", flush=True)  # fmt: skip
+    results: dict[str, Any] = {"device": str(device), "dtype": str(dtype), "shape": asdict(s), "warmup": args.warmup}
+    memory_arms = [a for a in arms if a != "graphs"]
+    if memory_arms:
+        results["memory"] = bench_memory_arms(s, memory_arms, device, dtype, steps, args.warmup)
+    if "graphs" in arms:
+        results["graphs"] = bench_graphs(s, device, dtype, args.graph_steps)
+    rows = summarize(results, args.warmup)
+    results["table"] = rows
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=1))
+    print_table(rows)
+    return results
+
+
+if __name__ == "__main__":
+    main()

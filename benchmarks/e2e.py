@@ -1,0 +1,399 @@
+"""End to end on one GPU: lightning-moe vs the same model from HF transformers, in one run.
+
+Protocol (BENCHMARKS.md, "End to end on one GPU"): a 4-layer model with the Qwen3-30B-A3B block
+shape (hidden 2048, 32 heads, 4 KV heads, head dim 128, 128 experts, top-8, expert FFN 768),
+sequence 4096, bf16, the same random-token batches and the same number of steps for every
+contender, trained by ``lightning.Trainer`` in this one process:
+
+* ``lightning_moe``      — our ``MoETransformer`` in ``MoELanguageModel`` under ``folded_moe``
+                           (``auto`` when the strategy is not importable; printed);
+* ``lightning_moe_hf``   — the HF ``Qwen3MoeForCausalLM`` with its MoE blocks swapped for ours
+                           (``HFMoELanguageModel``), same strategy: the exact HF architecture;
+* ``hf``                 — the HF ``Qwen3MoeForCausalLM`` as it is, experts_implementation
+                           ``grouped_mm`` (fallback printed), in a plain ``LightningModule``, ``auto``.
+
+Per contender: tokens/s over the timed steps (after warm-up; CUDA-synchronised wall clock
+around each training step incl. optimizer), MFU, and peak memory (``max_memory_allocated`` over
+the whole fit: weights, gradients, AdamW state, activations). Ratios against ``hf``.
+FLOPs per token = 6 * N_active + 6 * L * S * n_heads * head_dim, where N_active counts every
+parameter a token touches except the input embedding (routed experts scaled by K/E; the LM head
+included) and the second term is causal attention (PaLM's 12*L*H*Q*T, halved for the mask).
+MFU = tokens/s * FLOPs per token / 989e12 (H200 dense bf16 peak).
+
+    python benchmarks/e2e.py                       # the BENCHMARKS.md shape (one H200)
+    python benchmarks/e2e.py --quick               # tiny shapes, CPU smoke test
+    python benchmarks/e2e.py --only hf,lightning_moe_hf --out e2e.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+__all__ = ["Shape", "CONTENDERS", "PEAK_FLOPS", "flops_per_token", "active_params", "run", "main"]
+
+PEAK_FLOPS = 989e12  # H200 SXM dense bf16
+CONTENDERS = ("lightning_moe", "lightning_moe_hf", "hf")
+FORMULA = (
+    "flops/token = 6*N_active + 6*L*S*n_heads*head_dim  (N_active: parameters a token touches, input embedding "
+    "excluded, routed experts x K/E, LM head included; attention causal = PaLM 12*L*H*Q*T halved); "
+    "MFU = tokens/s * flops/token / 989e12 (H200 dense bf16 peak)"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shape:
+    """Model and run shape. Defaults: BENCHMARKS.md (Qwen3-30B-A3B block, 4 layers)."""
+
+    layers: int = 4
+    hidden: int = 2048
+    heads: int = 32
+    kv_heads: int = 4
+    head_dim: int = 128
+    experts: int = 128
+    top_k: int = 8
+    expert_ffn: int = 768
+    vocab: int = 32768
+    seq_len: int = 4096
+    batch_size: int = 4
+    warmup: int = 3
+    steps: int = 10
+    precision: str = "bf16-true"
+    aux_loss_coeff: float = 1e-3
+    learning_rate: float = 1e-4
+
+
+QUICK = Shape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, experts=8, top_k=2, expert_ffn=32, vocab=256,
+              seq_len=64, batch_size=2, warmup=1, steps=2, precision="32-true")  # fmt: skip
+
+
+# --- data, timing, accounting ------------------------------------------------------------------
+
+
+class RandomTokens(Dataset):
+    """Deterministic random windows: sample ``i`` is the same for every contender."""
+
+    def __init__(self, num: int, seq_len: int, vocab: int) -> None:
+        self.num, self.seq_len, self.vocab = num, seq_len, vocab
+
+    def __len__(self) -> int:
+        return self.num
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        w = torch.randint(0, self.vocab, (self.seq_len + 1,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": w[:-1], "labels": w[1:]}
+
+
+class StepTimer(Callback):
+    """Wall clock of each training step (forward, backward, optimizer), device-synchronised."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._t0 = 0.0
+
+    @staticmethod
+    def _sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        self._sync()
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._sync()
+        self.times.append(time.perf_counter() - self._t0)
+
+
+def active_params(model: nn.Module, top_k: int, num_experts: int) -> int:
+    """Parameters one token touches: all but the input embedding, routed experts scaled by K/E."""
+    total = 0.0
+    for name, p in model.named_parameters():
+        if "embed" in name:
+            continue
+        scale = top_k / num_experts if (".experts." in name or name.startswith("experts.")) else 1.0
+        total += p.numel() * scale
+    return int(total)
+
+
+def flops_per_token(n_active: int, shape: Shape, head_dim: int) -> float:
+    return 6.0 * n_active + 6.0 * shape.layers * shape.seq_len * shape.heads * head_dim
+
+
+# --- the contenders ----------------------------------------------------------------------------
+
+
+def hf_config_dict(shape: Shape, experts_implementation: str | None) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "model_type": "qwen3_moe", "vocab_size": shape.vocab, "hidden_size": shape.hidden,
+        "intermediate_size": 3 * shape.hidden, "moe_intermediate_size": shape.expert_ffn,
+        "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads,
+        "head_dim": shape.head_dim, "num_experts": shape.experts, "num_experts_per_tok": shape.top_k,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "max_position_embeddings": shape.seq_len, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "use_cache": False, "output_router_logits": True,
+        "router_aux_loss_coef": shape.aux_loss_coeff,
+    }  # fmt: skip
+    if experts_implementation is not None:
+        cfg["experts_implementation"] = experts_implementation
+    return cfg
+
+
+class HFPlainLM(L.LightningModule):
+    """What a user writes without lightning-moe: the HF model, CE + HF's aux loss, AdamW."""
+
+    def __init__(self, model: nn.Module, learning_rate: float, aux_loss_coeff: float) -> None:
+        super().__init__()
+        self.model = model
+        self.learning_rate = learning_rate
+        self.aux_loss_coeff = aux_loss_coeff
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        out = self.model(input_ids=batch["input_ids"], use_cache=False)
+        loss = F.cross_entropy(out.logits.flatten(0, 1).float(), batch["labels"].flatten())
+        if getattr(out, "aux_loss", None) is not None:
+            loss = loss + self.aux_loss_coeff * out.aux_loss.to(loss.dtype)
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.learning_rate, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def build_hf_plain(shape: Shape, device: str) -> tuple[L.LightningModule, dict[str, Any]]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    notes: dict[str, Any] = {}
+    model = None
+    for impl in ("grouped_mm", None):
+        cfg = hf_config_dict(shape, None)
+        config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        kwargs: dict[str, Any] = {"attn_implementation": "sdpa", "dtype": _model_dtype(shape)}
+        if impl is not None:
+            kwargs["experts_implementation"] = impl
+        try:
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config, **kwargs)
+            break
+        except (TypeError, ValueError, ImportError) as err:  # 4.x has no such kwarg; grouped_mm may not dispatch
+            notes["experts_implementation_fallback"] = f"grouped_mm refused: {type(err).__name__}: {err}"
+            print(f"[hf] experts_implementation='grouped_mm' unavailable ({err}); using the default", flush=True)
+    assert model is not None
+    used = getattr(model.config, "_experts_implementation", None)
+    notes["experts_implementation"] = used
+    if used != "grouped_mm":
+        print(f"[hf] running experts_implementation={used!r}, not grouped_mm", flush=True)
+    return HFPlainLM(model, shape.learning_rate, shape.aux_loss_coeff), notes
+
+
+def build_lightning_moe_hf(shape: Shape, device: str) -> tuple[L.LightningModule, dict[str, Any]]:
+    from lightning_moe.lit_hf import HFMoELanguageModel
+
+    cfg = hf_config_dict(shape, None)
+    moe = {"aux_loss": "switch", "aux_loss_coeff": shape.aux_loss_coeff}
+    with torch.device(device):
+        lit = HFMoELanguageModel(hf_config=cfg, moe=moe, dtype=_dtype_name(shape), learning_rate=shape.learning_rate,
+                                 warmup_steps=1, log_layer_load=False)  # fmt: skip
+    return lit, {}
+
+
+def build_lightning_moe(shape: Shape, device: str) -> tuple[L.LightningModule, dict[str, Any]]:
+    from lightning_moe.config import MoEConfig
+    from lightning_moe.lit import MoELanguageModel
+    from lightning_moe.models.transformer import TransformerConfig
+
+    notes: dict[str, Any] = {}
+    moe = MoEConfig(hidden_size=shape.hidden, ffn_hidden_size=shape.expert_ffn, num_experts=shape.experts,
+                    top_k=shape.top_k, score_func="softmax", pre_softmax=True, norm_topk_prob=True,
+                    aux_loss="switch", aux_loss_coeff=shape.aux_loss_coeff)  # fmt: skip
+    kwargs: dict[str, Any] = dict(vocab_size=shape.vocab, hidden_size=shape.hidden, num_layers=shape.layers,
+                                  num_heads=shape.heads, num_kv_heads=shape.kv_heads, moe=moe,
+                                  max_seq_len=shape.seq_len, rope_theta=1e6, norm_eps=1e-6)  # fmt: skip
+    names = {f.name for f in fields(TransformerConfig)}
+    if "head_dim" in names:
+        kwargs["head_dim"] = shape.head_dim
+    elif shape.hidden // shape.heads != shape.head_dim:
+        notes["head_dim"] = shape.hidden // shape.heads
+        print(f"[lightning_moe] TransformerConfig has no head_dim field: runs head_dim={shape.hidden // shape.heads} "
+              f"(Qwen3: {shape.head_dim}); lightning_moe_hf is the exact architecture", flush=True)  # fmt: skip
+    if "qk_norm" in names:
+        kwargs["qk_norm"] = True
+    else:
+        notes["qk_norm"] = False
+    with torch.device(device):
+        lit = MoELanguageModel(TransformerConfig(**kwargs), learning_rate=shape.learning_rate, warmup_steps=1,
+                               log_layer_load=False)  # fmt: skip
+    if _model_dtype(shape) != torch.float32:
+        lit = lit.to(_model_dtype(shape))
+    return lit, notes
+
+
+BUILDERS = {"lightning_moe": build_lightning_moe, "lightning_moe_hf": build_lightning_moe_hf, "hf": build_hf_plain}
+
+
+def _model_dtype(shape: Shape) -> torch.dtype:
+    return {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(shape.precision, torch.float32)
+
+
+def _dtype_name(shape: Shape) -> str:
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(_model_dtype(shape), "float32")
+
+
+def folded_moe_available() -> bool:
+    try:
+        import lightning_moe  # noqa: F401 - registers the strategy names
+        from lightning.pytorch.strategies import StrategyRegistry
+    except ImportError:
+        return False
+    return "folded_moe" in StrategyRegistry
+
+
+# --- running -----------------------------------------------------------------------------------
+
+
+def _head_dim(lit: L.LightningModule, shape: Shape, notes: dict[str, Any]) -> int:
+    return int(notes.get("head_dim", shape.head_dim))
+
+
+def run_one(name: str, shape: Shape, device: str, strategy: str) -> dict[str, Any]:
+    """Build, train ``warmup + steps`` steps, and measure one contender."""
+    torch.manual_seed(0)
+    lit, notes = BUILDERS[name](shape, device)
+    n_active = active_params(lit, shape.top_k, shape.experts)
+    timer = StepTimer()
+    total_steps = shape.warmup + shape.steps
+    data = DataLoader(RandomTokens(total_steps * shape.batch_size, shape.seq_len, shape.vocab), batch_size=shape.batch_size)
+    trainer = L.Trainer(
+        accelerator="gpu" if device == "cuda" else "cpu", devices=1, strategy=strategy, precision=shape.precision,
+        max_steps=total_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer],
+    )  # fmt: skip
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    trainer.fit(lit, data)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    timed = timer.times[shape.warmup :]
+    if len(timed) != shape.steps:
+        raise RuntimeError(f"{name}: timed {len(timed)} steps, expected {shape.steps}")
+    seconds = sum(timed)
+    tokens = shape.steps * shape.batch_size * shape.seq_len
+    tok_s = tokens / seconds
+    fpt = flops_per_token(n_active, shape, _head_dim(lit, shape, notes))
+    result = {
+        "strategy": strategy, "tokens_per_s": tok_s, "step_ms_median": 1e3 * sorted(timed)[len(timed) // 2],
+        "step_ms": [round(1e3 * t, 2) for t in timed], "mfu": tok_s * fpt / PEAK_FLOPS, "flops_per_token": fpt,
+        "active_params": n_active, "total_params": sum(p.numel() for p in lit.parameters()),
+        "peak_memory_gib": peak, **notes,
+    }  # fmt: skip
+    del trainer, lit, data
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def run(shape: Shape, only: tuple[str, ...] = CONTENDERS, strategy: str | None = None) -> dict[str, Any]:
+    """Every contender in ``only`` on ``shape``; a contender that fails is reported, not fatal."""
+    import torch.distributed as dist
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ours = strategy or ("folded_moe" if folded_moe_available() else "auto")
+    print(f"device={device}  lightning-moe strategy={ours}" + ("" if ours == "folded_moe" else
+          "  (folded_moe not importable)"), flush=True)  # fmt: skip
+    print(f"shape: {asdict(shape)}", flush=True)
+    print(FORMULA, flush=True)
+    had_pg = dist.is_available() and dist.is_initialized()
+    results: dict[str, Any] = {}
+    for name in only:
+        strat = "auto" if name == "hf" else ours
+        try:
+            results[name] = run_one(name, shape, device, strat)
+        except Exception as err:  # noqa: BLE001 - one failing contender must not hide the others
+            tb = traceback.format_exc(limit=6)
+            print(f"[{name}] FAILED: {type(err).__name__}: {err}\n{tb}", flush=True)
+            results[name] = {"error": f"{type(err).__name__}: {err}", "strategy": strat}
+            gc.collect()
+        r = results[name]
+        if "error" not in r:
+            peak = "n/a" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.2f} GiB"
+            print(f"[{name}] {r['tokens_per_s']:,.0f} tokens/s  MFU {100 * r['mfu']:.2f} %  peak {peak}  "
+                  f"median step {r['step_ms_median']:.1f} ms  ({r['strategy']})", flush=True)  # fmt: skip
+    if not had_pg and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()  # the strategy made one; leave the process as we found it
+    ratios = {}
+    base = results.get("hf", {})
+    for name in ("lightning_moe", "lightning_moe_hf"):
+        r = results.get(name, {})
+        if "tokens_per_s" in r and "tokens_per_s" in base:
+            ratios[f"{name}/hf tokens_per_s"] = r["tokens_per_s"] / base["tokens_per_s"]
+            if device == "cuda":
+                ratios[f"{name}/hf peak_memory"] = r["peak_memory_gib"] / base["peak_memory_gib"]
+    for key, value in ratios.items():
+        print(f"ratio {key}: {value:.3f}" + ("  (aim >= 1.5)" if "tokens" in key else ""), flush=True)
+    return {"shape": asdict(shape), "device": _device_name(device), "formula": FORMULA, "results": results,
+            "ratios": ratios, "versions": _versions()}  # fmt: skip
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+def _versions() -> dict[str, str]:
+    import lightning
+
+    out = {"torch": torch.__version__, "lightning": lightning.__version__}
+    try:
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    except ImportError:
+        out["transformers"] = "missing"
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
+    ap.add_argument("--only", default=",".join(CONTENDERS), help=f"comma-separated subset of {CONTENDERS}")
+    ap.add_argument("--strategy", default=None, help="lightning-moe strategy (default: folded_moe if importable)")
+    ap.add_argument("--out", default=None, help="JSON path (default: $OUT/e2e.json when $OUT is set)")
+    for f in fields(Shape):
+        ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None)
+    a = ap.parse_args(argv)
+    shape = QUICK if a.quick else Shape()
+    overrides = {f.name: getattr(a, f.name) for f in fields(Shape) if getattr(a, f.name) is not None}
+    shape = replace(shape, **overrides)
+    only = tuple(s for s in a.only.split(",") if s)
+    unknown = set(only) - set(CONTENDERS)
+    if unknown:
+        ap.error(f"--only: unknown {sorted(unknown)}; choose from {CONTENDERS}")
+    report = run(shape, only, a.strategy)
+    out = a.out or (str(Path(os.environ["OUT"]) / "e2e.json") if os.environ.get("OUT") else None)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=1, default=str))
+        print(f"wrote {out}", flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Export a trained checkpoint to a Hugging Face safetensors directory.
+
+``lightning-moe-export CKPT OUT_DIR [--hf-config DIR_OR_JSON] [--dtype bfloat16] [--etp N]``
+
+Pipeline:
+
+1. read   the model state dict and hyper-parameters from a Lightning ``.ckpt`` file, or from a
+          distributed (DCP) checkpoint directory as the ``folded_moe`` / ``ModelParallelStrategy``
+          writes it (``.metadata`` + shards, ``meta.pt`` with the hyper-parameters); sharded
+          experts (DTensors) are read back whole, on one process, without a process group.
+2. strip  the LightningModule's attribute prefix (``model.`` for :class:`HFMoELanguageModel`).
+3. build  the HF model skeleton on the ``meta`` device from the checkpoint's ``hf_config`` /
+          ``pretrained`` hyper-parameter (or ``--hf-config``), swap its MoE blocks with the same
+          ``moe`` overrides, and load the state dict into it (``strict``, ``assign``).
+4. export ``export_moe_blocks`` puts HF blocks back (experts transposed to HF's layout) and
+          ``save_pretrained`` writes ``config.json`` + ``model*.safetensors``, which
+          ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads.
+
+:func:`export_state_dict` is the library entry point and takes a state dict directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["export_checkpoint", "export_state_dict", "load_checkpoint", "main", "strip_prefix"]
+
+_METADATA_FILENAME = "meta.pt"  # what Lightning's ModelParallelStrategy writes beside the DCP shards
+
+
+def _torch_load(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - hyper-parameters may hold classes; the user's own checkpoint
+        warnings.warn(f"export: {path} needs weights_only=False to load; only export checkpoints you trust.", stacklevel=3)
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _load_dcp_model_state(path: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    # Only the model's entries (not the optimizer's), on this process, no process group;
+    # DTensor shards (FSDP2, expert parallel) come back as whole tensors.
+    state = _load_state_dict_from_keys(keys={"state_dict"}, checkpoint_id=str(path))
+    if "state_dict" not in state:
+        raise ValueError(
+            f"export: the distributed checkpoint {path} has no 'state_dict' entry (keys: {sorted(state)}); "
+            "pass a checkpoint written by Trainer.save_checkpoint."
+        )
+    return state["state_dict"]
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``(model state dict, hyper-parameters)`` of a Lightning ``.ckpt`` file or a DCP directory."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / ".metadata").is_file():
+            raise ValueError(f"export: {path} is a directory without .metadata; pass a DCP checkpoint or a .ckpt file.")
+        meta = _torch_load(path / _METADATA_FILENAME) if (path / _METADATA_FILENAME).is_file() else {}
+        return _load_dcp_model_state(path), dict(meta.get("hyper_parameters", {}))
+    if not path.is_file():
+        raise ValueError(f"export: checkpoint {path} does not exist; pass a .ckpt file or a DCP directory.")
+    ckpt = _torch_load(path)
+    if "state_dict" not in ckpt:
+        raise ValueError(f"export: {path} has no 'state_dict' (keys: {sorted(ckpt)}); pass a Lightning checkpoint.")
+    return ckpt["state_dict"], dict(ckpt.get("hyper_parameters", {}))
+
+
+def strip_prefix(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """Keys under ``prefix`` with it removed; raises if none carries it."""
+    if not prefix:
+        return dict(state_dict)
+    out = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    if not out:
+        raise ValueError(
+            f"export: no state-dict key starts with prefix={prefix!r} (first keys: {list(state_dict)[:3]}); "
+            "set --prefix to the LightningModule attribute that holds the model, or '' for none."
+        )
+    return out
+
+
+def _hf_config(hf_config: Any, pretrained: str | None) -> Any:
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(hf_config, PretrainedConfig):
+        return hf_config
+    if isinstance(hf_config, (str, Path)):
+        p = Path(hf_config)
+        return AutoConfig.from_pretrained(str(p.parent if p.is_file() else p), local_files_only=True)
+    from lightning_moe.lit_hf import hf_config_from
+
+    return hf_config_from(hf_config, pretrained)
+
+
+def export_state_dict(
+    state_dict: dict[str, torch.Tensor],
+    out_dir: str | Path,
+    hf_config: Any = None,
+    pretrained: str | None = None,
+    moe: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_size: str = "5GB",
+    etp: int = 1,
+) -> Path:
+    """Write an HF safetensors directory from the state dict of a *swapped* HF model.
+
+    Args:
+        state_dict: keys of the HF model after :func:`~lightning_moe.models.hf.swap_moe_blocks`
+            (``model.layers.0.mlp.experts.w13``, ...), e.g. ``HFMoELanguageModel.model.state_dict()``.
+        out_dir: created if missing.
+        hf_config: a ``PretrainedConfig``, an inline dict with ``model_type``, or a path to a
+            directory / ``config.json``; else ``pretrained``'s config is used.
+        pretrained: local checkpoint directory whose ``config.json`` describes the model.
+        moe: the MoEConfig overrides the model was swapped with (needed when they add keys).
+        dtype: cast floating tensors before saving (``None`` keeps the checkpoint's dtypes).
+        max_shard_size: passed to ``save_pretrained``.
+        etp: expert tensor-parallel degree the checkpoint was saved with. ``folded_moe`` stores
+            ``w13`` column-blocked ``[gate_0|up_0|gate_1|up_1|...]`` when ``etp > 1``; it is
+            reordered to ``[gate | up]`` here.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from lightning_moe.models.hf import export_moe_blocks, swap_moe_blocks
+
+    if etp < 1:
+        raise ValueError(f"export: etp={etp} must be >= 1 (the checkpoint's expert tensor-parallel degree).")
+    if etp > 1:
+        from lightning_moe.parallel.parallelize import unblock_w13
+
+        state_dict = {k: unblock_w13(v, etp) if k.endswith("experts.w13") else v for k, v in state_dict.items()}
+    config = _hf_config(hf_config, pretrained)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    swap_moe_blocks(model, **(moe or {}))
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    export_moe_blocks(model)
+    if dtype is not None:
+        model.to(dtype=dtype)
+    config.dtype = next(model.parameters()).dtype
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), max_shard_size=max_shard_size)
+    return out
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    hf_config: Any = None,
+    prefix: str = "model.",
+    dtype: torch.dtype | None = None,
+    etp: int = 1,
+) -> Path:
+    """:func:`load_checkpoint` → :func:`strip_prefix` → :func:`export_state_dict`.
+
+    The HF config comes from ``hf_config`` if given, else the checkpoint's ``hf_config`` /
+    ``pretrained`` hyper-parameters (what :class:`~lightning_moe.lit_hf.HFMoELanguageModel` saves).
+    """
+    state_dict, hparams = load_checkpoint(checkpoint)
+    state_dict = strip_prefix(state_dict, prefix)
+    pretrained = None
+    if hf_config is None:
+        hf_config, pretrained = hparams.get("hf_config"), hparams.get("pretrained")
+        if hf_config is None and pretrained is None:
+            raise ValueError(
+                f"export: {checkpoint} names no HF config (no hf_config/pretrained hyper-parameter); pass --hf-config."
+            )
+    return export_state_dict(state_dict, out_dir, hf_config, pretrained, moe=hparams.get("moe"), dtype=dtype, etp=etp)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console script ``lightning-moe-export``."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-moe-export",
+        description="Convert a Lightning .ckpt or DCP checkpoint of a swapped HF MoE model to HF safetensors.",
+    )
+    parser.add_argument("checkpoint", help="Lightning .ckpt file or distributed (DCP) checkpoint directory")
+    parser.add_argument("out_dir", help="output directory (config.json + model*.safetensors)")
+    parser.add_argument("--hf-config", default=None, help="HF config directory or config.json (default: from the checkpoint)")
+    parser.add_argument("--prefix", default="model.", help="LightningModule attribute prefix of the model keys")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="cast before saving")
+    parser.add_argument("--etp", type=int, default=1, help="expert tensor-parallel degree of a folded_moe checkpoint")
+    args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    out = export_checkpoint(args.checkpoint, args.out_dir, args.hf_config, args.prefix, dtype, args.etp)
+    print(f"exported {args.checkpoint} -> {out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""HFMoELanguageModel: train a Hugging Face MoE causal LM with lightning-moe's layers.
+
+The model comes from an HF config given inline (a dict with ``model_type``, e.g. in YAML) or
+from a local checkpoint directory (``config.json`` + safetensors). Its sparse-MoE blocks are
+swapped for :class:`~lightning_moe.models.hf.HFMoELayer` (same weights, same routing), so the
+``folded_moe`` strategy and the callbacks see ordinary :class:`MoELayer` s. Everything else —
+logging, aux-loss scaling, expert-bias updates, AdamW with warm-up + cosine — is inherited from
+:class:`~lightning_moe.lit.MoELanguageModel`, which is also why ``lightning-moe fit`` accepts it
+(the CLI's model must subclass it).
+
+Batches are ``{"input_ids", "labels"}`` with labels already shifted (``MoEDataModule``), so the
+loss is computed here from the logits and HF's own label shifting is not used.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lightning_moe.lit import MoELanguageModel
+
+__all__ = ["HFMoELanguageModel", "build_hf_model", "hf_config_from"]
+
+DtypeName = Literal["float32", "bfloat16", "float16"]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def hf_config_from(hf_config: dict[str, Any] | None = None, pretrained: str | None = None) -> Any:
+    """A transformers ``PretrainedConfig`` from an inline dict or a local checkpoint directory.
+
+    Exactly one of ``hf_config`` (must contain ``model_type``, e.g. ``"qwen3_moe"``) and
+    ``pretrained`` (a directory with ``config.json``) must be given. No hub access is attempted.
+    """
+    from transformers import AutoConfig
+
+    if (hf_config is None) == (pretrained is None):
+        raise ValueError(
+            "HFMoELanguageModel: give exactly one of hf_config (a dict with model_type) and pretrained "
+            f"(a local checkpoint directory); got hf_config={'set' if hf_config else None}, pretrained={pretrained!r}."
+        )
+    if pretrained is not None:
+        if not (Path(pretrained) / "config.json").is_file():
+            raise ValueError(
+                f"HFMoELanguageModel: pretrained={pretrained!r} has no config.json; pass a local directory written "
+                "by save_pretrained (hub names are not fetched)."
+            )
+        return AutoConfig.from_pretrained(pretrained, local_files_only=True)
+    assert hf_config is not None
+    if "model_type" not in hf_config:
+        raise ValueError(
+            f"HFMoELanguageModel: hf_config has no model_type (keys: {sorted(hf_config)}); add e.g. model_type: qwen3_moe."
+        )
+    kwargs = dict(hf_config)
+    return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+
+
+def build_hf_model(
+    hf_config: dict[str, Any] | None = None,
+    pretrained: str | None = None,
+    dtype: DtypeName = "float32",
+    attn_implementation: str | None = "sdpa",
+    experts_implementation: str | None = None,
+) -> nn.Module:
+    """An ``AutoModelForCausalLM``: random init from ``hf_config``, or weights from ``pretrained``."""
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"HFMoELanguageModel: dtype={dtype!r} is unknown; choose one of {sorted(_DTYPES)}.")
+    config = hf_config_from(hf_config, pretrained)
+    kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype]}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if experts_implementation is not None:
+        kwargs["experts_implementation"] = experts_implementation
+    if pretrained is not None:
+        return AutoModelForCausalLM.from_pretrained(pretrained, config=config, local_files_only=True, **kwargs)
+    return AutoModelForCausalLM.from_config(config, **kwargs)
+
+
+class HFMoELanguageModel(MoELanguageModel):
+    """Causal LM training of an HF MoE model whose MoE blocks are swapped for ours.
+
+    Args:
+        hf_config: inline HF config (dict with ``model_type``); or
+        pretrained: local checkpoint directory (``config.json`` + safetensors).
+        moe: :class:`~lightning_moe.config.MoEConfig` overrides for every swapped layer (e.g.
+            ``{"aux_loss": "switch", "aux_loss_coeff": 0.01, "experts_backend": "torch"}``).
+        swap: swap the MoE blocks (``False`` trains the HF model as it is, for comparison).
+        dtype: dtype the HF model is built in (precision plugins may cast it later).
+        attn_implementation: transformers attention backend (``sdpa``, ``eager``, ...).
+        experts_implementation: transformers experts backend when ``swap=False``
+            (``grouped_mm``, ``eager``, ...); unused for swapped blocks.
+        learning_rate, weight_decay, warmup_steps, betas, log_layer_load: as in
+            :class:`~lightning_moe.lit.MoELanguageModel`.
+    """
+
+    def __init__(
+        self,
+        hf_config: dict[str, Any] | None = None,
+        pretrained: str | None = None,
+        moe: dict[str, Any] | None = None,
+        swap: bool = True,
+        dtype: DtypeName = "float32",
+        attn_implementation: str | None = "sdpa",
+        experts_implementation: str | None = None,
+        learning_rate: float = 3e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 20,
+        betas: tuple[float, float] = (0.9, 0.95),
+        log_layer_load: bool = True,
+    ) -> None:
+        hparams = {k: v for k, v in locals().items() if k != "self"}
+        # Skip MoELanguageModel.__init__ (it builds an MoETransformer); keep its state fields. Without
+        # a zero-argument super() Lightning cannot find the init arguments, so they are passed.
+        L.LightningModule.__init__(self)
+        self.save_hyperparameters(hparams)
+        self.model = build_hf_model(hf_config, pretrained, dtype, attn_implementation, experts_implementation)
+        if swap:
+            from lightning_moe.models.hf import swap_moe_blocks
+
+            swap_moe_blocks(self.model, **(moe or {}))
+        elif moe:
+            raise ValueError("HFMoELanguageModel: moe overrides need swap=True; drop moe or set swap=True.")
+        self.config = self.model.config
+        self.val_history: list[tuple[int, float]] = []
+        self._val_sum = torch.zeros(2)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+    def _lm_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits_BSV = self(batch["input_ids"])
+        return F.cross_entropy(logits_BSV.flatten(0, 1).float(), batch["labels"].flatten())
+
+    def num_active_params(self) -> int:
+        """Parameters one token touches (top-k of each layer's routed experts), excluding embeddings."""
+        from lightning_moe.moe.utils import find_moe_layers
+
+        embed = self.model.get_input_embeddings()
+        skip = {id(p) for p in embed.parameters()} if embed is not None else set()
+        experts = {}
+        for _, layer in find_moe_layers(self.model):
+            for p in layer.experts.parameters():
+                experts[id(p)] = layer.config.top_k / layer.config.num_experts
+        total = 0.0
+        for p in self.model.parameters():
+            if id(p) in skip:
+                continue
+            total += p.numel() * experts.get(id(p), 1.0)
+        head = self.model.get_output_embeddings()
+        if head is not None and id(head.weight) in skip:  # tied: the output projection still costs flops
+            total += head.weight.numel()
+        return int(total)

@@ -1,0 +1,450 @@
+"""Swap Hugging Face sparse-MoE blocks for :class:`MoELayer` in place, and put them back.
+
+Legend: E experts, H hidden, F expert FFN width, F_s shared-expert width, K experts per token.
+
+:func:`swap_moe_blocks` walks a model (any ``nn.Module``; usually a transformers
+``*ForCausalLM``) and replaces every supported block by an :class:`HFMoELayer` — a
+:class:`MoELayer` that holds the *same* weights, routes the same way, and returns what the parent
+decoder layer expects (a tensor in transformers 5.x, ``(tensor, router_logits)`` in 4.x). The
+original block is kept on the ``meta`` device (no memory) so :func:`export_moe_blocks` can rebuild
+it with the possibly trained weights.
+
+Supported blocks (transformers 5.x layout: ``gate.weight [E, H]``, ``experts.gate_up_proj
+[E, 2F, H]`` gate first, ``experts.down_proj [E, H, F]``; 4.x per-expert ``ModuleList`` too):
+
+=========================  ==================================================================
+``Qwen3MoeSparseMoeBlock``  softmax over E, top-k, optional renormalisation (``norm_topk_prob``)
+``Qwen2MoeSparseMoeBlock``  as Qwen3, plus a shared expert gated by ``sigmoid(x @ g)``
+``MixtralSparseMoeBlock``   softmax over E, top-k, always renormalised; optional input jitter
+``DeepseekV3MoE``           sigmoid scores, ``e_score_correction_bias`` (our ``expert_bias``)
+                            for selection only, group-limited top-k (groups scored by their
+                            top-2), renormalised, times ``routed_scaling_factor``; shared experts
+=========================  ==================================================================
+
+Weight mapping (ours ← HF): ``router.weight ← gate.weight``; ``experts.w13[e] ←
+gate_up_proj[e].T``; ``experts.w2[e] ← down_proj[e].T``; ``router.expert_bias ←
+gate.e_score_correction_bias``; ``shared_expert.gate_up ← cat(gate_proj, up_proj)``,
+``shared_expert.down ← down_proj``, ``shared_expert.gate ← shared_expert_gate``.
+
+Aux loss: transformers computes its load-balancing loss from router logits it records on its own
+router class, over all layers at once; after a swap there are none, so the swap turns
+``config.output_router_logits`` off and, when it was on, gives each layer our Switch loss with
+``aux_loss_coeff = router_aux_loss_coef`` (per layer, so not bitwise the HF value). Export restores
+the flag. Pass MoEConfig fields as keyword arguments to override anything (e.g.
+``experts_backend="torch"``, ``aux_loss="seq"``).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+import warnings
+from dataclasses import fields
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from lightning_moe.config import MoEConfig
+from lightning_moe.moe.layer import MoELayer
+
+__all__ = ["SUPPORTED_BLOCKS", "HFMoELayer", "export_moe_blocks", "moe_config_from_block", "swap_moe_blocks"]
+
+# HF class name -> family; matched against the class and its bases, so subclasses swap too.
+SUPPORTED_BLOCKS: dict[str, str] = {
+    "Qwen3MoeSparseMoeBlock": "qwen3_moe",
+    "Qwen2MoeSparseMoeBlock": "qwen2_moe",
+    "MixtralSparseMoeBlock": "mixtral",
+    "DeepseekV3MoE": "deepseek_v3",
+}
+# Fields that decide the layer's math; export refuses a layer whose values no longer match HF's.
+_ROUTING_FIELDS = (
+    "num_experts",
+    "top_k",
+    "score_func",
+    "pre_softmax",
+    "norm_topk_prob",
+    "scaling_factor",
+    "num_groups",
+    "group_topk",
+    "expert_bias",
+    "shared_expert_ffn_size",
+    "shared_expert_gate",
+)
+_MOE_FIELDS = frozenset(f.name for f in fields(MoEConfig))
+
+
+class HFMoELayer(MoELayer):
+    """A :class:`MoELayer` standing in for an HF sparse-MoE block.
+
+    Differences from :class:`MoELayer`: ``forward`` applies Mixtral's training-time input jitter
+    when the HF block had one, and returns ``(y, router_logits)`` when the replaced block did
+    (transformers 4.x). ``hf_block`` is the original block on the ``meta`` device (not a
+    submodule, so it is in no state dict and costs no memory).
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        layer_name: str,
+        family: str,
+        hf_block: nn.Module,
+        returns_router_logits: bool = False,
+        jitter_noise: float = 0.0,
+        hf_routing: dict[str, Any] | None = None,
+        hf_output_router_logits: bool | None = None,
+    ) -> None:
+        super().__init__(config, layer_name=layer_name)
+        self.family = family
+        self._hf_block = [hf_block]  # a list, so nn.Module does not register it
+        self.returns_router_logits = returns_router_logits
+        self.jitter_noise = jitter_noise
+        self.hf_routing = dict(hf_routing or {})
+        self.hf_output_router_logits = hf_output_router_logits
+        self._last_router_logits: torch.Tensor | None = None
+        if returns_router_logits:
+            self.router.register_forward_hook(self._keep_logits)
+
+    @property
+    def hf_block(self) -> nn.Module:
+        """The replaced HF block, on ``meta`` (its class, config and non-weight attributes)."""
+        return self._hf_block[0]
+
+    def _keep_logits(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._last_router_logits = output.logits_TE
+
+    def forward(self, x: torch.Tensor) -> Any:  # tensor, or (tensor, router_logits) for 4.x parents
+        if self.training and self.jitter_noise > 0:
+            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        y = super().forward(x)
+        if not self.returns_router_logits:
+            return y
+        logits_TE = self._last_router_logits
+        self._last_router_logits = None
+        return y, logits_TE.to(x.dtype)  # type: ignore[union-attr]
+
+    def extra_repr(self) -> str:
+        return f"family={self.family!r}, " + super().extra_repr()
+
+
+# --- reading HF blocks -----------------------------------------------------------------------
+
+
+def _family(module: nn.Module) -> str | None:
+    for cls in type(module).__mro__:
+        if cls.__name__ in SUPPORTED_BLOCKS:
+            return SUPPORTED_BLOCKS[cls.__name__]
+    return None
+
+
+def _attr(name: str, *owners: Any, default: Any = None) -> Any:
+    """First ``owner.<name>`` that exists (``name`` may be ``"a|b"`` for alternatives)."""
+    for key in name.split("|"):
+        for owner in owners:
+            if owner is not None and hasattr(owner, key):
+                return getattr(owner, key)
+    return default
+
+
+def _returns_tuple(block_cls: type) -> bool:
+    """Whether ``block_cls.forward`` returns a tuple (``(hidden, router_logits)`` in transformers 4.x)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(block_cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    func = tree.body[0]
+    returns = [n for n in ast.walk(func) if isinstance(n, ast.Return) and n.value is not None]
+    return any(isinstance(r.value, ast.Tuple) for r in returns)
+
+
+def _check_silu(name: str, *owners: Any) -> None:
+    act = _attr("hidden_act", *owners, default="silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(
+            f"swap_moe_blocks: block {name} uses hidden_act={act!r}; MoELayer experts are SwiGLU (silu) only. "
+            "Leave this model unswapped."
+        )
+
+
+def _experts_weights(name: str, experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w13 [E, H, 2F], w2 [E, F, H])`` as new contiguous tensors (gate columns first)."""
+    if hasattr(experts, "gate_up_proj"):
+        if getattr(experts, "has_bias", False) or not getattr(experts, "is_concatenated", True):
+            raise ValueError(
+                f"swap_moe_blocks: experts of {name} have biases or an interleaved gate/up layout; "
+                "only concatenated [gate | up] without bias is supported."
+            )
+        gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+        if getattr(experts, "is_transposed", False):  # stored as [E, H, 2F] and [E, F, H] already
+            return gate_up.clone(memory_format=torch.contiguous_format), down.clone(
+                memory_format=torch.contiguous_format
+            )
+        return gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+    if isinstance(experts, nn.ModuleList):  # transformers 4.x: one MLP per expert
+        w13, w2 = [], []
+        for mlp in experts:
+            gate = _attr("gate_proj|w1", mlp).weight.detach()  # [F, H]
+            up = _attr("up_proj|w3", mlp).weight.detach()
+            down = _attr("down_proj|w2", mlp).weight.detach()  # [H, F]
+            w13.append(torch.cat([gate, up], dim=0).t())
+            w2.append(down.t())
+        return torch.stack(w13).contiguous(), torch.stack(w2).contiguous()
+    raise ValueError(f"swap_moe_blocks: cannot read the experts of {name} ({type(experts).__name__}).")
+
+
+def _routing(name: str, family: str, block: nn.Module, num_experts: int) -> dict[str, Any]:
+    gate = block.gate
+    top_k = int(_attr("top_k|num_experts_per_tok", gate, block))
+    if family in ("qwen3_moe", "qwen2_moe", "mixtral"):
+        norm = True if family == "mixtral" else bool(_attr("norm_topk_prob", gate, block, default=False))
+        return {"num_experts": num_experts, "top_k": top_k, "score_func": "softmax", "pre_softmax": True,
+                "norm_topk_prob": norm, "scaling_factor": None, "num_groups": None, "group_topk": None,
+                "expert_bias": False}  # fmt: skip
+    # deepseek_v3
+    n_group = int(_attr("num_group|n_group", gate, block, default=1))
+    topk_group = int(_attr("topk_group", gate, block, default=1))
+    norm = bool(_attr("norm_topk_prob", gate, block, default=True))
+    if n_group > 1 and top_k != 2 * topk_group:
+        raise ValueError(
+            f"swap_moe_blocks: {name} has num_experts_per_tok={top_k}, topk_group={topk_group}; transformers "
+            f"scores each expert group by its top-2 experts, MoELayer by its top top_k/group_topk="
+            f"{top_k // topk_group}. Use top_k = 2 * topk_group (DeepSeek-V3: 8 = 2 * 4) to swap this model."
+        )
+    if top_k == 1 and norm:
+        raise ValueError(
+            f"swap_moe_blocks: {name} has num_experts_per_tok=1 with norm_topk_prob=True (HF weight 1.0 per "
+            "token, MoELayer the raw sigmoid score); set norm_topk_prob=False or top_k >= 2."
+        )
+    return {"num_experts": num_experts, "top_k": top_k, "score_func": "sigmoid", "pre_softmax": False,
+            "norm_topk_prob": norm, "scaling_factor": float(_attr("routed_scaling_factor", gate, block, default=1.0)),
+            "num_groups": n_group if n_group > 1 else None, "group_topk": topk_group if n_group > 1 else None,
+            "expert_bias": True}  # fmt: skip
+
+
+def _shared(family: str, block: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    if family == "deepseek_v3":
+        return block.shared_experts, None
+    if family == "qwen2_moe":
+        return block.shared_expert, block.shared_expert_gate
+    return None, None
+
+
+def moe_config_from_block(
+    block: nn.Module, hf_config: Any = None, name: str = "block", **overrides: Any
+) -> tuple[MoEConfig, dict[str, Any]]:
+    """The :class:`MoEConfig` equivalent to an HF block, and the routing fields it fixed.
+
+    ``hf_config`` (the model's ``config``) supplies the aux loss: Switch loss with
+    ``router_aux_loss_coef`` when ``output_router_logits`` is on, else none. ``overrides`` are
+    MoEConfig fields and win over everything derived.
+    """
+    family = _family(block)
+    if family is None:
+        raise ValueError(
+            f"moe_config_from_block: {type(block).__name__} is not supported; supported: {sorted(SUPPORTED_BLOCKS)}."
+        )
+    unknown = set(overrides) - _MOE_FIELDS
+    if unknown:
+        raise ValueError(
+            f"swap_moe_blocks: unknown MoEConfig fields {sorted(unknown)}; choose from {sorted(_MOE_FIELDS)}."
+        )
+    experts_cfg = getattr(block.experts, "config", None)
+    _check_silu(name, experts_cfg, getattr(block, "config", None), hf_config)
+    num_experts, hidden = block.gate.weight.shape
+    routing = _routing(name, family, block, int(num_experts))
+    first = block.experts[0] if isinstance(block.experts, nn.ModuleList) else None
+    if first is not None:
+        ffn = _attr("gate_proj|w1", first).weight.shape[0]
+    else:
+        ffn = block.experts.down_proj.shape[-1 if not getattr(block.experts, "is_transposed", False) else 1]
+    shared, shared_gate = _shared(family, block)
+    routing["shared_expert_ffn_size"] = None if shared is None else int(shared.gate_proj.weight.shape[0])
+    routing["shared_expert_gate"] = shared_gate is not None
+    use_aux = bool(getattr(hf_config, "output_router_logits", False))
+    derived: dict[str, Any] = {
+        "hidden_size": int(hidden),
+        "ffn_hidden_size": int(ffn),
+        **routing,
+        "aux_loss": "switch" if use_aux else "none",
+        "aux_loss_coeff": float(getattr(hf_config, "router_aux_loss_coef", 1e-2) or 0.0) if use_aux else 0.0,
+    }
+    derived.update(overrides)
+    return MoEConfig(**derived), routing
+
+
+# --- swap ------------------------------------------------------------------------------------
+
+
+def _param(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=requires_grad)
+
+
+def _build_layer(name: str, block: nn.Module, hf_config: Any, overrides: dict[str, Any]) -> HFMoELayer:
+    family = _family(block)
+    assert family is not None
+    config, routing = moe_config_from_block(block, hf_config, name, **overrides)
+    gate_w = block.gate.weight
+    device, requires_grad = gate_w.device, gate_w.requires_grad
+    w13, w2 = _experts_weights(name, block.experts)
+    tensors: dict[str, torch.Tensor] = {"router.weight": gate_w.detach().clone(), "experts.w13": w13, "experts.w2": w2}
+    bias = getattr(block.gate, "e_score_correction_bias", None)
+    shared, shared_gate = _shared(family, block)
+    if shared is not None:
+        gate_up = torch.cat([shared.gate_proj.weight.detach(), shared.up_proj.weight.detach()], dim=0)
+        tensors["shared_expert.gate_up.weight"] = gate_up
+        tensors["shared_expert.down.weight"] = shared.down_proj.weight.detach().clone()
+    if shared_gate is not None:
+        tensors["shared_expert.gate.weight"] = shared_gate.weight.detach().clone()
+
+    hf_block = block.to("meta")  # keep class, config and attributes; drop the memory
+    # Built on meta so no random init runs; every MoELayer buffer starts at zero.
+    with torch.device("meta"):
+        layer = HFMoELayer(
+            config,
+            layer_name=name,
+            family=family,
+            hf_block=hf_block,
+            returns_router_logits=_returns_tuple(type(block)),
+            jitter_noise=float(getattr(block, "jitter_noise", 0.0) or 0.0),
+            hf_routing=routing,
+            hf_output_router_logits=getattr(hf_config, "output_router_logits", None),
+        )
+    layer.to_empty(device=device)
+    for buf in layer.buffers():
+        buf.zero_()
+    if bias is not None and layer.router.expert_bias is not None:
+        layer.router.expert_bias.copy_(bias.detach().float())
+    for key, value in tensors.items():
+        owner_name, _, attr = key.rpartition(".")
+        setattr(layer.get_submodule(owner_name), attr, _param(value, requires_grad))
+    unset = sorted({n for n, _ in layer.named_parameters()} - set(tensors))
+    if unset:  # internal invariant: a new MoELayer parameter needs a mapping here
+        raise RuntimeError(f"swap_moe_blocks: no HF weight maps to {unset} of {name}; extend models/hf.py.")
+    return layer
+
+
+def _parent_and_attr(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent_name, _, attr = name.rpartition(".")
+    return (model.get_submodule(parent_name) if parent_name else model), attr
+
+
+@torch.no_grad()
+def swap_moe_blocks(model: nn.Module, **overrides: Any) -> nn.Module:
+    """Replace every supported HF MoE block under ``model`` by an equivalent :class:`HFMoELayer`.
+
+    Args:
+        model: any module; usually a transformers causal LM. Modified in place and returned.
+        overrides: :class:`MoEConfig` fields applied to every swapped layer (e.g.
+            ``experts_backend="torch"``, ``aux_loss="switch"``, ``aux_loss_coeff=1e-3``).
+
+    Returns:
+        ``model``, with ``config.output_router_logits`` turned off when present (see module doc).
+
+    Raises:
+        ValueError: when ``model`` holds no supported block (nothing to swap), or a block's
+            routing cannot be expressed exactly by :class:`MoELayer`.
+    """
+    hf_config = getattr(model, "config", None)
+    targets = [(n, m) for n, m in model.named_modules() if n and _family(m) is not None]
+    if not targets:
+        found = sorted({type(m).__name__ for m in model.modules() if "moe" in type(m).__name__.lower()})
+        raise ValueError(
+            f"swap_moe_blocks: no supported MoE block in {type(model).__name__} (MoE-like classes found: {found}); "
+            f"supported: {sorted(SUPPORTED_BLOCKS)}."
+        )
+    for name, block in targets:
+        layer = _build_layer(name, block, hf_config, overrides)
+        parent, attr = _parent_and_attr(model, name)
+        setattr(parent, attr, layer)
+    if hf_config is not None and getattr(hf_config, "output_router_logits", False):
+        hf_config.output_router_logits = False  # our layers add their own aux loss (module doc)
+    return model
+
+
+# --- export ----------------------------------------------------------------------------------
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a possibly sharded DTensor (FSDP2 / expert parallel)."""
+    full_tensor = getattr(t, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else t
+
+
+def _check_exportable(layer: HFMoELayer) -> None:
+    changed = {k: getattr(layer.config, k) for k in _ROUTING_FIELDS if getattr(layer.config, k) != layer.hf_routing[k]}
+    if changed:
+        raise ValueError(
+            f"export_moe_blocks: layer {layer.layer_name} was swapped with routing overrides {changed} that the HF "
+            f"block cannot hold (HF values: { {k: layer.hf_routing[k] for k in changed} }); train without them."
+        )
+
+
+def _write_experts(experts: nn.Module, w13: torch.Tensor, w2: torch.Tensor, requires_grad: bool) -> None:
+    if hasattr(experts, "gate_up_proj"):
+        if getattr(experts, "is_transposed", False):
+            experts.gate_up_proj = _param(w13.clone(), requires_grad)
+            experts.down_proj = _param(w2.clone(), requires_grad)
+        else:
+            experts.gate_up_proj = _param(w13.transpose(1, 2).contiguous(), requires_grad)
+            experts.down_proj = _param(w2.transpose(1, 2).contiguous(), requires_grad)
+        return
+    F = w2.shape[1]
+    for e, mlp in enumerate(experts):  # transformers 4.x ModuleList
+        _attr("gate_proj|w1", mlp).weight = _param(w13[e, :, :F].t().contiguous(), requires_grad)
+        _attr("up_proj|w3", mlp).weight = _param(w13[e, :, F:].t().contiguous(), requires_grad)
+        _attr("down_proj|w2", mlp).weight = _param(w2[e].t().contiguous(), requires_grad)
+
+
+@torch.no_grad()
+def _rebuild_block(layer: HFMoELayer) -> nn.Module:
+    _check_exportable(layer)
+    router_w = layer.router.weight
+    block = layer.hf_block.to_empty(device=_full(router_w).device)
+    for buf in block.buffers():
+        buf.zero_()
+    layer._hf_block = [block]  # no longer on meta; the layer is dropped by the caller
+    rg = router_w.requires_grad
+    block.gate.weight = _param(_full(router_w).detach().clone(), rg)
+    _write_experts(block.experts, _full(layer.experts.w13).detach(), _full(layer.experts.w2).detach(), rg)
+    hf_bias = getattr(block.gate, "e_score_correction_bias", None)
+    if hf_bias is not None:
+        ours = layer.router.expert_bias
+        hf_bias.copy_(_full(ours).to(hf_bias.dtype) if ours is not None else torch.zeros_like(hf_bias))
+    shared, shared_gate = _shared(layer.family, block)
+    if shared is not None and layer.shared_expert is not None:
+        gate_up = _full(layer.shared_expert.gate_up.weight).detach()
+        Fs = gate_up.shape[0] // 2
+        shared.gate_proj.weight = _param(gate_up[:Fs].clone(), rg)
+        shared.up_proj.weight = _param(gate_up[Fs:].clone(), rg)
+        shared.down_proj.weight = _param(_full(layer.shared_expert.down.weight).detach().clone(), rg)
+    if shared_gate is not None and layer.shared_expert is not None and layer.shared_expert.gate is not None:
+        shared_gate.weight = _param(_full(layer.shared_expert.gate.weight).detach().clone(), rg)
+    return block
+
+
+def export_moe_blocks(model: nn.Module) -> nn.Module:
+    """Put the HF blocks back, holding the layers' current weights (inverse of :func:`swap_moe_blocks`).
+
+    Expert weights are transposed back to HF's layout; sharded (DTensor) weights are gathered
+    first; ``config.output_router_logits`` is restored. Bitwise exact: ``swap`` then ``export``
+    gives the original state dict. Raises ``ValueError`` for a layer swapped with routing
+    overrides the HF block cannot express, and when ``model`` holds no :class:`HFMoELayer`.
+    """
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, HFMoELayer)]
+    if not layers:
+        raise ValueError(
+            f"export_moe_blocks: {type(model).__name__} holds no HFMoELayer; call swap_moe_blocks(model) first."
+        )
+    restore = None
+    for name, layer in layers:
+        block = _rebuild_block(layer)
+        parent, attr = _parent_and_attr(model, name)
+        setattr(parent, attr, block)
+        restore = layer.hf_output_router_logits if restore is None else restore
+    hf_config = getattr(model, "config", None)
+    if hf_config is not None and restore is not None and hasattr(hf_config, "output_router_logits"):
+        hf_config.output_router_logits = restore
+    if any(isinstance(m, HFMoELayer) for m in model.modules()):
+        warnings.warn("export_moe_blocks: nested HFMoELayer left in place.", stacklevel=2)
+    return model

@@ -1,0 +1,407 @@
+"""Fine-grained activation recompute of the transformer blocks (a config option, not a callback).
+
+Legend: B batch, S sequence, H hidden, T = B·S tokens, K top-k, R dispatched rows (K·T when
+dropless), F expert FFN width; ``u`` is one ``[T, H]`` activation in the model dtype.
+
+``TransformerConfig(recompute=[...])`` names what a block does *not* keep for backward:
+
+==========  ========================================================================  ====================
+target      dropped in forward, rebuilt in backward                                    rebuild cost
+==========  ========================================================================  ====================
+``norm``    both RMSNorm outputs (1 u each; the attention input saved by q/k/v and     2 elementwise passes
+            the router's fp32 copy of the MoE input, 2 u), and the norms' internals
+``moe_act`` the dispatched rows ``x_RH`` (K·u: the largest tensor the MoE layer        one gather
+            saves), re-gathered from the token-order input. The SwiGLU output           (memory-bound)
+            ``a_RF`` is never saved at all: ``ops/expert_mlp.py`` recomputes it from
+            ``h_R2F`` in every configuration
+``moe``     everything inside the MoE layer                                            the layer's forward
+``attn``    everything inside the attention sublayer (q/k/v/o projections, RoPE,      the sublayer's
+            SDPA): with flash attention the core alone keeps only its output, so the   forward
+            sublayer is the useful unit
+``block``   everything inside the block                                                the block's forward
+==========  ========================================================================  ====================
+
+Why ``moe_act`` stops there: ``h_R2F = x_RH @ w13`` (2·F·K/H u) stays saved, because rebuilding it
+costs the first grouped GEMM (2/9 of the experts' FLOPs) — not cheap. ``x_RH`` is a pure copy
+of ``K`` rows per token, so a gather rebuilds it from a ``[T, H]`` source that is kept anyway.
+
+Two mechanisms:
+
+1. *Rebuild on unpack* (``norm``, ``moe_act``): while the block runs forward, a
+   ``saved_tensors_hooks`` pair watches what autograd saves. A tensor registered as rebuildable
+   (a norm output, the dispatched rows) — or a view of it, or a dtype cast of a reshape of it —
+   is replaced by a small token holding the recipe; the unpack hook rebuilds it once, shared by all
+   its consumers, right before the first consumer's backward. A rebuild runs the same kernels on
+   the same inputs, so values — and therefore losses and gradients — are bitwise identical.
+   Tensors the scope does not rebuild go to an enclosing hook pair (e.g. ``CPUOffload``) if any.
+2. *Checkpoint* (``moe``, ``attn``, ``block``, and the norms' internals):
+   ``torch.utils.checkpoint(use_reentrant=False)``. For regions holding an MoE layer a guard
+   makes the recomputed forward see the layer's bookkeeping buffers (expert-bias counts, global
+   aux-loss counts) as they were before the original forward, and restores them after, so the
+   recompute neither counts tokens twice nor changes the aux-loss gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_moe.moe.dispatch import DispatchedTokens, LocalDispatcher
+from lightning_moe.moe.layer import MoELayer
+from lightning_moe.ops.permute import permute_rows_reference
+
+__all__ = [
+    "RECOMPUTE_TARGETS",
+    "RecomputePlan",
+    "RecomputeScope",
+    "RecomputeTarget",
+    "guarded_checkpoint",
+    "validate_recompute",
+]
+
+RecomputeTarget = Literal["norm", "moe_act", "moe", "attn", "block"]
+RECOMPUTE_TARGETS: tuple[str, ...] = ("norm", "moe_act", "moe", "attn", "block")
+
+# Autograd nodes of ops that only reinterpret a contiguous tensor's shape (element order kept).
+_RESHAPE_NODES = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "AliasBackward0"})
+
+
+def validate_recompute(targets: Sequence[str], owner: str = "TransformerConfig") -> tuple[str, ...]:
+    """Check a ``recompute`` list; return it as a tuple. Raises ``ValueError`` naming the fix."""
+    if isinstance(targets, str):
+        raise ValueError(f"{owner}: recompute={targets!r} must be a list of names; write recompute=[{targets!r}].")
+    seen: list[str] = []
+    for t in targets:
+        if t not in RECOMPUTE_TARGETS:
+            raise ValueError(
+                f"{owner}: recompute entry {t!r} is unknown; choose from {list(RECOMPUTE_TARGETS)}."
+            )
+        if t in seen:
+            raise ValueError(f"{owner}: recompute={list(targets)} lists {t!r} twice; list it once.")
+        seen.append(t)
+    if "block" in seen and len(seen) > 1:
+        raise ValueError(
+            f"{owner}: recompute={seen} combines 'block' with finer targets, but 'block' already "
+            "recomputes everything inside the block; use recompute=['block'] alone."
+        )
+    if "moe" in seen and "moe_act" in seen:
+        raise ValueError(
+            f"{owner}: recompute={seen} combines 'moe' with 'moe_act', but 'moe' already recomputes the "
+            "whole MoE layer; drop 'moe_act'."
+        )
+    return tuple(seen)
+
+
+@dataclass(frozen=True)
+class RecomputePlan:
+    """The validated ``recompute`` list of one block as flags."""
+
+    norm: bool = False
+    moe_act: bool = False
+    moe: bool = False
+    attn: bool = False
+    block: bool = False
+
+    @classmethod
+    def from_targets(cls, targets: Sequence[str], owner: str = "TransformerConfig") -> RecomputePlan:
+        names = validate_recompute(targets, owner)
+        return cls(**{name: True for name in names})
+
+    @property
+    def enabled(self) -> bool:
+        return self.norm or self.moe_act or self.moe or self.attn or self.block
+
+    def targets(self) -> list[str]:
+        return [name for name in RECOMPUTE_TARGETS if getattr(self, name)]
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoint with a guard for the MoE bookkeeping
+
+
+def _moe_state(owner: nn.Module) -> list[tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]], dict[str, Any]]]:
+    """Clones of every buffer inside each MoE layer under ``owner``, and its ``last_*`` hooks."""
+    state = []
+    for layer in owner.modules():
+        if isinstance(layer, MoELayer):
+            buffers = [(b, b.detach().clone()) for b in layer.buffers()]
+            published = {k: v for k, v in vars(layer).items() if k.startswith("last_")}
+            state.append((layer, buffers, published))
+    return state
+
+
+@torch.no_grad()
+def _restore(state: list[tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]], dict[str, Any]]]) -> None:
+    for layer, buffers, published in state:
+        for buf, saved in buffers:
+            buf.copy_(saved)  # in place: CUDA graphs and optimizers may hold the buffer's address
+        for key, value in published.items():
+            setattr(layer, key, value)
+
+
+def guarded_checkpoint(owner: nn.Module, fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
+    """``checkpoint(fn, *args, use_reentrant=False)`` that keeps MoE bookkeeping exact.
+
+    Forward side effects of the MoE layers under ``owner`` (``+=`` on expert-bias and global
+    aux-loss counts, the ``last_*`` attributes) happen once: the recomputation in backward starts
+    from the buffers as they were before the original forward, and leaves them as they were after.
+    """
+    before = _moe_state(owner)
+    calls = [0]
+
+    def run(*inner: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 1 or not before:
+            return fn(*inner)
+        after = _moe_state(owner)
+        _restore(before)
+        try:
+            return fn(*inner)
+        finally:  # also when checkpoint stops the recomputation early
+            _restore(after)
+
+    return checkpoint(run, *args, use_reentrant=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# rebuild on unpack
+
+
+class _Rebuild:
+    """One rebuildable tensor: its recipe, and the rebuilt value while consumers still need it."""
+
+    def __init__(self, recipe: Callable[[], torch.Tensor], like: torch.Tensor) -> None:
+        self.recipe = recipe
+        self.numel = like.numel()
+        self.dtype = like.dtype
+        self.pending = 0  # tokens packed and not yet unpacked
+        self.value: torch.Tensor | None = None
+        self.on_first_pack: Callable[[], None] | None = None
+
+    def packed(self) -> None:
+        if self.pending == 0 and self.on_first_pack is not None:
+            self.on_first_pack()
+            self.on_first_pack = None
+        self.pending += 1
+
+    def get(self) -> torch.Tensor:
+        if self.value is None:
+            self.value = self.recipe()
+        return self.value
+
+    def release(self) -> None:
+        self.pending -= 1
+        if self.pending <= 0:
+            self.value = None
+
+
+@dataclass
+class _Token:
+    """What autograd holds instead of a rebuildable tensor (a view of it, or a cast reshape)."""
+
+    entry: _Rebuild
+    size: torch.Size
+    stride: tuple[int, ...] | None  # None: ``reshape(size).to(cast)``
+    offset: int
+    cast: torch.dtype | None
+
+
+@dataclass
+class _Delegated:
+    """A tensor handed to the enclosing saved-tensor hooks (e.g. CPUOffload's)."""
+
+    unpack: Callable[[Any], torch.Tensor]
+    payload: Any
+
+
+def _covers_storage(t: torch.Tensor) -> bool:
+    """Contiguous from offset 0 over its whole storage, so any view maps back by ``as_strided``."""
+    return (
+        t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.numel() * t.element_size() == t.untyped_storage().nbytes()
+    )
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A dense tensor with a storage (not a subclass such as DTensor, not sparse)."""
+    return (type(t) is torch.Tensor or type(t) is nn.Parameter) and t.layout == torch.strided
+
+
+def _norm_recipe(norm: nn.Module, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def rebuild() -> torch.Tensor:
+        # Same grad mode and requires_grad as the forward, so the same kernels run.
+        with torch.enable_grad():
+            return norm(x.detach().requires_grad_(x.requires_grad)).detach()
+
+    return rebuild
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    if isinstance(packed, _Token):
+        full = packed.entry.get()
+        if packed.cast is None:
+            out = full.as_strided(packed.size, packed.stride, packed.offset)  # type: ignore[arg-type]
+        else:
+            out = full.reshape(packed.size).to(packed.cast)
+        packed.entry.release()
+        return out
+    if isinstance(packed, _Delegated):
+        return packed.unpack(packed.payload)
+    return packed
+
+
+class _RegatherDispatcher:
+    """Stands in for a :class:`LocalDispatcher` during one MoE forward under ``moe_act``."""
+
+    def __init__(self, inner: LocalDispatcher, scope: RecomputeScope) -> None:
+        self.inner = inner
+        self.scope = scope
+        self.num_local_experts = inner.num_local_experts
+
+    def dispatch(
+        self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, capacity: int | None
+    ) -> tuple[DispatchedTokens, Any]:
+        dispatched, handle = self.inner.dispatch(x_TH, topk_ids_TK, topk_weights_TK, capacity)
+        self.scope.register_gather(dispatched.x_RH, x_TH, handle.perm.src_token_R)
+        return dispatched, handle
+
+    def combine(self, y_RH: torch.Tensor, handle: Any, weighted: bool) -> torch.Tensor:
+        return self.inner.combine(y_RH, handle, weighted)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class RecomputeScope:
+    """Context for one block forward: applies a :class:`RecomputePlan` to its parts.
+
+    Stages the block calls, in order: :meth:`norm` (attention norm), :meth:`attention`,
+    :meth:`norm` (FFN norm), :meth:`ffn`. With no target (or grad disabled) each is a plain call.
+    """
+
+    def __init__(self, plan: RecomputePlan) -> None:
+        self.plan = plan
+        self.active = plan.enabled and not plan.block and torch.is_grad_enabled()
+        self._hooks = self.active and (plan.norm or plan.moe_act)
+        self._by_storage: dict[int, tuple[_Rebuild, torch.Tensor]] = {}
+        self._by_node: dict[Any, _Rebuild] = {}
+        self._outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
+
+    def __enter__(self) -> RecomputeScope:
+        if self._hooks:
+            top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+            self._outer = top(False) if top is not None else None
+            torch._C._autograd._push_saved_tensors_default_hooks(self._pack, _unpack)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._hooks:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        # Tokens keep what they need; the registry (and the autograd nodes it names) goes.
+        self._by_storage.clear()
+        self._by_node.clear()
+        self._outer = None
+
+    # --- the block's parts ---------------------------------------------------------------------
+
+    def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not (self.active and self.plan.norm):
+            return norm(x)
+        # The checkpoint keeps only x (which the residual stream holds anyway) for the norm's own
+        # backward; the output is registered so that its consumers do not keep it either.
+        y = checkpoint(norm, x, use_reentrant=False)
+        self._register(y, _norm_recipe(norm, x))
+        return y
+
+    def attention(self, attn: nn.Module, h: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        if self.active and self.plan.attn:
+            return checkpoint(attn, h, *args, use_reentrant=False)
+        return attn(h, *args)
+
+    def ffn(self, ffn: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        if self.active and self.plan.moe:
+            return guarded_checkpoint(ffn, ffn, h)
+        if (
+            self.active
+            and self.plan.moe_act
+            and isinstance(ffn, MoELayer)
+            and type(ffn.dispatcher) is LocalDispatcher  # rows from an all-to-all are not cheap to rebuild
+        ):
+            inner = ffn.dispatcher
+            ffn.dispatcher = _RegatherDispatcher(inner, self)  # type: ignore[assignment]
+            try:
+                return ffn(h)
+            finally:
+                ffn.dispatcher = inner
+        return ffn(h)
+
+    # --- registry ------------------------------------------------------------------------------
+
+    def _register(self, y: torch.Tensor, recipe: Callable[[], torch.Tensor]) -> _Rebuild | None:
+        if not (_plain(y) and y.requires_grad and _covers_storage(y)):
+            return None
+        entry = _Rebuild(recipe, y)
+        # The tensor itself is held only while the scope is open, so its storage address cannot be
+        # reused by another tensor while it is a registry key.
+        self._by_storage[y.untyped_storage().data_ptr()] = (entry, y)
+        if y.grad_fn is not None:
+            self._by_node[y.grad_fn] = entry
+        return entry
+
+    def register_gather(self, x_RH: torch.Tensor, x_TH: torch.Tensor, src_R: torch.Tensor) -> None:
+        """``x_RH = x_TH[src_R]``: rebuild it by a gather instead of saving it."""
+        source = self._lookup_storage(x_TH)
+        if source is not None:  # x_TH is itself rebuildable (a norm output): chain the rebuilds
+            norm_entry, shape = source, x_TH.shape
+
+            def recipe() -> torch.Tensor:
+                src = norm_entry.get().reshape(shape)
+                out = permute_rows_reference(src, src_R)
+                norm_entry.release()
+                return out
+
+            entry = self._register(x_RH, recipe)
+            if entry is not None:
+                entry.on_first_pack = norm_entry.packed
+        else:
+            kept_TH = x_TH.detach()
+            self._register(x_RH, lambda: permute_rows_reference(kept_TH, src_R))
+
+    def _lookup_storage(self, t: torch.Tensor) -> _Rebuild | None:
+        if not _plain(t):
+            return None
+        hit = self._by_storage.get(t.untyped_storage().data_ptr())
+        if hit is None or hit[0].dtype != t.dtype or not t.is_contiguous() or t.storage_offset() != 0:
+            return None
+        return hit[0] if t.numel() == hit[0].numel else None
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if self._by_storage and _plain(t):
+            hit = self._by_storage.get(t.untyped_storage().data_ptr())
+            if hit is not None and hit[0].dtype == t.dtype:
+                hit[0].packed()
+                return _Token(hit[0], t.size(), t.stride(), t.storage_offset(), None)
+            entry = self._cast_of_registered(t)
+            if entry is not None:
+                entry.packed()
+                return _Token(entry, t.size(), None, 0, t.dtype)
+        if self._outer is not None:
+            return _Delegated(self._outer[1], self._outer[0](t))
+        return t
+
+    def _cast_of_registered(self, t: torch.Tensor) -> _Rebuild | None:
+        """``t = registered.reshape(...).to(dtype)`` (the router's fp32 copy of its input)?"""
+        node = t.grad_fn
+        if node is None or node.name() != "ToCopyBackward0" or not t.is_contiguous():
+            return None
+        src = node.next_functions[0][0]
+        if src is not None and src.name() in _RESHAPE_NODES:
+            src = src.next_functions[0][0]
+        entry = self._by_node.get(src) if src is not None else None
+        return entry if entry is not None and entry.numel == t.numel() else None

@@ -1,0 +1,145 @@
+"""Differentiable collectives the expert-parallel dispatchers are built from.
+
+Legend: R rows, H hidden. Every function takes its process group as a required argument
+(never WORLD by default) and is an ``autograd.Function`` whose backward is the adjoint
+collective:
+
+============================  ==========================  ==========================
+function                      forward                     backward
+============================  ==========================  ==========================
+``all_to_all_rows``           A2A(group), uneven splits   A2A(group), splits swapped
+``copy_to_group``             identity                    all-reduce sum (group)
+``reduce_from_group``         all-reduce sum (group)      identity
+``all_gather_rows``           all-gather, uneven rows     reduce-scatter (sum), rows
+``reduce_scatter_rows``       reduce-scatter (sum), rows  all-gather, rows
+============================  ==========================  ==========================
+
+``copy_to_group``/``reduce_from_group`` are Megatron's "copy to / reduce from the tensor-parallel
+region": the first marks an input every rank of the group holds identically (its gradient is a
+partial sum per rank), the second sums partial outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = [
+    "all_gather_rows",
+    "all_to_all_rows",
+    "copy_to_group",
+    "reduce_from_group",
+    "reduce_scatter_rows",
+]
+
+
+def _a2a(x_RH: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup) -> torch.Tensor:
+    x_RH = x_RH.contiguous()
+    out = x_RH.new_empty((sum(out_splits), *x_RH.shape[1:]))
+    dist.all_to_all_single(out, x_RH, out_splits, in_splits, group=group)
+    return out
+
+
+class _AllToAllRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RH: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup):  # type: ignore[override]
+        ctx.splits = (out_splits, in_splits)
+        ctx.group = group
+        return _a2a(x_RH, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad_RH: torch.Tensor):  # type: ignore[override]
+        out_splits, in_splits = ctx.splits
+        return _a2a(grad_RH, in_splits, out_splits, ctx.group), None, None, None
+
+
+def all_to_all_rows(
+    x_RH: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup
+) -> torch.Tensor:
+    """Send ``in_splits[j]`` leading rows to rank j of ``group``, receive ``out_splits[j]`` from it."""
+    return _AllToAllRows.apply(x_RH, out_splits, in_splits, group)
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def copy_to_group(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Identity forward; the gradient is all-reduced (summed) over ``group`` in backward."""
+    return _CopyToGroup.apply(x, group)
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
+
+
+def reduce_from_group(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """All-reduce (sum) partial results over ``group``; the gradient passes through unchanged."""
+    return _ReduceFromGroup.apply(x, group)
+
+
+def _gather_rows(x_RH: torch.Tensor, rows: list[int], group: ProcessGroup) -> torch.Tensor:
+    # Uneven all-gather as an all-to-all: every rank sends its rows to every rank.
+    n = len(rows)
+    x_RH = x_RH.contiguous()
+    send = x_RH.repeat((n,) + (1,) * (x_RH.dim() - 1)) if n > 1 else x_RH
+    return _a2a(send, rows, [x_RH.shape[0]] * n, group)
+
+
+def _scatter_rows(x_RH: torch.Tensor, rows: list[int], rank: int, group: ProcessGroup) -> torch.Tensor:
+    # Uneven reduce-scatter as an all-to-all of the blocks followed by a local sum.
+    n = len(rows)
+    recv = _a2a(x_RH, [rows[rank]] * n, rows, group)
+    return recv.view(n, rows[rank], *x_RH.shape[1:]).sum(0)
+
+
+class _AllGatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RH: torch.Tensor, rows: list[int], rank: int, group: ProcessGroup):  # type: ignore[override]
+        ctx.args = (rows, rank, group)
+        return _gather_rows(x_RH, rows, group)
+
+    @staticmethod
+    def backward(ctx, grad_RH: torch.Tensor):  # type: ignore[override]
+        rows, rank, group = ctx.args
+        return _scatter_rows(grad_RH, rows, rank, group), None, None, None
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RH: torch.Tensor, rows: list[int], rank: int, group: ProcessGroup):  # type: ignore[override]
+        ctx.args = (rows, rank, group)
+        return _scatter_rows(x_RH, rows, rank, group)
+
+    @staticmethod
+    def backward(ctx, grad_RH: torch.Tensor):  # type: ignore[override]
+        rows, rank, group = ctx.args
+        return _gather_rows(grad_RH, rows, group), None, None, None
+
+
+def all_gather_rows(x_RH: torch.Tensor, rows: list[int], rank: int, group: ProcessGroup) -> torch.Tensor:
+    """Concatenate every rank's rows (``rows[j]`` from rank j) in rank order; backward reduce-scatters."""
+    return _AllGatherRows.apply(x_RH, rows, rank, group)
+
+
+def reduce_scatter_rows(x_RH: torch.Tensor, rows: list[int], rank: int, group: ProcessGroup) -> torch.Tensor:
+    """Sum the gathered layout over ranks and keep this rank's ``rows[rank]`` block; backward all-gathers."""
+    return _ReduceScatterRows.apply(x_RH, rows, rank, group)

@@ -1,0 +1,95 @@
+"""The tiny model, data and one-process reference shared by the Trainer-level dist tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+from lightning_moe.config import MoEConfig
+from lightning_moe.lit import MoELanguageModel
+from lightning_moe.models.transformer import TransformerConfig
+from lightning_moe.moe.utils import set_aux_loss_scale
+
+VOCAB, SEQ, BATCH, NUM_SAMPLES = 64, 8, 2, 48
+ACCUM, STEPS, CLIP, LR = 2, 3, 0.05, 0.5
+
+
+def model_config() -> TransformerConfig:
+    moe = MoEConfig(
+        hidden_size=32,
+        ffn_hidden_size=16,
+        num_experts=8,
+        top_k=2,
+        aux_loss="switch",
+        aux_loss_coeff=0.01,
+        z_loss_coeff=1e-3,
+        shared_expert_ffn_size=16,
+    )
+    return TransformerConfig(
+        vocab_size=VOCAB, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, moe=moe,
+        num_dense_layers=1, dense_ffn_hidden_size=32, max_seq_len=SEQ,
+    )  # fmt: skip
+
+
+class TokenData(Dataset):
+    def __len__(self) -> int:
+        return NUM_SAMPLES
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 + i)
+        w = torch.randint(0, VOCAB, (SEQ + 1,), generator=g)
+        return {"input_ids": w[:-1], "labels": w[1:]}
+
+
+class RecordingLM(MoELanguageModel):
+    """MoELanguageModel with SGD (no schedule) and every micro-batch loss recorded."""
+
+    def __init__(self) -> None:
+        super().__init__(model_config(), log_layer_load=False)
+        self.recorded: list[float] = []
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.recorded.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TokenData(), batch_size=BATCH, shuffle=False)
+
+
+def reference(dp: int, steps: int = STEPS) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """One process, exactly equivalent: each DP shard is its own micro-batch, scaled by 1/(DP*ACCUM).
+
+    Lightning always gives a training loader a shuffling DistributedSampler (seed 0, epoch 0).
+
+    Returns ``losses[micro_batch][dp_rank]`` and the final parameters.
+    """
+    torch.manual_seed(0)
+    lm = RecordingLM()
+    model = lm.model
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    data = TokenData()
+    orders = [list(DistributedSampler(data, num_replicas=dp, rank=d, shuffle=True, seed=0)) for d in range(dp)]
+    losses: list[list[float]] = []
+    set_aux_loss_scale(model, 1.0 / (dp * ACCUM))
+    for step in range(steps):
+        for micro in range(ACCUM):
+            row = []
+            for d in range(dp):
+                b = step * ACCUM + micro
+                idx = orders[d][b * BATCH : (b + 1) * BATCH]
+                batch = torch.utils.data.default_collate([data[i] for i in idx])
+                loss = lm._lm_loss(batch)
+                (loss / (dp * ACCUM)).backward()
+                row.append(float(loss.detach()))
+            losses.append(row)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    return losses, {f"model.{k}": v.detach().clone() for k, v in model.named_parameters()}

@@ -1,0 +1,55 @@
+"""Worker: Trainer.fit with FoldedMoEStrategy for several layouts in one torchrun job.
+
+``python worker_fit.py OUT_DIR tp=2,ep=4 tp=1,ep=4 ...``: for each layout, 3 optimizer steps
+with gradient accumulation 2 and clipping; rank 0 writes ``OUT_DIR/<layout>.pt`` with every
+rank's micro-batch losses, the DP coordinate of each rank and the final full parameters.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+import lightning_moe  # noqa: F401 - registers "folded_moe"
+from _models import ACCUM, CLIP, STEPS, RecordingLM
+from lightning_moe.parallel.checkpoint import gather_full_state
+from lightning_moe.strategies import FoldedMoEStrategy
+
+
+def parse(spec: str) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for item in spec.split(","):
+        k, v = item.split("=")
+        out[k] = v if k in ("dispatcher", "order") else int(v)
+    return out
+
+
+def fit_one(spec: str, out_dir: Path, world: int) -> None:
+    torch.manual_seed(0)
+    model = RecordingLM()
+    strategy = FoldedMoEStrategy(**parse(spec), timeout=timedelta(seconds=90))  # type: ignore[arg-type]
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=ACCUM,
+        gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(model)
+    state = gather_full_state(model)
+    losses = [None] * world
+    dist.all_gather_object(losses, (strategy.folded_mesh.rank("dp"), model.recorded))
+    if dist.get_rank() == 0:
+        torch.save({"losses": losses, "state": state}, out_dir / f"{spec}.pt")
+        print(f"DONE {spec}", flush=True)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    out = Path(sys.argv[1])
+    world = int(__import__("os").environ["WORLD_SIZE"])
+    for spec in sys.argv[2:]:
+        fit_one(spec, out, world)

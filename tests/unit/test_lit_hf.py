@@ -1,0 +1,85 @@
+"""HFMoELanguageModel: the HF recipe runs through the CLI, and the module builds what it says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from lightning_moe.cli import main  # noqa: E402
+from lightning_moe.lit_hf import HFMoELanguageModel  # noqa: E402
+from lightning_moe.models.hf import HFMoELayer  # noqa: E402
+from lightning_moe.moe.utils import find_moe_layers  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "hf_qwen3_moe_tiny.yaml"
+TINY = {
+    "model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+    "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 8, "num_experts": 8, "num_experts_per_tok": 2,
+}  # fmt: skip
+
+
+def test_hf_recipe_yaml_fits_three_steps_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    main(
+        [
+            "fit",
+            "--config",
+            str(CONFIG),
+            "--trainer.max_steps=3",
+            "--trainer.val_check_interval=3",
+            "--trainer.limit_val_batches=1",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false",
+            "--trainer.log_every_n_steps=1",
+            "--data.init_args.max_bytes=300000",
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+        ]
+    )
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("validation loss:")][-1]
+    assert "at step 3" in line
+    metrics = (next(tmp_path.rglob("metrics.csv"))).read_text()
+    assert "train/load_balancing_loss" in metrics and "train/loss" in metrics
+
+
+def test_module_swaps_blocks_and_counts_active_params() -> None:
+    lit = HFMoELanguageModel(hf_config=TINY, moe={"experts_backend": "loop"})
+    layers = find_moe_layers(lit.model)
+    assert len(layers) == 2 and all(isinstance(m, HFMoELayer) for _, m in layers)
+    assert {m.config.experts_backend for _, m in layers} == {"loop"}
+    total_experts = sum(p.numel() for _, m in layers for p in m.experts.parameters())
+    embed = lit.model.get_input_embeddings().weight.numel()
+    all_params = sum(p.numel() for p in lit.parameters())
+    assert lit.num_active_params() == all_params - embed - total_experts + total_experts * 2 // 8
+    ids = torch.randint(0, 64, (2, 8))
+    loss = lit._lm_loss({"input_ids": ids, "labels": ids})
+    assert loss.ndim == 0 and torch.isfinite(loss)
+
+
+def test_module_without_swap_keeps_hf_blocks() -> None:
+    lit = HFMoELanguageModel(hf_config=TINY, swap=False, experts_implementation="eager")
+    assert not find_moe_layers(lit.model)
+    assert lit.model.config._experts_implementation == "eager"
+
+
+def test_module_loads_a_local_checkpoint_directory(tmp_path: Path) -> None:
+    ref = HFMoELanguageModel(hf_config=TINY, swap=False)
+    ref.model.save_pretrained(tmp_path)
+    lit = HFMoELanguageModel(pretrained=str(tmp_path))
+    ids = torch.randint(0, 64, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(lit.eval()(ids), ref.eval()(ids), atol=1e-5, rtol=1e-5)
+
+
+def test_module_needs_exactly_one_source() -> None:
+    with pytest.raises(ValueError, match="exactly one of hf_config"):
+        HFMoELanguageModel()
+    with pytest.raises(ValueError, match="has no model_type"):
+        HFMoELanguageModel(hf_config={"hidden_size": 8})
+
+
+def test_module_rejects_missing_checkpoint_directory(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="has no config.json"):
+        HFMoELanguageModel(pretrained=str(tmp_path))

@@ -1,0 +1,124 @@
+"""FoldedMoEStrategy without processes: registration, the three ways in, bad input before any group."""
+
+from __future__ import annotations
+
+import types
+
+import lightning.pytorch as pl
+import pytest
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_moe
+from lightning_moe.config import MoEConfig
+from lightning_moe.lit import MoELanguageModel
+from lightning_moe.models.transformer import TransformerConfig
+from lightning_moe.parallel.grad import expert_grad_scale
+from lightning_moe.parallel.layout import FoldedLayout
+from lightning_moe.strategies import FabricFoldedMoEStrategy, FoldedMoEStrategy, register_strategies
+from lightning_moe.strategies.fabric import _folded_layout
+
+
+def _lm(num_experts: int = 8, ffn: int = 16, heads: int = 4) -> MoELanguageModel:
+    moe = MoEConfig(hidden_size=32, ffn_hidden_size=ffn, num_experts=num_experts, top_k=2)
+    return MoELanguageModel(TransformerConfig(vocab_size=32, hidden_size=32, num_layers=1, num_heads=heads, moe=moe))
+
+
+def test_import_registers_folded_moe_in_trainer_and_fabric_registries() -> None:
+    assert StrategyRegistry["folded_moe"]["strategy"] is FoldedMoEStrategy
+    assert STRATEGY_REGISTRY["folded_moe"]["strategy"] is FabricFoldedMoEStrategy
+    register_strategies()  # idempotent
+    register_strategies()
+    assert lightning_moe.FoldedMoEStrategy is FoldedMoEStrategy
+
+
+def test_trainer_accepts_the_string_form() -> None:
+    trainer = pl.Trainer(strategy="folded_moe", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, FoldedMoEStrategy)
+
+
+def test_trainer_accepts_the_object_form() -> None:
+    strategy = FoldedMoEStrategy(tp=2, ep=2)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=4, logger=False)
+    assert trainer.strategy is strategy
+    assert (strategy.tp, strategy.ep, strategy.dp) == (2, 2, "auto")
+
+
+def test_mesh_read_before_setup_raises() -> None:
+    with pytest.raises(RuntimeError, match="setup_environment"):
+        FoldedMoEStrategy(ep=2).folded_mesh
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"pp": 2}, "pp=2 is not supported; pipeline parallel comes later"),
+        ({"order": "tp-cp-xx-dp-pp"}, "order='tp-cp-xx-dp-pp' has unknown token 'xx'"),
+        ({"cp": 2}, "cp=2 is not supported yet"),
+        ({"ep": 0}, "ep=0 must be a positive int"),
+        ({"dp": 0}, "dp=0 must be 'auto' or a positive int"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        FoldedMoEStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("world", "kwargs", "match"),
+    [
+        (6, {"tp": 4}, r"tp\*cp\*pp=4 .* must divide world_size=6"),
+        (6, {"ep": 4}, r"etp\*ep\*pp=4 .* must divide world_size=6"),
+        (8, {"tp": 2, "dp": 2}, r"dp=2 but world_size=8 / \(tp=2 \* cp=1 \* pp=1\) = 4"),
+        (8, {"ep": 2, "edp": 2}, r"edp=2 but world_size=8 / \(etp=1 \* ep=2 \* pp=1\) = 4"),
+    ],
+)
+def test_world_size_rules_fail_before_any_process_group(world: int, kwargs: dict, match: str) -> None:
+    full = {"tp": 1, "cp": 1, "ep": 1, "etp": 1, "pp": 1, "dp": "auto", "edp": "auto", "order": "tp-cp-ep-dp-pp"}
+    with pytest.raises(ValueError, match=match):
+        _folded_layout("FoldedMoEStrategy", world, **(full | kwargs))
+
+
+def _env_strategy(world: int, model: MoELanguageModel, **kwargs: object) -> FoldedMoEStrategy:
+    """A strategy whose setup_environment can run up to its checks without launching processes."""
+    strategy = FoldedMoEStrategy(**kwargs)  # type: ignore[arg-type]
+    strategy.parallel_devices = [None] * world  # type: ignore[list-item]
+    strategy._lightning_module = model
+    called = []
+    strategy._setup_distributed = types.MethodType(lambda self: called.append(1), strategy)  # type: ignore[method-assign]
+    return strategy
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "model_kwargs", "match"),
+    [
+        ({"ep": 4}, {"num_experts": 6}, r"ep=4 must divide num_experts=6"),
+        ({"ep": 2, "etp": 2, "tp": 2}, {"ffn": 15}, r"etp=2 must divide ffn_hidden_size=15"),
+        ({"tp": 4}, {"heads": 2}, r"tp=4 must divide the 2 query and 2 key/value heads"),
+        ({"etp": 2}, {}, r"etp=2 with tp=1 .* outside one TP group"),
+    ],
+)
+def test_model_rules_fail_in_setup_environment_before_any_collective(
+    kwargs: dict, model_kwargs: dict, match: str
+) -> None:
+    strategy = _env_strategy(8, _lm(**model_kwargs), **kwargs)
+    with pytest.raises(ValueError, match=match):
+        strategy.setup_environment()
+
+
+def test_pytorch_lightning_namespace_is_rejected_with_a_clear_error() -> None:
+    pytorch_lightning = pytest.importorskip("pytorch_lightning")
+
+    class Legacy(pytorch_lightning.LightningModule):
+        pass
+
+    with pytest.raises(TypeError, match="`pytorch_lightning` namespace; lightning-moe supports the `lightning`"):
+        FoldedMoEStrategy().connect(Legacy())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("world", "kwargs", "scale"),
+    [(4, {"ep": 4}, 1 / 4), (4, {"ep": 2}, 1 / 2), (4, {"tp": 2, "ep": 4}, 1 / 4), (4, {"tp": 2, "ep": 2, "etp": 2}, 1 / 2)],
+)
+def test_expert_grad_scale_ends_at_the_data_parallel_average(world: int, kwargs: dict, scale: float) -> None:
+    assert expert_grad_scale(FoldedLayout(world, **kwargs)) == pytest.approx(scale)
