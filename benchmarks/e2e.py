@@ -12,8 +12,9 @@ contender, trained by ``lightning.Trainer`` in this one process:
 * ``hf``                 — the HF ``Qwen3MoeForCausalLM`` as it is, experts_implementation
                            ``grouped_mm`` (fallback printed), in a plain ``LightningModule``, ``auto``.
 
-Per contender: tokens/s over the timed steps (after warm-up; CUDA-synchronised wall clock
-around each training step incl. optimizer), MFU, and peak memory (``max_memory_allocated`` over
+Per contender: tokens/s = tokens per step / median step time over the timed steps (after
+warm-up; CUDA-synchronised wall clock around each training step incl. optimizer; the mean-based
+figure is reported too), MFU, and peak memory (``max_memory_allocated`` over
 the whole fit: weights, gradients, AdamW state, activations). Ratios against ``hf``.
 FLOPs per token = 6 * N_active + 6 * L * S * n_heads * head_dim, where N_active counts every
 parameter a token touches except the input embedding (routed experts scaled by K/E; the LM head
@@ -44,11 +45,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import lightning as L  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["Shape", "CONTENDERS", "PEAK_FLOPS", "flops_per_token", "active_params", "run", "main"]
+__all__ = ["CONTENDERS", "PEAK_FLOPS", "Shape", "active_params", "flops_per_token", "main", "run"]
 
 PEAK_FLOPS = 989e12  # H200 SXM dense bf16
 CONTENDERS = ("lightning_moe", "lightning_moe_hf", "hf")
@@ -224,9 +225,9 @@ def build_lightning_moe(shape: Shape, device: str) -> tuple[L.LightningModule, d
     moe = MoEConfig(hidden_size=shape.hidden, ffn_hidden_size=shape.expert_ffn, num_experts=shape.experts,
                     top_k=shape.top_k, score_func="softmax", pre_softmax=True, norm_topk_prob=True,
                     aux_loss="switch", aux_loss_coeff=shape.aux_loss_coeff)  # fmt: skip
-    kwargs: dict[str, Any] = dict(vocab_size=shape.vocab, hidden_size=shape.hidden, num_layers=shape.layers,
-                                  num_heads=shape.heads, num_kv_heads=shape.kv_heads, moe=moe,
-                                  max_seq_len=shape.seq_len, rope_theta=1e6, norm_eps=1e-6)  # fmt: skip
+    kwargs: dict[str, Any] = {"vocab_size": shape.vocab, "hidden_size": shape.hidden, "num_layers": shape.layers,
+                                  "num_heads": shape.heads, "num_kv_heads": shape.kv_heads, "moe": moe,
+                                  "max_seq_len": shape.seq_len, "rope_theta": 1e6, "norm_eps": 1e-6}  # fmt: skip
     names = {f.name for f in fields(TransformerConfig)}
     if "head_dim" in names:
         kwargs["head_dim"] = shape.head_dim
@@ -259,8 +260,9 @@ def _dtype_name(shape: Shape) -> str:
 
 def folded_moe_available() -> bool:
     try:
-        import lightning_moe  # noqa: F401 - registers the strategy names
         from lightning.pytorch.strategies import StrategyRegistry
+
+        import lightning_moe  # noqa: F401 - registers the strategy names
     except ImportError:
         return False
     return "folded_moe" in StrategyRegistry
@@ -280,7 +282,9 @@ def run_one(name: str, shape: Shape, device: str, strategy: str) -> dict[str, An
     n_active = active_params(lit, shape.top_k, shape.experts)
     timer = StepTimer()
     total_steps = shape.warmup + shape.steps
-    data = DataLoader(RandomTokens(total_steps * shape.batch_size, shape.seq_len, shape.vocab), batch_size=shape.batch_size)
+    data = DataLoader(
+        RandomTokens(total_steps * shape.batch_size, shape.seq_len, shape.vocab), batch_size=shape.batch_size
+    )
     trainer = L.Trainer(
         accelerator="gpu" if device == "cuda" else "cpu", devices=1, strategy=strategy, precision=shape.precision,
         max_steps=total_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -294,12 +298,12 @@ def run_one(name: str, shape: Shape, device: str, strategy: str) -> dict[str, An
     timed = timer.times[shape.warmup :]
     if len(timed) != shape.steps:
         raise RuntimeError(f"{name}: timed {len(timed)} steps, expected {shape.steps}")
-    seconds = sum(timed)
-    tokens = shape.steps * shape.batch_size * shape.seq_len
-    tok_s = tokens / seconds
+    median = sorted(timed)[len(timed) // 2]
+    tok_s = shape.batch_size * shape.seq_len / median  # median step: robust to a stray slow step
     fpt = flops_per_token(n_active, shape, _head_dim(lit, shape, notes))
     result = {
-        "strategy": strategy, "tokens_per_s": tok_s, "step_ms_median": 1e3 * sorted(timed)[len(timed) // 2],
+        "strategy": strategy, "tokens_per_s": tok_s, "step_ms_median": 1e3 * median,
+        "tokens_per_s_mean": shape.steps * shape.batch_size * shape.seq_len / sum(timed),
         "step_ms": [round(1e3 * t, 2) for t in timed], "mfu": tok_s * fpt / PEAK_FLOPS, "flops_per_token": fpt,
         "active_params": n_active, "total_params": sum(p.numel() for p in lit.parameters()),
         "peak_memory_gib": peak, **notes,
@@ -332,6 +336,8 @@ def run(shape: Shape, only: tuple[str, ...] = CONTENDERS, strategy: str | None =
             print(f"[{name}] FAILED: {type(err).__name__}: {err}\n{tb}", flush=True)
             results[name] = {"error": f"{type(err).__name__}: {err}", "strategy": strat}
             gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
         r = results[name]
         if "error" not in r:
             peak = "n/a" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.2f} GiB"

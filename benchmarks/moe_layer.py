@@ -28,9 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import peers  # noqa: E402  (the peer implementations, benchmarks/peers.py)
 
 from lightning_moe import MoEConfig, MoELayer  # noqa: E402
-from lightning_moe.ops.expert_mlp import expert_swiglu_mlp  # noqa: E402
 from lightning_moe.ops.grouped_gemm import offsets_from_counts  # noqa: E402
-from lightning_moe.ops.permute import build_permutation, permute_rows, unpermute_sum  # noqa: E402
+from lightning_moe.ops.permute import build_permutation, permute_rows  # noqa: E402
 
 SHAPES = peers.SHAPES
 QUICK = {"tiny": (256, 64, 32, 8, 2)}
@@ -106,42 +105,35 @@ def bench(name, make, T, H, dev, flops, skew, call=None) -> dict:  # noqa: ANN00
 
 
 def breakdown(T: int, H: int, Fh: int, E: int, k: int, dev: str, skew: float) -> dict:
-    """Our layer's stages timed alone (fwd+bwd each), to see where the time goes."""
+    """Where our layer's time goes: CUDA time per kernel over one fwd+bwd step (profiler)."""
     layer = ours(H, Fh, E, k, dev, skew)
     x = skewed_input(T, H, dev, skew).requires_grad_(True)
+    go = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    for _ in range(2):
+        layer(x).backward(go)
+    out: dict = {}
+    if dev == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                layer(x).backward(go)
+            torch.cuda.synchronize()
+        rows = []
+        for evt in prof.key_averages():
+            t = getattr(evt, "device_time_total", 0) or getattr(evt, "cuda_time_total", 0)
+            if t > 0:
+                rows.append((t / 3 / 1e3, evt.count // 3, evt.key[:70]))
+        rows.sort(reverse=True)
+        out["kernels_ms"] = [[round(ms, 3), n, name] for ms, n, name in rows[:22]]
+        out["total_kernel_ms"] = round(sum(r[0] for r in rows), 3)
     with torch.no_grad():
         routing = layer.router(x)
-    ids, w = routing.topk_ids_TK, routing.topk_weights_TK.detach().requires_grad_(True)
-    perm = build_permutation(ids, E)
-    x_RH = permute_rows(x.detach(), perm).detach().requires_grad_(True)
+    perm = build_permutation(routing.topk_ids_TK, E, dropless=True)
+    x_RH = permute_rows(x.detach(), perm)
     offs = offsets_from_counts(perm.tokens_per_expert_E)
-    w_R = w.detach().reshape(-1)[perm.slot_of_row_R].float().requires_grad_(True)
-    g_TH = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
-    g_RH = torch.randn(x_RH.shape, device=dev, dtype=torch.bfloat16)
-    w13, w2 = layer.experts.w13, layer.experts.w2
-    backend = layer.experts.gemm_backend(x.device, torch.bfloat16)
-
-    def router() -> None:
-        r = layer.router(x)
-        r.topk_weights_TK.sum().backward()
-
-    def permute() -> None:
-        p = build_permutation(ids, E)
-        permute_rows(x, p).backward(g_RH)
-
-    def experts() -> None:
-        expert_swiglu_mlp(x_RH, w13, w2, offs, w_R, backend).backward(g_RH)
-
-    def combine() -> None:
-        unpermute_sum(x_RH, perm, None).backward(g_TH)
-
-    M = T * k
-    gemm_flops = 18.0 * M * H * Fh
-    out = {}
-    for name, fn in (("router", router), ("permute", permute), ("experts", experts), ("combine", combine)):
-        out[f"{name}_ms"] = round(peers.timeit(fn, 2, 10), 3)
-    out["experts_tflops"] = round(gemm_flops / out["experts_ms"] / 1e9, 1)
-    out["gemms_fwd_bwd_alone"] = gemms_alone(x_RH.detach(), w13.detach(), w2.detach(), offs, Fh)
+    out["gemms_fwd_bwd_alone"] = gemms_alone(x_RH, layer.experts.w13.detach(), layer.experts.w2.detach(), offs, Fh)
     return out
 
 
@@ -274,11 +266,15 @@ def print_table(out: dict) -> None:
                 print(f"{shape:24s} GEMMs alone fwd: {r.get('bf16_fwd_tflops')} TFLOP/s")
             elif name == "breakdown":
                 g = r["gemms_fwd_bwd_alone"]
+                gms = g["fwd_ms"] + g["bwd_ms"]
+                within = mine["ms"] / gms - 1 if mine.get("ms") else float("nan")
                 print(
-                    f"{shape:24s} ours: router {r['router_ms']} permute {r['permute_ms']} experts {r['experts_ms']} "
-                    f"({r['experts_tflops']} TFLOP/s) combine {r['combine_ms']} ms; GEMMs alone fwd+bwd "
-                    f"{g['fwd_ms'] + g['bwd_ms']:.2f} ms = {g['fwd_bwd_tflops']} TFLOP/s (fwd {g['fwd_tflops']})"
+                    f"{shape:24s} GEMMs alone fwd+bwd {gms:.2f} ms = {g['fwd_bwd_tflops']} TFLOP/s "
+                    f"(fwd {g['fwd_tflops']}); whole layer {100 * within:+.1f} % over them; "
+                    f"kernel time {r.get('total_kernel_ms')} ms"
                 )
+                for ms, n, kname in r.get("kernels_ms", [])[:12]:
+                    print(f"{'':26s}{ms:8.3f} ms x{n:<3d} {kname}")
             elif "error" in r:
                 print(f"{shape:24s} {name:22s} ERROR {r['error'][:90]}")
             else:

@@ -37,7 +37,9 @@ def _torch_load(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception:  # noqa: BLE001 - hyper-parameters may hold classes; the user's own checkpoint
-        warnings.warn(f"export: {path} needs weights_only=False to load; only export checkpoints you trust.", stacklevel=3)
+        warnings.warn(
+            f"export: {path} needs weights_only=False to load; only export checkpoints you trust.", stacklevel=3
+        )
         return torch.load(path, map_location="cpu", weights_only=False)
 
 
@@ -181,7 +183,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("checkpoint", help="Lightning .ckpt file or distributed (DCP) checkpoint directory")
     parser.add_argument("out_dir", help="output directory (config.json + model*.safetensors)")
-    parser.add_argument("--hf-config", default=None, help="HF config directory or config.json (default: from the checkpoint)")
+    parser.add_argument(
+        "--hf-config", default=None, help="HF config directory or config.json (default: from the checkpoint)"
+    )
     parser.add_argument("--prefix", default="model.", help="LightningModule attribute prefix of the model keys")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="cast before saving")
     parser.add_argument("--etp", type=int, default=1, help="expert tensor-parallel degree of a folded_moe checkpoint")

@@ -13,7 +13,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["OptimizerStateOffloader", "PinnedAllocator"]
+__all__ = ["OptimizerStateOffloader", "PinnedAllocator", "resolve_device"]
+
+
+def resolve_device(device: torch.device | str) -> torch.device:
+    """``cuda`` -> ``cuda:<current>``, so that comparisons with ``tensor.device`` hold."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class PinnedAllocator:
@@ -58,7 +66,7 @@ class OptimizerStateOffloader:
         pin_memory: bool | None = None,
     ) -> None:
         self.optimizer = optimizer
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.chunk_bytes = chunk_bytes
         self.min_tensor_bytes = min_tensor_bytes
         self._cuda = self.device.type == "cuda"
@@ -77,7 +85,14 @@ class OptimizerStateOffloader:
             return
         self._had_instance = {name: name in vars(self.optimizer) for name in ("step", "state_dict")}
         self._original = self.optimizer.step
-        self.optimizer.step = self.step  # type: ignore[method-assign]
+
+        def step(closure: Callable[[], Any] | None = None) -> Any:
+            return self.step(closure)
+
+        # An LR scheduler created later re-binds a bound ``step`` to the optimizer; a plain
+        # function marked as already wrapped is left alone (this ``step`` flags the call itself).
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        self.optimizer.step = step  # type: ignore[method-assign]
         # Readers of the state (checkpointing) must not see a host copy still being written.
         self._original_state_dict = self.optimizer.state_dict
         self.optimizer.state_dict = self._synchronized_state_dict  # type: ignore[method-assign]
@@ -134,6 +149,7 @@ class OptimizerStateOffloader:
             with torch.enable_grad():
                 loss = closure()
         assert self._original is not None, "OptimizerStateOffloader.step called before attach()"
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers check
         chunks = self._chunks()
         groups = self.optimizer.param_groups
         full = [group["params"] for group in groups]

@@ -25,9 +25,7 @@ def available_names(root: nn.Module, limit: int = 40) -> list[str]:
     return folded[:limit] + ([f"... ({len(folded) - limit} more)"] if len(folded) > limit else [])
 
 
-def select_modules(
-    owner: str, root: nn.Module, patterns: Sequence[str], arg: str
-) -> list[tuple[str, nn.Module]]:
+def select_modules(owner: str, root: nn.Module, patterns: Sequence[str], arg: str) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of the outermost sub-modules whose qualified name matches a pattern.
 
     Patterns are ``fnmatch`` patterns on ``named_modules()`` names (``*`` also matches dots), so

@@ -29,6 +29,7 @@ buffers and outputs are static buffers overwritten by the next replay.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -98,7 +99,9 @@ class _Target:
     moe_layers: list[MoELayer] = field(default_factory=list)
 
     def callable(self) -> nn.Module:
-        return _RouterAsTuple(self.module) if isinstance(self.module, TopKRouter) else self.module  # type: ignore[arg-type]
+        if isinstance(self.module, TopKRouter):
+            return _RouterAsTuple(self.module)
+        return self.module
 
     def routers(self) -> list[TopKRouter]:
         return [m for m in self.module.modules() if isinstance(m, TopKRouter)]
@@ -112,6 +115,8 @@ def _guard_gradient_accumulation(outputs: Any, params: Sequence[torch.Tensor]) -
     ``zero_grad(set_to_none=False)``) would let the next replay overwrite it and then add it to
     itself. A hook on the outputs, which runs before the graph's backward, copies such a ``p.grad``.
     """
+    if dataclasses.is_dataclass(outputs) and not isinstance(outputs, type):  # RouterOutput
+        outputs = list(vars(outputs).values())
     grads_out = [o for o in tree_leaves(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
     if not grads_out or not params:
         return
@@ -246,6 +251,8 @@ class CUDAGraphCapture(Callback):
         self._active = False
         self._hooks: list[Any] = []
         self._warned: set[str] = set()
+        self.last_captured: list[str] = []  # names captured in the last run (kept after detach)
+        self.replays = 0  # graph replays in the last run
 
     # --- plain-loop API ------------------------------------------------------------------------
 
@@ -282,7 +289,8 @@ class CUDAGraphCapture(Callback):
         """Capture every recorded module that can be captured (see the module docstring, stage 3)."""
         self._remove_hooks()
         ready = []
-        for target in sorted((t for t in self.targets if t.order is not None), key=lambda t: t.order):  # type: ignore[arg-type,return-value]
+        recorded = sorted((t for t in self.targets if t.order is not None), key=lambda t: t.order or 0)
+        for target in recorded:
             reason = self._cannot_capture(target)
             if reason is not None:
                 self._warn_once(f"skip:{target.name}", f"CUDAGraphCapture: {target.name} stays eager: {reason}.")
@@ -300,7 +308,8 @@ class CUDAGraphCapture(Callback):
             for t, _, _, err in checked:
                 if err is not None:
                     self._warn_once(
-                        f"sync:{t.name}", f"CUDAGraphCapture: {t.name} synchronizes with the host ({err}); it stays eager."
+                        f"sync:{t.name}",
+                        f"CUDAGraphCapture: {t.name} synchronizes with the host ({err}); it stays eager.",
                     )
             kept = [(t, fn, s) for t, fn, s, err in checked if err is None]
             if not kept:
@@ -312,7 +321,9 @@ class CUDAGraphCapture(Callback):
                 tuple(fn for _, fn, _ in kept), tuple(s for _, _, s in kept), allow_unused_input=True
             )
         except Exception as err:  # a capture that fails leaves every module eager
-            self._warn_once("capture", f"CUDAGraphCapture: capture failed ({type(err).__name__}: {err}); running eager.")
+            self._warn_once(
+                "capture", f"CUDAGraphCapture: capture failed ({type(err).__name__}: {err}); running eager."
+            )
             return
         finally:
             with torch.no_grad():
@@ -324,6 +335,9 @@ class CUDAGraphCapture(Callback):
     def detach(self) -> None:
         """Stop recording and restore the eager forwards."""
         self._remove_hooks()
+        if self.captured:
+            self.last_captured = [t.name for t in self.captured]
+            self.replays = sum(getattr(t.module.forward, "replays", 0) for t in self.captured)
         for target in self.captured:
             if target.had_instance_forward:
                 target.module.forward = target.original_forward  # type: ignore[method-assign]
@@ -338,7 +352,9 @@ class CUDAGraphCapture(Callback):
         if stage == "fit":
             self.attach(pl_module, trainer.strategy.root_device, str(trainer.precision))
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self.step()
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -366,9 +382,7 @@ class CUDAGraphCapture(Callback):
             ancestors = [named[".".join(parts[:i])] for i in range(len(parts))]  # "" is the root
             inside = ancestors + list(target.module.modules())
             for layer in (m for m in inside if isinstance(m, MoELayer)):
-                router_only = isinstance(target.module, TopKRouter) or any(
-                    isinstance(a, TopKRouter) for a in ancestors
-                )
+                router_only = isinstance(target.module, TopKRouter) or any(isinstance(a, TopKRouter) for a in ancestors)
                 if not static_moe(layer) and not router_only:
                     cfg = layer.config
                     raise ValueError(

@@ -43,7 +43,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_moe.callbacks._layers import require_moe_layers
-from lightning_moe.callbacks._optimizer_states import OptimizerStateOffloader, PinnedAllocator
+from lightning_moe.callbacks._optimizer_states import OptimizerStateOffloader, PinnedAllocator, resolve_device
 from lightning_moe.callbacks._patterns import select_modules
 
 __all__ = ["ActivationOffloader", "CPUOffload", "OptimizerStateOffloader"]
@@ -131,7 +131,7 @@ class ActivationOffloader:
         pin_memory: bool | None = None,
     ) -> None:
         self.modules = list(modules)
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.prefetch = prefetch
         self.min_tensor_bytes = min_tensor_bytes
         self._cuda = self.device.type == "cuda"
@@ -340,7 +340,9 @@ class CPUOffload(Callback):
     ) -> None:
         super().__init__()
         if isinstance(activations, str):
-            raise ValueError(f"CPUOffload: activations={activations!r} must be a list; write activations=[{activations!r}].")
+            raise ValueError(
+                f"CPUOffload: activations={activations!r} must be a list; write activations=[{activations!r}]."
+            )
         if min_tensor_bytes < 0:
             raise ValueError(f"CPUOffload: min_tensor_bytes={min_tensor_bytes} must be >= 0.")
         self.activations = list(DEFAULT_ACTIVATIONS if activations is None else activations)
@@ -359,7 +361,7 @@ class CPUOffload(Callback):
         """Check the patterns against ``module``; on CUDA hook the modules and wrap the optimizers."""
         require_moe_layers("CPUOffload", module)
         selected = select_modules("CPUOffload", module, self.activations, "activations") if self.activations else []
-        device = torch.device(device)
+        device = resolve_device(device)
         if device.type != "cuda":
             rank_zero_info(
                 f"CPUOffload: the root device is {device.type}, not CUDA: there is no device memory to free, "

@@ -30,8 +30,9 @@ Aux loss: transformers computes its load-balancing loss from router logits it re
 router class, over all layers at once; after a swap there are none, so the swap turns
 ``config.output_router_logits`` off and, when it was on, gives each layer our Switch loss with
 ``aux_loss_coeff = router_aux_loss_coef`` (per layer, so not bitwise the HF value). Export restores
-the flag. Pass MoEConfig fields as keyword arguments to override anything (e.g.
-``experts_backend="torch"``, ``aux_loss="seq"``).
+the flag (do not pass ``output_router_logits=True`` to a swapped model's ``forward``: transformers
+would compute its loss over no recorded logits). Pass MoEConfig fields as keyword arguments to
+override anything (e.g. ``experts_backend="torch"``, ``aux_loss="seq"``).
 """
 
 from __future__ import annotations
@@ -177,9 +178,7 @@ def _experts_weights(name: str, experts: nn.Module) -> tuple[torch.Tensor, torch
             )
         gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
         if getattr(experts, "is_transposed", False):  # stored as [E, H, 2F] and [E, F, H] already
-            return gate_up.clone(memory_format=torch.contiguous_format), down.clone(
-                memory_format=torch.contiguous_format
-            )
+            return gate_up.contiguous().clone(), down.contiguous().clone()
         return gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
     if isinstance(experts, nn.ModuleList):  # transformers 4.x: one MLP per expert
         w13, w2 = [], []

@@ -10,10 +10,12 @@ target      dropped in forward, rebuilt in backward                             
 ==========  ========================================================================  ====================
 ``norm``    both RMSNorm outputs (1 u each; the attention input saved by q/k/v and     2 elementwise passes
             the router's fp32 copy of the MoE input, 2 u), and the norms' internals
-``moe_act`` the dispatched rows ``x_RH`` (K·u: the largest tensor the MoE layer        one gather
-            saves), re-gathered from the token-order input. The SwiGLU output           (memory-bound)
-            ``a_RF`` is never saved at all: ``ops/expert_mlp.py`` recomputes it from
-            ``h_R2F`` in every configuration
+``moe_act`` the experts' pre-activation ``h_R2F = x_RH @ w13`` (2·F·K/H u: the       one grouped GEMM
+            largest tensor the fused local MoE path keeps), rebuilt by re-gathering    (2/18 of the
+            ``x_RH`` from the token-order input and one grouped GEMM. Never saved in   experts' FLOPs)
+            any case: the SwiGLU output ``a_RF`` (``ops/expert_mlp.py`` and
+            ``ops/local_experts.py`` recompute it from ``h_R2F``) and, on the fused
+            path, ``x_RH``; on the unfused path ``moe_act`` re-gathers ``x_RH`` too
 ``moe``     everything inside the MoE layer                                            the layer's forward
 ``attn``    everything inside the attention sublayer (q/k/v/o projections, RoPE,      the sublayer's
             SDPA): with flash attention the core alone keeps only its output, so the   forward
@@ -21,9 +23,15 @@ target      dropped in forward, rebuilt in backward                             
 ``block``   everything inside the block                                                the block's forward
 ==========  ========================================================================  ====================
 
-Why ``moe_act`` stops there: ``h_R2F = x_RH @ w13`` (2·F·K/H u) stays saved, because rebuilding it
-costs the first grouped GEMM (2/9 of the experts' FLOPs) — not cheap. ``x_RH`` is a pure copy
-of ``K`` rows per token, so a gather rebuilds it from a ``[T, H]`` source that is kept anyway.
+Why ``moe_act`` means ``h_R2F``: what is cheap to rebuild is already never kept — the SwiGLU
+output (an elementwise pass over ``h``) and, since the dispatcher fuses permute, experts and
+combine into one autograd node (``ops/local_experts.py``), the dispatched rows (a gather). What
+the MoE layer still keeps per layer is ``h_R2F`` (2·F·K/H u; 6u for Qwen3-30B-A3B), the token-order
+input (1u) and the residual (1u). Rebuilding ``h_R2F`` costs one grouped GEMM in backward (the
+forward's ``x_RH @ w13``: 2 of the experts' 18·T·K·H·F FLOPs per step) — the memory-heavy part at
+about a tenth of the experts' time. The dispatched rows ``x_RH`` (K·u) are rebuilt too on the
+unfused path (``memory_efficient_permute=False``). Only a single-rank (local) dispatcher is
+affected: rows that came through an all-to-all are not cheap to rebuild.
 
 Two mechanisms:
 
@@ -49,11 +57,13 @@ from typing import Any, Literal
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from lightning_moe.moe.dispatch import DispatchedTokens, LocalDispatcher
+from lightning_moe.moe.dispatch import DispatchedTokens, LocalDispatcher, row_weights
 from lightning_moe.moe.layer import MoELayer
-from lightning_moe.ops.permute import permute_rows_reference
+from lightning_moe.ops.grouped_gemm import gmm, offsets_from_counts
+from lightning_moe.ops.permute import Permutation, build_permutation, permute_rows_reference
 
 __all__ = [
     "RECOMPUTE_TARGETS",
@@ -78,9 +88,7 @@ def validate_recompute(targets: Sequence[str], owner: str = "TransformerConfig")
     seen: list[str] = []
     for t in targets:
         if t not in RECOMPUTE_TARGETS:
-            raise ValueError(
-                f"{owner}: recompute entry {t!r} is unknown; choose from {list(RECOMPUTE_TARGETS)}."
-            )
+            raise ValueError(f"{owner}: recompute entry {t!r} is unknown; choose from {list(RECOMPUTE_TARGETS)}.")
         if t in seen:
             raise ValueError(f"{owner}: recompute={list(targets)} lists {t!r} twice; list it once.")
         seen.append(t)
@@ -222,9 +230,7 @@ class _Delegated:
 def _covers_storage(t: torch.Tensor) -> bool:
     """Contiguous from offset 0 over its whole storage, so any view maps back by ``as_strided``."""
     return (
-        t.is_contiguous()
-        and t.storage_offset() == 0
-        and t.numel() * t.element_size() == t.untyped_storage().nbytes()
+        t.is_contiguous() and t.storage_offset() == 0 and t.numel() * t.element_size() == t.untyped_storage().nbytes()
     )
 
 
@@ -256,8 +262,13 @@ def _unpack(packed: Any) -> torch.Tensor:
     return packed
 
 
-class _RegatherDispatcher:
-    """Stands in for a :class:`LocalDispatcher` during one MoE forward under ``moe_act``."""
+class _MoEActDispatcher:
+    """Stands in for a :class:`LocalDispatcher` during one MoE forward under ``moe_act``.
+
+    Fused path (``run_experts``): the same permutation and expert call as the dispatcher's, with
+    the scope told which saved tensor is the experts' hidden state and how to rebuild it.
+    Unfused path (``dispatch``): the dispatched rows are registered for a re-gather.
+    """
 
     def __init__(self, inner: LocalDispatcher, scope: RecomputeScope) -> None:
         self.inner = inner
@@ -274,8 +285,56 @@ class _RegatherDispatcher:
     def combine(self, y_RH: torch.Tensor, handle: Any, weighted: bool) -> torch.Tensor:
         return self.inner.combine(y_RH, handle, weighted)
 
+    @property
+    def run_experts(self) -> Callable[..., torch.Tensor] | None:
+        return self._run_experts if hasattr(self.inner, "run_experts") else None
+
+    def _run_experts(
+        self,
+        x_TH: torch.Tensor,
+        topk_ids_TK: torch.Tensor,
+        topk_weights_TK: torch.Tensor,
+        capacity: int | None,
+        experts: nn.Module,
+    ) -> torch.Tensor:
+        # LocalDispatcher.run_experts, with the hidden state announced to the scope.
+        perm = build_permutation(topk_ids_TK, self.inner.num_experts, capacity, self.inner.dropless)
+        w_R = row_weights(topk_weights_TK, perm)
+        self.scope.expect_expert_hidden(experts, x_TH, perm)
+        try:
+            return experts.forward_local(x_TH, perm, w_R)  # type: ignore[operator]
+        finally:
+            self.scope.expected_hidden = None
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def _hidden_recipe(
+    experts: nn.Module, source: Callable[[], torch.Tensor], perm: Permutation, dtype: torch.dtype
+) -> Callable[[], torch.Tensor]:
+    """``h_R2F = gmm(x_TH[src_R], w13)``, exactly as ``GroupedExperts.forward_local`` computes it."""
+
+    def rebuild() -> torch.Tensor:
+        w13 = experts.w13
+        w13 = (w13.to_local() if isinstance(w13, DTensor) else w13).to(dtype)
+        x_TH = source().to(dtype)
+        backend = experts.gemm_backend(x_TH.device, dtype)  # type: ignore[operator]
+        x_RH = permute_rows_reference(x_TH, perm.src_token_R)  # a gather: the same bits as the kernel's
+        with torch.no_grad():
+            return gmm(x_RH, w13, offsets_from_counts(perm.tokens_per_expert_E), backend)
+
+    return rebuild
+
+
+@dataclass
+class _ExpectedHidden:
+    """The experts' hidden state a fused expert call is about to save: its shape and recipe."""
+
+    rows: int
+    cols: int
+    recipe_for: Callable[[torch.dtype], Callable[[], torch.Tensor]]
+    source_entry: _Rebuild | None
 
 
 class RecomputeScope:
@@ -292,6 +351,7 @@ class RecomputeScope:
         self._by_storage: dict[int, tuple[_Rebuild, torch.Tensor]] = {}
         self._by_node: dict[Any, _Rebuild] = {}
         self._outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
+        self.expected_hidden: _ExpectedHidden | None = None
 
     def __enter__(self) -> RecomputeScope:
         if self._hooks:
@@ -334,7 +394,7 @@ class RecomputeScope:
             and type(ffn.dispatcher) is LocalDispatcher  # rows from an all-to-all are not cheap to rebuild
         ):
             inner = ffn.dispatcher
-            ffn.dispatcher = _RegatherDispatcher(inner, self)  # type: ignore[assignment]
+            ffn.dispatcher = _MoEActDispatcher(inner, self)  # type: ignore[assignment]
             try:
                 return ffn(h)
             finally:
@@ -354,24 +414,56 @@ class RecomputeScope:
             self._by_node[y.grad_fn] = entry
         return entry
 
+    def _source(self, x_TH: torch.Tensor) -> tuple[Callable[[], torch.Tensor], _Rebuild | None]:
+        """How a recipe gets ``x_TH`` back: through its own rebuild (a norm output), or held."""
+        norm_entry = self._lookup_storage(x_TH)
+        if norm_entry is not None:
+            shape = x_TH.shape
+
+            def rebuilt() -> torch.Tensor:
+                value = norm_entry.get().reshape(shape)
+                norm_entry.release()
+                return value
+
+            return rebuilt, norm_entry
+        kept_TH = x_TH.detach()
+        return (lambda: kept_TH), None
+
     def register_gather(self, x_RH: torch.Tensor, x_TH: torch.Tensor, src_R: torch.Tensor) -> None:
         """``x_RH = x_TH[src_R]``: rebuild it by a gather instead of saving it."""
-        source = self._lookup_storage(x_TH)
-        if source is not None:  # x_TH is itself rebuildable (a norm output): chain the rebuilds
-            norm_entry, shape = source, x_TH.shape
+        source, norm_entry = self._source(x_TH)
+        entry = self._register(x_RH, lambda: permute_rows_reference(source(), src_R))
+        if entry is not None and norm_entry is not None:
+            entry.on_first_pack = norm_entry.packed
 
-            def recipe() -> torch.Tensor:
-                src = norm_entry.get().reshape(shape)
-                out = permute_rows_reference(src, src_R)
-                norm_entry.release()
-                return out
+    def expect_expert_hidden(self, experts: nn.Module, x_TH: torch.Tensor, perm: Permutation) -> None:
+        """The next saved ``[R, 2F]`` tensor without autograd history is ``gmm(x_TH[src_R], w13)``."""
+        source, norm_entry = self._source(x_TH)
+        self.expected_hidden = _ExpectedHidden(
+            rows=perm.num_rows,
+            cols=experts.w13.shape[-1],  # type: ignore[union-attr]
+            recipe_for=lambda dtype: _hidden_recipe(experts, source, perm, dtype),
+            source_entry=norm_entry,
+        )
 
-            entry = self._register(x_RH, recipe)
-            if entry is not None:
-                entry.on_first_pack = norm_entry.packed
-        else:
-            kept_TH = x_TH.detach()
-            self._register(x_RH, lambda: permute_rows_reference(kept_TH, src_R))
+    def _hidden_token(self, t: torch.Tensor) -> _Token | None:
+        spec = self.expected_hidden
+        if (
+            spec is None
+            or t.grad_fn is not None
+            or t.requires_grad
+            or t.dim() != 2
+            or tuple(t.shape) != (spec.rows, spec.cols)
+            or not t.dtype.is_floating_point
+            or not _covers_storage(t)
+        ):
+            return None
+        self.expected_hidden = None  # one hidden state per expert call
+        entry = _Rebuild(spec.recipe_for(t.dtype), t)
+        if spec.source_entry is not None:
+            entry.on_first_pack = spec.source_entry.packed
+        entry.packed()
+        return _Token(entry, t.size(), t.stride(), t.storage_offset(), None)
 
     def _lookup_storage(self, t: torch.Tensor) -> _Rebuild | None:
         if not _plain(t):
@@ -382,6 +474,10 @@ class RecomputeScope:
         return hit[0] if t.numel() == hit[0].numel else None
 
     def _pack(self, t: torch.Tensor) -> Any:
+        if self.expected_hidden is not None and _plain(t):
+            token = self._hidden_token(t)
+            if token is not None:
+                return token
         if self._by_storage and _plain(t):
             hit = self._by_storage.get(t.untyped_storage().data_ptr())
             if hit is not None and hit[0].dtype == t.dtype:

@@ -32,7 +32,7 @@ import torch.nn as nn
 from lightning_moe.config import MoEConfig
 from lightning_moe.moe.layer import MoELayer
 
-__all__ = ["dense_swiglu_weights", "topk_weight_sum_at_uniform", "upcycle_mlp", "upcycle_model", "is_swiglu_mlp"]
+__all__ = ["dense_swiglu_weights", "is_swiglu_mlp", "topk_weight_sum_at_uniform", "upcycle_mlp", "upcycle_model"]
 
 RouterInit = Literal["zeros", "normal"]
 
@@ -120,7 +120,9 @@ def upcycle_mlp(
         raise ValueError(f"upcycle_mlp: router_init={router_init!r} is unknown; choose 'zeros' or 'normal'.")
     W_gate, W_up, W_down = dense_swiglu_weights(mlp)
     ffn, hidden = W_gate.shape
-    config = MoEConfig(hidden_size=hidden, ffn_hidden_size=ffn, num_experts=num_experts, top_k=top_k, **config_overrides)
+    config = MoEConfig(
+        hidden_size=hidden, ffn_hidden_size=ffn, num_experts=num_experts, top_k=top_k, **config_overrides
+    )
     device, dtype = W_gate.device, W_gate.dtype
     layer = MoELayer(config, layer_name=layer_name).to(device=device, dtype=dtype)
     # Buffers (expert bias, counters) stay fp32 whatever the weights' dtype.

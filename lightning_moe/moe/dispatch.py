@@ -81,5 +81,21 @@ class LocalDispatcher:
         weights_TK = handle.topk_weights_TK if weighted else None
         return unpermute_sum(y_RH, handle.perm, weights_TK)
 
+    def run_experts(
+        self,
+        x_TH: torch.Tensor,
+        topk_ids_TK: torch.Tensor,
+        topk_weights_TK: torch.Tensor,
+        capacity: int | None,
+        experts: Any,
+    ) -> torch.Tensor:
+        """dispatch → experts → combine in one autograd node (weights inside the activation).
+
+        Same result as the three calls; saves only the expert hidden state (see
+        ``ops/local_experts.py``). ``experts`` is a ``GroupedExperts``.
+        """
+        perm = build_permutation(topk_ids_TK, self.num_experts, capacity, self.dropless)
+        return experts.forward_local(x_TH, perm, row_weights(topk_weights_TK, perm))
+
     def __repr__(self) -> str:
         return f"LocalDispatcher(num_experts={self.num_experts}, dropless={self.dropless})"

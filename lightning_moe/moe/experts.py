@@ -18,6 +18,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_moe.config import ExpertsBackend
 from lightning_moe.ops.expert_mlp import expert_swiglu_mlp
+from lightning_moe.ops.local_experts import local_experts
+from lightning_moe.ops.permute import Permutation
 from lightning_moe.ops.grouped_gemm import GemmBackend, offsets_from_counts, resolve_gemm_backend
 
 __all__ = ["GroupedExperts"]
@@ -64,21 +66,34 @@ class GroupedExperts(nn.Module):
             self._resolved[key] = backend
         return self._resolved[key]
 
-    def forward(
-        self, x_RH: torch.Tensor, tokens_per_expert_e: torch.Tensor, weights_R: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        device_type = x_RH.device.type
+    def _compute_weights(self, device_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
         else:
             dtype = self.w13.dtype
         # Under expert parallelism the parameters are DTensors over the expert mesh; the math
         # runs on this rank's local experts (gradients flow back into the DTensor shard).
-        w13, w2 = _local(self.w13).to(dtype), _local(self.w2).to(dtype)
+        return _local(self.w13).to(dtype), _local(self.w2).to(dtype), dtype
+
+    def forward(
+        self, x_RH: torch.Tensor, tokens_per_expert_e: torch.Tensor, weights_R: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rows already grouped by expert -> expert outputs, same row order."""
+        device_type = x_RH.device.type
+        w13, w2, dtype = self._compute_weights(device_type)
         offs_e = offsets_from_counts(tokens_per_expert_e)
         backend = self.gemm_backend(x_RH.device, dtype)
         with torch.autocast(device_type=device_type, enabled=False):
             return expert_swiglu_mlp(x_RH.to(dtype), w13, w2, offs_e, weights_R, backend)
+
+    def forward_local(self, x_TH: torch.Tensor, perm: Permutation, weights_R: torch.Tensor) -> torch.Tensor:
+        """Tokens in token order -> their summed expert outputs (permute and combine fused in)."""
+        device_type = x_TH.device.type
+        w13, w2, dtype = self._compute_weights(device_type)
+        offs_e = offsets_from_counts(perm.tokens_per_expert_E)
+        backend = self.gemm_backend(x_TH.device, dtype)
+        with torch.autocast(device_type=device_type, enabled=False):
+            return local_experts(x_TH.to(dtype), w13, w2, weights_R, perm, offs_e, backend)
 
     def extra_repr(self) -> str:
         return (

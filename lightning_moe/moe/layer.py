@@ -130,10 +130,17 @@ class MoELayer(nn.Module):
             if cfg.pad_to_capacity and cfg.capacity_factor is not None
             else None
         )
-        dispatched, handle = self.dispatcher.dispatch(x_TH, routing.topk_ids_TK, routing.topk_weights_TK, capacity)
         me = cfg.memory_efficient_permute
-        y_RH = self.experts(dispatched.x_RH, dispatched.tokens_per_expert_e, dispatched.weights_R if me else None)
-        y_TH = self.dispatcher.combine(y_RH, handle, weighted=not me).to(x.dtype)
+        run_experts = getattr(self.dispatcher, "run_experts", None)
+        if me and run_experts is not None:  # the dispatcher fuses its three stages (fast path)
+            y_TH = run_experts(x_TH, routing.topk_ids_TK, routing.topk_weights_TK, capacity, self.experts)
+        else:
+            dispatched, handle = self.dispatcher.dispatch(
+                x_TH, routing.topk_ids_TK, routing.topk_weights_TK, capacity
+            )
+            y_RH = self.experts(dispatched.x_RH, dispatched.tokens_per_expert_e, dispatched.weights_R if me else None)
+            y_TH = self.dispatcher.combine(y_RH, handle, weighted=not me)
+        y_TH = y_TH.to(x.dtype)
         if self.shared_expert is not None:
             y_TH = y_TH + self.shared_expert(x_TH).to(y_TH.dtype)
 

@@ -26,10 +26,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from lightning_moe.config import MoEConfig
+from lightning_moe.ops.backend import csrc_extension
 from lightning_moe.ops.permute import count_per_expert
+from lightning_moe.ops.router_gemm import router_logits
 
 __all__ = ["TopKRouter", "RouterOutput", "select_topk", "routing_weights", "drop_over_capacity", "expert_capacity"]
 
@@ -151,11 +152,8 @@ class TopKRouter(nn.Module):
         cfg = self.config
         rdtype = cfg.router_torch_dtype
         with torch.autocast(device_type=x_TH.device.type, enabled=False):
-            logits_TE = F.linear(x_TH.to(rdtype), self.weight.to(rdtype))
-        scores_TE = selection_scores(logits_TE.detach(), cfg.score_func, cfg.pre_softmax)
-        if self.expert_bias is not None:
-            scores_TE = scores_TE + self.expert_bias.to(scores_TE.dtype)
-        topk_ids_TK = select_topk(scores_TE, cfg.top_k, cfg.num_groups, cfg.group_topk)
+            logits_TE = router_logits(x_TH, self.weight, rdtype)
+        topk_ids_TK = self._select(logits_TE.detach())
         if self._override is not None:
             topk_ids_TK = self._checked_override(topk_ids_TK)
         topk_weights_TK = routing_weights(
@@ -171,6 +169,22 @@ class TopKRouter(nn.Module):
                 topk_ids_TK, topk_weights_TK, cfg.num_experts, capacity, cfg.drop_policy
             )
         return RouterOutput(logits_TE, topk_ids_TK, topk_weights_TK, tokens_per_expert_E, routed_ids_TK)
+
+    def _select(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        """Steps 2-4 without the override: the fused csrc kernel on CUDA, torch otherwise."""
+        cfg = self.config
+        ext = csrc_extension(logits_TE) if logits_TE.dtype == torch.float32 else None
+        if ext is not None and cfg.num_experts <= 1024 and cfg.top_k <= 32 and (cfg.num_groups or 0) <= 32:
+            bias = None if self.expert_bias is None else self.expert_bias.float().contiguous()
+            ids_TK, _ = ext.router_topk(
+                logits_TE.contiguous(), bias, cfg.top_k, cfg.score_func, cfg.pre_softmax, cfg.norm_topk_prob,
+                float(cfg.scaling_factor or 1.0), int(cfg.num_groups or 0), int(cfg.group_topk or 0),
+            )
+            return ids_TK.long()
+        scores_TE = selection_scores(logits_TE, cfg.score_func, cfg.pre_softmax)
+        if self.expert_bias is not None:
+            scores_TE = scores_TE + self.expert_bias.to(scores_TE.dtype)
+        return select_topk(scores_TE, cfg.top_k, cfg.num_groups, cfg.group_topk)
 
     def _checked_override(self, computed_TK: torch.Tensor) -> torch.Tensor:
         forced_TK = self._override(computed_TK)  # type: ignore[misc]

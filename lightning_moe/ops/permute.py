@@ -42,22 +42,33 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Permutation:
-    """Where every routed slot goes. Index tensors are int64 on the routing device."""
+    """Where every routed slot goes (index tensors on the routing device).
+
+    ``src_token_R`` (token each row reads; padding rows read token 0 and carry weight 0) and
+    ``slot_row_TK`` are int32 — the kernels' index type — and ``slot_of_row_R`` is int64.
+    """
 
     slot_of_row_R: torch.Tensor
     slot_row_TK: torch.Tensor
     tokens_per_expert_E: torch.Tensor
     top_k: int
+    src_token_R: torch.Tensor
     padded: bool = False  # capacity-padded: rows with ``slot_of_row == -1`` exist (known without a sync)
-
-    @property
-    def src_token_R(self) -> torch.Tensor:
-        """Token each row reads (padding rows read token 0 and carry weight 0)."""
-        return self.slot_of_row_R.clamp(min=0) // self.top_k
 
     @property
     def num_rows(self) -> int:
         return self.slot_of_row_R.shape[0]
+
+
+def _make_permutation(
+    slot_of_row_R: torch.Tensor,
+    slot_row_TK: torch.Tensor,
+    tokens_per_expert_E: torch.Tensor,
+    top_k: int,
+    padded: bool = False,
+) -> Permutation:
+    src_token_R = (slot_of_row_R.clamp(min=0) // top_k).int()
+    return Permutation(slot_of_row_R, slot_row_TK.int(), tokens_per_expert_E, top_k, src_token_R, padded)
 
 
 def count_per_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -98,7 +109,7 @@ def build_permutation_reference(
     rows_R = torch.arange(num_kept, device=ids_N.device)
     slot_row_N = torch.full((T * K,), -1, dtype=torch.long, device=ids_N.device)
     slot_row_N[order_N[:num_kept]] = rows_R
-    return Permutation(slot_of_row_R, slot_row_N.view(T, K), tokens_per_expert_E, K)
+    return _make_permutation(slot_of_row_R, slot_row_N.view(T, K), tokens_per_expert_E, K)
 
 
 def _check_capacity(tokens_per_expert_E: torch.Tensor, capacity: int) -> None:
@@ -133,7 +144,7 @@ def _padded_permutation(
     slot_of_row_R = torch.full((R + 1,), -1, dtype=torch.long, device=sort_key_N.device)
     slot_of_row_R.scatter_(0, torch.where(kept_N, row_N, R), order_N)
     slot_row_N = torch.empty_like(row_N).scatter_(0, order_N, row_N)
-    return Permutation(
+    return _make_permutation(
         slot_of_row_R[:R], slot_row_N.view(T, K), torch.full_like(tokens_per_expert_E, capacity), K, padded=True
     )
 
@@ -145,14 +156,12 @@ def build_permutation(
     ext = csrc_extension(topk_ids_TK)
     if ext is None or capacity is not None or not dropless:
         return build_permutation_reference(topk_ids_TK, num_experts, capacity, dropless)
-    src_idx_N, slot_row_TK, counts_E, _offsets_E = ext.build_permutation(topk_ids_TK.int(), num_experts)
+    src_idx_N, slot_row_TK, counts_E, _offsets_E = ext.build_permutation(topk_ids_TK, num_experts)
     T, K = topk_ids_TK.shape
-    slot_row_TK = slot_row_TK.long()
-    num_rows = src_idx_N.shape[0]
     # Dropless: every slot has a row, so the inverse map is a plain scatter (no mask, no sync).
-    slot_of_row_R = torch.empty(num_rows, dtype=torch.long, device=topk_ids_TK.device)
-    slot_of_row_R[slot_row_TK.reshape(-1)] = torch.arange(T * K, device=topk_ids_TK.device)
-    return Permutation(slot_of_row_R, slot_row_TK, counts_E.long(), K)
+    slot_of_row_R = torch.empty(T * K, dtype=torch.long, device=topk_ids_TK.device)
+    slot_of_row_R.scatter_(0, slot_row_TK.reshape(-1).long(), torch.arange(T * K, device=topk_ids_TK.device))
+    return Permutation(slot_of_row_R, slot_row_TK, counts_E.long(), K, src_idx_N)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-import lightning_moe  # noqa: F401
+import lightning_moe  # noqa: F401 - registers the strategy names
 from lightning_moe.lit_hf import HFMoELanguageModel
 from lightning_moe.strategies import FoldedMoEStrategy
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 import torch
+from _callback_models import tiny_config, tiny_trainer, token_loader
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_moe.ops.permute as permute_ops
-from _callback_models import tiny_config, tiny_trainer, token_loader
 from lightning_moe import MoEConfig, MoELayer
 from lightning_moe.callbacks.cuda_graphs import CUDAGraphCapture, _guard_gradient_accumulation, _Replay, _Target
 from lightning_moe.lit import MoELanguageModel
@@ -37,7 +37,9 @@ def test_callback_is_a_noop_with_one_info_line_on_cpu(tmp_path: Path, caplog: py
     with caplog.at_level(logging.INFO):
         tiny_trainer(tmp_path, [cb], max_steps=3).fit(MoELanguageModel(tiny_config()), token_loader())
     lines = [r.getMessage() for r in caplog.records if "CUDAGraphCapture" in r.getMessage()]
-    assert lines == ["CUDAGraphCapture: the root device is cpu, not CUDA: there is nothing to capture, so the callback is a no-op."]
+    assert lines == [
+        "CUDAGraphCapture: the root device is cpu, not CUDA: there is nothing to capture, so the callback is a no-op."
+    ]
     assert cb.captured == [] and not cb._hooks
 
 
@@ -67,7 +69,9 @@ def test_routers_of_a_dynamic_layer_are_accepted() -> None:
     assert _names(cb) == ["layers.0.attn", "layers.0.ffn.router", "layers.1.attn", "layers.1.ffn.router"]
 
 
-@pytest.mark.parametrize(("recompute", "patterns"), [(["attn"], ["*.attn"]), (["moe"], ["*.ffn"]), (["block"], ["*.router"])])
+@pytest.mark.parametrize(
+    ("recompute", "patterns"), [(["attn"], ["*.attn"]), (["moe"], ["*.ffn"]), (["block"], ["*.router"])]
+)
 def test_module_rerun_by_recompute_is_refused(recompute: list[str], patterns: list[str]) -> None:
     cfg = tiny_config(**STATIC)
     cfg.recompute = recompute  # type: ignore[assignment]

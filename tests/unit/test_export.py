@@ -10,11 +10,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import lightning as L  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+import lightning as L
+from torch.utils.data import DataLoader
 
-from lightning_moe.export import export_checkpoint, export_state_dict, load_checkpoint, main, strip_prefix  # noqa: E402
-from lightning_moe.lit_hf import HFMoELanguageModel  # noqa: E402
+from lightning_moe.export import export_checkpoint, export_state_dict, load_checkpoint, main, strip_prefix
+from lightning_moe.lit_hf import HFMoELanguageModel
 
 VOCAB = 64
 HF_CONFIGS: dict[str, dict[str, Any]] = {
@@ -44,7 +44,9 @@ def _batches(n: int = 4) -> list[dict[str, torch.Tensor]]:
 
 def _trained(family: str, tmp_path: Path) -> tuple[HFMoELanguageModel, Path]:
     torch.manual_seed(0)
-    lit = HFMoELanguageModel(hf_config=HF_CONFIGS[family], moe={"aux_loss": "switch"}, warmup_steps=1, learning_rate=1e-2)
+    lit = HFMoELanguageModel(
+        hf_config=HF_CONFIGS[family], moe={"aux_loss": "switch"}, warmup_steps=1, learning_rate=1e-2
+    )
     trainer = L.Trainer(
         accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=tmp_path,

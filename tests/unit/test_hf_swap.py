@@ -17,9 +17,9 @@ import torch.nn as nn
 
 transformers = pytest.importorskip("transformers")
 
-from lightning_moe.models.hf import HFMoELayer, export_moe_blocks, swap_moe_blocks  # noqa: E402
-from lightning_moe.moe.layer import MoELayer  # noqa: E402
-from lightning_moe.moe.utils import find_moe_layers  # noqa: E402
+from lightning_moe.models.hf import HFMoELayer, export_moe_blocks, swap_moe_blocks
+from lightning_moe.moe.layer import MoELayer
+from lightning_moe.moe.utils import find_moe_layers
 
 VOCAB = 96
 
@@ -110,12 +110,16 @@ def test_swap_keeps_logits_and_gradients(name: str) -> None:
         torch.testing.assert_close(
             layer.experts.w13.grad, block.experts.gate_up_proj.grad.transpose(1, 2), atol=1e-5, rtol=1e-4
         )
-        torch.testing.assert_close(layer.experts.w2.grad, block.experts.down_proj.grad.transpose(1, 2), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            layer.experts.w2.grad, block.experts.down_proj.grad.transpose(1, 2), atol=1e-5, rtol=1e-4
+        )
         shared = getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None)
         if shared is not None:
             gate_up_grad = torch.cat([shared.gate_proj.weight.grad, shared.up_proj.weight.grad])
             torch.testing.assert_close(layer.shared_expert.gate_up.weight.grad, gate_up_grad, atol=1e-5, rtol=1e-4)
-            torch.testing.assert_close(layer.shared_expert.down.weight.grad, shared.down_proj.weight.grad, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(
+                layer.shared_expert.down.weight.grad, shared.down_proj.weight.grad, atol=1e-5, rtol=1e-4
+            )
         if hasattr(block, "shared_expert_gate"):
             torch.testing.assert_close(
                 layer.shared_expert.gate.weight.grad, block.shared_expert_gate.weight.grad, atol=1e-5, rtol=1e-4

@@ -136,8 +136,20 @@ def test_memory_efficient_permute_matches_weight_in_combine(overrides: dict) -> 
 
 
 def _rows_seen_by_experts(layer: MoELayer) -> list[int]:
+    """Row counts the experts ran on (through the fused local path or the generic one)."""
     seen: list[int] = []
-    layer.experts.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[0]))
+    experts = layer.experts
+    plain, fused = experts.forward, experts.forward_local
+
+    def forward(x_RH, *args, **kwargs):  # noqa: ANN001, ANN202
+        seen.append(x_RH.shape[0])
+        return plain(x_RH, *args, **kwargs)
+
+    def forward_local(x_TH, perm, *args, **kwargs):  # noqa: ANN001, ANN202
+        seen.append(perm.num_rows)
+        return fused(x_TH, perm, *args, **kwargs)
+
+    experts.forward, experts.forward_local = forward, forward_local
     return seen
 
 

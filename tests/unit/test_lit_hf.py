@@ -9,10 +9,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from lightning_moe.cli import main  # noqa: E402
-from lightning_moe.lit_hf import HFMoELanguageModel  # noqa: E402
-from lightning_moe.models.hf import HFMoELayer  # noqa: E402
-from lightning_moe.moe.utils import find_moe_layers  # noqa: E402
+from lightning_moe.cli import main
+from lightning_moe.lit_hf import HFMoELanguageModel
+from lightning_moe.models.hf import HFMoELayer
+from lightning_moe.moe.utils import find_moe_layers
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "hf_qwen3_moe_tiny.yaml"
 TINY = {
@@ -23,11 +23,14 @@ TINY = {
 
 
 def test_hf_recipe_yaml_fits_three_steps_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # One process, no process group (tests/dist/test_dist_hf_export.py runs the YAML as written).
     main(
         [
             "fit",
             "--config",
             str(CONFIG),
+            "--trainer.devices=1",
+            "--trainer.strategy=auto",
             "--trainer.max_steps=3",
             "--trainer.val_check_interval=3",
             "--trainer.limit_val_batches=1",

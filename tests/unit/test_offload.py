@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _callback_models import tiny_config, tiny_trainer, token_loader
 
 from lightning_moe.callbacks._patterns import select_modules
 from lightning_moe.callbacks.offload import ActivationOffloader, CPUOffload, OptimizerStateOffloader
 from lightning_moe.lit import MoELanguageModel
 from lightning_moe.models.transformer import MoETransformer
-from _callback_models import tiny_config, tiny_trainer, token_loader
 
 CPU = torch.device("cpu")
 
@@ -169,7 +169,9 @@ def test_callback_is_a_noop_with_one_info_line_on_cpu(tmp_path: Path, caplog: py
 
 def test_unknown_module_pattern_raises_listing_names(tmp_path: Path) -> None:
     cb = CPUOffload(activations=["*layers.*.mlp"])
-    with pytest.raises(ValueError, match=r"pattern '\*layers\.\*\.mlp' matches no sub-module.*'model\.layers\.\*\.ffn'"):
+    with pytest.raises(
+        ValueError, match=r"pattern '\*layers\.\*\.mlp' matches no sub-module.*'model\.layers\.\*\.ffn'"
+    ):
         tiny_trainer(tmp_path, [cb], max_steps=1).fit(MoELanguageModel(tiny_config()), token_loader())
 
 

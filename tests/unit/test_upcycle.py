@@ -31,8 +31,7 @@ ROUTINGS: list[dict[str, Any]] = [
     {"pre_softmax": True, "norm_topk_prob": False},  # s = K/E, compensated
     {"score_func": "sigmoid", "norm_topk_prob": True},
     {"score_func": "sigmoid", "norm_topk_prob": False},  # s = K/2, compensated
-    {"score_func": "sigmoid", "scaling_factor": 2.5, "expert_bias": True, "num_groups": 4, "group_topk": 2,
-     "top_k": 4},  # fmt: skip
+    {"score_func": "sigmoid", "scaling_factor": 2.5, "expert_bias": True, "num_groups": 4, "group_topk": 2, "top_k": 4},
     {"shared_expert_ffn_size": 16, "shared_expert_gate": True},  # shared expert starts silent
 ]
 

@@ -1,0 +1,98 @@
+"""Permute → expert SwiGLU MLP → combine as one autograd function (the single-rank fast path).
+
+Legend: T tokens, H hidden, F expert FFN width, E experts, K top-k, R rows grouped by expert.
+
+    x_RH  = x_TH[src_R]                      # permute (gather)
+    h_R2F = gmm(x_RH, w13)                   # [gate | up]
+    a_RF  = silu(gate) * up * w_R            # weighted SwiGLU (memory-efficient permutation)
+    y_RH  = gmm(a_RF, w2)
+    y_TH  = sum_k y_RH[slot_row_TK[t, k]]    # combine (gather-sum, the weight is already in)
+
+Why one function: each piece as its own autograd node keeps its inputs alive across the step
+— the permuted copy ``x_RH`` (R*H, the largest activation), the incoming ``grad_y_RH`` — and
+returns ``grad_x_RH`` to the engine. Here only ``h_R2F`` is saved (``x_TH`` is the caller's
+tensor, held anyway); backward re-gathers ``x_RH`` when the ``w13`` gradient needs it and frees
+every R-sized buffer as soon as its last use has run:
+
+    grad_y_RH = grad_out[src_R] -> grad_a, grad_w2 (with a recomputed) -> free grad_y, a
+    grad_h, grad_w_R = swiglu_bwd(h, w_R, grad_a)                        -> free grad_a
+    x_RH = x_TH[src_R] -> grad_w13                                       -> free x_RH
+    grad_x_RH = gmm(grad_h, w13^T) -> grad_x_TH = gather-sum             -> free the rest
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_moe.ops.grouped_gemm import GemmBackend, gmm, gmm_wgrad
+from lightning_moe.ops.permute import Permutation, _permute_rows_impl, _unpermute_sum_impl
+from lightning_moe.ops.swiglu import weighted_swiglu_backward, weighted_swiglu_forward
+
+__all__ = ["local_experts"]
+
+
+class _LocalExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        x_TH: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        w_R: torch.Tensor,
+        perm: Permutation,
+        offs_E: torch.Tensor,
+        backend: GemmBackend,
+    ) -> torch.Tensor:
+        src_R = perm.src_token_R
+        x_RH = _permute_rows_impl(x_TH, src_R)
+        h_R2F = gmm(x_RH, w13, offs_E, backend)
+        del x_RH
+        a_RF = weighted_swiglu_forward(h_R2F, w_R)
+        y_RH = gmm(a_RF, w2, offs_E, backend)
+        del a_RF
+        y_TH = _unpermute_sum_impl(y_RH, perm.slot_row_TK, None)
+        ctx.perm, ctx.backend = perm, backend
+        ctx.save_for_backward(x_TH, h_R2F, w13, w2, w_R, offs_E, src_R)
+        return y_TH
+
+    @staticmethod
+    def backward(ctx, grad_TH: torch.Tensor):  # type: ignore[override]
+        x_TH, h_R2F, w13, w2, w_R, offs_E, src_R = ctx.saved_tensors
+        perm: Permutation = ctx.perm
+        backend: GemmBackend = ctx.backend
+        grad_y_RH = _permute_rows_impl(grad_TH.contiguous(), src_R)
+        grad_a_RF = gmm(grad_y_RH, w2.transpose(1, 2), offs_E, backend)
+        grad_w2 = None
+        if ctx.needs_input_grad[2]:
+            a_RF = weighted_swiglu_forward(h_R2F, w_R)
+            grad_w2 = gmm_wgrad(a_RF, grad_y_RH, offs_E, backend)
+            del a_RF
+        del grad_y_RH
+        grad_h_R2F, grad_w_R = weighted_swiglu_backward(h_R2F, w_R, grad_a_RF, ctx.needs_input_grad[3])
+        del grad_a_RF
+        grad_w13 = None
+        if ctx.needs_input_grad[1]:
+            x_RH = _permute_rows_impl(x_TH, src_R)
+            grad_w13 = gmm_wgrad(x_RH, grad_h_R2F, offs_E, backend)
+            del x_RH
+        grad_x_TH = None
+        if ctx.needs_input_grad[0]:
+            grad_x_RH = gmm(grad_h_R2F, w13.transpose(1, 2), offs_E, backend)
+            del grad_h_R2F
+            grad_x_TH = _unpermute_sum_impl(grad_x_RH, perm.slot_row_TK, None)
+        if grad_w_R is not None:
+            grad_w_R = grad_w_R.to(w_R.dtype)
+        return grad_x_TH, grad_w13, grad_w2, grad_w_R, None, None, None
+
+
+def local_experts(
+    x_TH: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w_R: torch.Tensor,
+    perm: Permutation,
+    offs_E: torch.Tensor,
+    backend: GemmBackend = "torch",
+) -> torch.Tensor:
+    """``y_TH`` of all experts on this rank, routing weights applied inside the SwiGLU."""
+    return _LocalExperts.apply(x_TH, w13, w2, w_R, perm, offs_E, backend)

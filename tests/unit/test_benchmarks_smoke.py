@@ -1,0 +1,42 @@
+"""Smoke tests of the benchmark scripts: they run end to end on CPU with tiny shapes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_e2e_quick(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    import torch.distributed as dist
+
+    had_process_group = dist.is_initialized()
+    e2e = _load("e2e")
+    out = tmp_path / "e2e.json"
+    report = e2e.main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text())["results"].keys() == set(e2e.CONTENDERS)
+    results = report["results"]
+    for name, r in results.items():
+        assert "error" not in r, (name, r)
+        assert r["tokens_per_s"] > 0 and r["mfu"] > 0 and len(r["step_ms"]) == report["shape"]["steps"]
+    # the swapped HF model is the HF model: same parameter count, same FLOPs
+    assert results["lightning_moe_hf"]["active_params"] == results["hf"]["active_params"]
+    assert results["lightning_moe_hf"]["flops_per_token"] == results["hf"]["flops_per_token"]
+    assert "lightning_moe_hf/hf tokens_per_s" in report["ratios"]
+    assert dist.is_initialized() == had_process_group  # the script leaves no process group behind
