@@ -1,17 +1,32 @@
 #!/usr/bin/env bash
-# Everything the H200 runs in one call: kernels built and tested, then the layer benchmark.
-# Usage (on the device machine, repo root): bash benchmarks/h200.sh [moe_layer.py args...]
+# The H200 runs, batched (device time is scarce). On the device machine, in the repo root:
+#   bash benchmarks/h200.sh layer     # kernels built + GPU tests + the MoE-layer race vs peers
+#   bash benchmarks/h200.sh e2e       # end-to-end model race + callbacks / recompute figures
+# Results land in $OUT (JSON + logs); the last lines printed are the summary tables.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="$PWD:${PYTHONPATH:-}:/tmp/site"
-else
-  export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv
-python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
-time python3 -c "from lightning_moe.ops.build import load_extension; print(load_extension('csrc'))" 2>&1 | tail -5
-python3 -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
-python3 benchmarks/moe_layer.py --json "$OUT/moe_layer.json" "$@" 2>&1 | tee "$OUT/moe_layer.log" | tail -45
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader
+python3 -c "from lightning_moe.ops.build import load_extension; print(load_extension('csrc'))" 2>&1 | tail -2
+case "${1:-layer}" in
+  layer)
+    timeout 240 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_layer_gpu.py -q -p no:cacheprovider -rf \
+      > "$OUT/gpu_tests.log" 2>&1; tail -4 "$OUT/gpu_tests.log"
+    python3 benchmarks/moe_layer.py --json "$OUT/moe_layer.json" > "$OUT/moe_layer.log" 2>&1
+    python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --skew 2 --peers torch-grouped_mm-ref,hf-grouped_mm \
+      --no-breakdown --json "$OUT/moe_layer_skew.json" > "$OUT/moe_layer_skew.log" 2>&1
+    grep -A60 "^device" "$OUT/moe_layer.log" | grep -v "^ \{20\}"; grep -A8 "^device" "$OUT/moe_layer_skew.log"
+    ;;
+  e2e)
+    timeout 200 python3 -m pytest tests/gpu/test_callbacks_gpu.py -q -p no:cacheprovider -rf > "$OUT/gpu_cb_tests.log" 2>&1
+    tail -3 "$OUT/gpu_cb_tests.log"
+    timeout 240 python3 benchmarks/e2e.py --out "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1; tail -12 "$OUT/e2e.log"
+    timeout 240 python3 benchmarks/callbacks_bench.py --out "$OUT/callbacks.json" > "$OUT/callbacks.log" 2>&1
+    tail -16 "$OUT/callbacks.log"
+    ;;
+esac

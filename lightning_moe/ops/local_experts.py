@@ -8,16 +8,18 @@ Legend: T tokens, H hidden, F expert FFN width, E experts, K top-k, R rows group
     y_RH  = gmm(a_RF, w2)
     y_TH  = sum_k y_RH[slot_row_TK[t, k]]    # combine (gather-sum, the weight is already in)
 
-Why one function: each piece as its own autograd node keeps its inputs alive across the step
-— the permuted copy ``x_RH`` (R*H, the largest activation), the incoming ``grad_y_RH`` — and
-returns ``grad_x_RH`` to the engine. Here only ``h_R2F`` is saved (``x_TH`` is the caller's
-tensor, held anyway); backward re-gathers ``x_RH`` when the ``w13`` gradient needs it and frees
-every R-sized buffer as soon as its last use has run:
+Why fused: each piece as its own autograd node keeps its inputs alive across the step — the
+permuted copy ``x_RH`` (R*H, the largest activation), the incoming ``grad_y_RH`` — and returns
+``grad_x_RH`` to the engine. Here only ``h_R2F`` is saved (``x_TH`` is the caller's tensor, held
+anyway); backward re-gathers ``x_RH`` when the ``w13`` gradient needs it and frees every R-sized
+buffer after its last use. Two nodes rather than one, so that the engine accumulates (and frees)
+``grad_w2`` before ``grad_w13`` is allocated — with large experts the two weight gradients are the
+biggest transient buffers of the step:
 
-    grad_y_RH = grad_out[src_R] -> grad_a, grad_w2 (with a recomputed) -> free grad_y, a
-    grad_h, grad_w_R = swiglu_bwd(h, w_R, grad_a)                        -> free grad_a
-    x_RH = x_TH[src_R] -> grad_w13                                       -> free x_RH
-    grad_x_RH = gmm(grad_h, w13^T) -> grad_x_TH = gather-sum             -> free the rest
+    _DownCombine (h, w2, w_R -> y_TH)      backward: grad_y_RH = grad_out[src_R] -> grad_a,
+        grad_w2 (a recomputed from h) -> grad_h, grad_w_R = swiglu_bwd(h, w_R, grad_a)
+    _PermuteUp (x_TH, w13 -> h)            backward: x_RH = x_TH[src_R] -> grad_w13;
+        grad_x_RH = gmm(grad_h, w13^T) -> grad_x_TH = gather-sum over the K slots
 """
 
 from __future__ import annotations
@@ -31,58 +33,71 @@ from lightning_moe.ops.swiglu import weighted_swiglu_backward, weighted_swiglu_f
 __all__ = ["local_experts"]
 
 
-class _LocalExperts(torch.autograd.Function):
+class _PermuteUp(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, x_TH: torch.Tensor, w13: torch.Tensor, perm: Permutation, offs_E: torch.Tensor, backend: GemmBackend
+    ) -> torch.Tensor:
+        x_RH = _permute_rows_impl(x_TH, perm.src_token_R)
+        h_R2F = gmm(x_RH, w13, offs_E, backend)
+        ctx.perm, ctx.backend = perm, backend
+        ctx.save_for_backward(x_TH, w13, offs_E)
+        return h_R2F
+
+    @staticmethod
+    def backward(ctx, grad_h_R2F: torch.Tensor):  # type: ignore[override]
+        x_TH, w13, offs_E = ctx.saved_tensors
+        perm: Permutation = ctx.perm
+        backend: GemmBackend = ctx.backend
+        grad_h_R2F = grad_h_R2F.contiguous()
+        grad_w13 = None
+        if ctx.needs_input_grad[1]:
+            x_RH = _permute_rows_impl(x_TH, perm.src_token_R)
+            grad_w13 = gmm_wgrad(x_RH, grad_h_R2F, offs_E, backend)
+            del x_RH
+        grad_x_TH = None
+        if ctx.needs_input_grad[0]:
+            grad_x_RH = gmm(grad_h_R2F, w13.transpose(1, 2), offs_E, backend)
+            grad_x_TH = _unpermute_sum_impl(grad_x_RH, perm.slot_row_TK, None)
+        return grad_x_TH, grad_w13, None, None, None
+
+
+class _DownCombine(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx,
-        x_TH: torch.Tensor,
-        w13: torch.Tensor,
+        h_R2F: torch.Tensor,
         w2: torch.Tensor,
         w_R: torch.Tensor,
         perm: Permutation,
         offs_E: torch.Tensor,
         backend: GemmBackend,
     ) -> torch.Tensor:
-        src_R = perm.src_token_R
-        x_RH = _permute_rows_impl(x_TH, src_R)
-        h_R2F = gmm(x_RH, w13, offs_E, backend)
-        del x_RH
         a_RF = weighted_swiglu_forward(h_R2F, w_R)
         y_RH = gmm(a_RF, w2, offs_E, backend)
         del a_RF
         y_TH = _unpermute_sum_impl(y_RH, perm.slot_row_TK, None)
         ctx.perm, ctx.backend = perm, backend
-        ctx.save_for_backward(x_TH, h_R2F, w13, w2, w_R, offs_E, src_R)
+        ctx.save_for_backward(h_R2F, w2, w_R, offs_E)
         return y_TH
 
     @staticmethod
     def backward(ctx, grad_TH: torch.Tensor):  # type: ignore[override]
-        x_TH, h_R2F, w13, w2, w_R, offs_E, src_R = ctx.saved_tensors
+        h_R2F, w2, w_R, offs_E = ctx.saved_tensors
         perm: Permutation = ctx.perm
         backend: GemmBackend = ctx.backend
-        grad_y_RH = _permute_rows_impl(grad_TH.contiguous(), src_R)
+        grad_y_RH = _permute_rows_impl(grad_TH.contiguous(), perm.src_token_R)
         grad_a_RF = gmm(grad_y_RH, w2.transpose(1, 2), offs_E, backend)
         grad_w2 = None
-        if ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[1]:
             a_RF = weighted_swiglu_forward(h_R2F, w_R)
             grad_w2 = gmm_wgrad(a_RF, grad_y_RH, offs_E, backend)
             del a_RF
         del grad_y_RH
-        grad_h_R2F, grad_w_R = weighted_swiglu_backward(h_R2F, w_R, grad_a_RF, ctx.needs_input_grad[3])
-        del grad_a_RF
-        grad_w13 = None
-        if ctx.needs_input_grad[1]:
-            x_RH = _permute_rows_impl(x_TH, src_R)
-            grad_w13 = gmm_wgrad(x_RH, grad_h_R2F, offs_E, backend)
-            del x_RH
-        grad_x_TH = None
-        if ctx.needs_input_grad[0]:
-            grad_x_RH = gmm(grad_h_R2F, w13.transpose(1, 2), offs_E, backend)
-            del grad_h_R2F
-            grad_x_TH = _unpermute_sum_impl(grad_x_RH, perm.slot_row_TK, None)
+        grad_h_R2F, grad_w_R = weighted_swiglu_backward(h_R2F, w_R, grad_a_RF, ctx.needs_input_grad[2])
         if grad_w_R is not None:
             grad_w_R = grad_w_R.to(w_R.dtype)
-        return grad_x_TH, grad_w13, grad_w2, grad_w_R, None, None, None
+        return grad_h_R2F, grad_w2, grad_w_R, None, None, None
 
 
 def local_experts(
@@ -95,4 +110,5 @@ def local_experts(
     backend: GemmBackend = "torch",
 ) -> torch.Tensor:
     """``y_TH`` of all experts on this rank, routing weights applied inside the SwiGLU."""
-    return _LocalExperts.apply(x_TH, w13, w2, w_R, perm, offs_E, backend)
+    h_R2F = _PermuteUp.apply(x_TH, w13, perm, offs_E, backend)
+    return _DownCombine.apply(h_R2F, w2, w_R, perm, offs_E, backend)

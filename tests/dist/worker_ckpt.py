@@ -70,7 +70,6 @@ def _fresh() -> AdamLM:
 
 
 def run(out: Path) -> None:
-    rank = dist.get_rank()
     ckpt_dir = out / "ckpt"
     saver = ModelCheckpoint(
         dirpath=ckpt_dir, filename="step{step}", auto_insert_metric_name=False,
@@ -78,6 +77,7 @@ def run(out: Path) -> None:
     )  # fmt: skip
     cont = _fresh()
     _trainer(2, 4, [saver]).fit(cont)
+    rank = dist.get_rank()  # the first fit initialised the process group
     final = gather_full_state(cont)
     resumed = _fresh()
     _trainer(2, 4).fit(resumed, ckpt_path=ckpt_dir / f"step{RESUME_AT}.ckpt")
