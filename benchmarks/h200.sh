@@ -17,8 +17,8 @@ case "${1:-layer}" in
   layer)
     timeout 240 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_layer_gpu.py -q -p no:cacheprovider -rf \
       > "$OUT/gpu_tests.log" 2>&1; tail -4 "$OUT/gpu_tests.log"
-    python3 benchmarks/moe_layer.py --json "$OUT/moe_layer.json" > "$OUT/moe_layer.log" 2>&1
-    python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --skew 2 --peers torch-grouped_mm-ref,hf-grouped_mm \
+    timeout 330 python3 benchmarks/moe_layer.py --json "$OUT/moe_layer.json" > "$OUT/moe_layer.log" 2>&1
+    timeout 90 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --skew 2 --peers torch-grouped_mm-ref,hf-grouped_mm \
       --no-breakdown --json "$OUT/moe_layer_skew.json" > "$OUT/moe_layer_skew.log" 2>&1
     grep -A60 "^device" "$OUT/moe_layer.log" | grep -v "^ \{20\}"; grep -A8 "^device" "$OUT/moe_layer_skew.log"
     ;;

@@ -19,7 +19,8 @@ Stages of :func:`parallelize_moe_model` (collectives named with their group):
    experts is never padded), then every block of a ``ModuleList`` and every child of the root
    over ``dp_cp``. The experts' reduce-scatter output is multiplied by
    ``edp*etp / (tp*cp*dp)`` (``grad.expert_grad_scale``) so expert and dense gradients both end
-   as the data-parallel average.
+   as the data-parallel average. ``GroupedExperts.forward_local`` (the fused local path at EP=1)
+   is registered as an FSDP forward method, so the EDP all-gather runs around it as well.
 
 The ETP layout of ``w13`` in the DTensor is "blocked": global column block j holds
 ``[gate_j | up_j]``; :func:`unblock_w13` converts a full tensor back to ``[gate | up]``.
@@ -31,7 +32,7 @@ from typing import Literal
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -219,6 +220,10 @@ def parallelize_moe_model(
             shard_placement_fn=lambda p: Shard(1),
         )
         install_expert_grad_scaling(layer.experts, scale)  # type: ignore[arg-type]
+        # The local (EP=1) path calls ``experts.forward_local`` instead of ``experts(...)``: FSDP
+        # must all-gather the EDP shards around that method too, not only around ``forward``.
+        if hasattr(layer.experts, "forward_local"):
+            register_fsdp_forward_method(layer.experts, "forward_local")
     dense_mesh = mesh.mesh("dp_cp")
     for m in list(module.modules()):
         if isinstance(m, nn.ModuleList):
