@@ -3,6 +3,8 @@
     python benchmarks/callbacks_bench.py                  # the H200 protocol below
     python benchmarks/callbacks_bench.py --quick          # tiny shapes; runs on CPU as a smoke test
     python benchmarks/callbacks_bench.py --arms graphs --out graphs.json
+    python benchmarks/callbacks_bench.py --arms recompute --batch 16 --recompute moe_act,norm,attn
+    python benchmarks/callbacks_bench.py --arms offload --offload '*layers.*.ffn'
 
 Model: the 4-layer Qwen3-30B-A3B-shaped transformer of BENCHMARKS.md (hidden 2048, 32 heads with
 4 KV heads, 128 experts, top-8, expert FFN 768, vocabulary 151936), bf16 parameters, AdamW.
@@ -224,18 +226,20 @@ def _free(*objs: Any) -> None:
         torch.cuda.empty_cache()
 
 
-def _offload_setup(device: torch.device, activations: bool, optimizer_states: bool) -> Callable[..., Any]:
+def _offload_setup(
+    device: torch.device, activations: bool, optimizer_states: bool, patterns: list[str] | None = None
+) -> Callable[..., Any]:
     """CUDA: the CPUOffload callback's plain-loop API. CPU: its engines, copying host to host."""
 
     def setup(model: ChunkedLM, opt: torch.optim.Optimizer) -> _Attached:
         if device.type == "cuda":
-            cb = CPUOffload(activations=None if activations else [], optimizer_states=optimizer_states)
+            cb = CPUOffload(activations=patterns if activations else [], optimizer_states=optimizer_states)
             cb.attach(model, device, optimizers=[opt])
             engines = [cb.activation_offloader, *cb.optimizer_offloaders]
             return _Attached([e for e in engines if e is not None], cb.detach)
         engines: list[Any] = []
         if activations:
-            selected = select_modules("bench", model, DEFAULT_ACTIVATIONS, "activations")
+            selected = select_modules("bench", model, patterns or list(DEFAULT_ACTIVATIONS), "activations")
             engines.append(ActivationOffloader(selected, device, min_tensor_bytes=0))
         if optimizer_states:
             engines.append(OptimizerStateOffloader(opt, device, min_tensor_bytes=64))
@@ -267,14 +271,21 @@ class _Attached:
 
 
 def bench_memory_arms(
-    s: Shape, arms: list[str], device: torch.device, dtype: torch.dtype, steps: int, warmup: int
+    s: Shape,
+    arms: list[str],
+    device: torch.device,
+    dtype: torch.dtype,
+    steps: int,
+    warmup: int,
+    recompute: list[str],
+    patterns: list[str] | None,
 ) -> dict[str, Any]:
     batches = _batches(s, s.batch, s.seq, steps, device)
     runs: dict[str, Run] = {}
 
-    def go(name: str, recompute: list[str] | None = None, **offload: bool) -> None:
-        model = build(model_config(s, s.seq, recompute), s, device, dtype)
-        setup = _offload_setup(device, **offload) if offload else None  # type: ignore[arg-type]
+    def go(name: str, targets: list[str] | None = None, **offload: bool) -> None:
+        model = build(model_config(s, s.seq, targets), s, device, dtype)
+        setup = _offload_setup(device, patterns=patterns, **offload) if offload else None  # type: ignore[arg-type]
         runs[name] = train(name, model, batches, device, set_to_none=False, setup=setup)
         if name == "optimizer":
             runs[name].extra["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -283,7 +294,7 @@ def bench_memory_arms(
 
     go("baseline")
     if "recompute" in arms:
-        go("recompute", ["moe_act", "norm"])
+        go("recompute", recompute)
     if "offload" in arms:
         go("offload", activations=True, optimizer_states=False)
     if "optimizer" in arms:
@@ -413,6 +424,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=None, help="steps per memory arm (first --warmup not timed)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--graph-steps", type=int, default=20)
+    parser.add_argument("--recompute", default="moe_act,norm", help="recompute targets of the recompute arm")
+    parser.add_argument("--offload", default=None, help="CPUOffload activation patterns (default: the callback's)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
@@ -427,9 +440,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}, {dtype}, shape {asdict(s)}", flush=True)
     results: dict[str, Any] = {"device": str(device), "dtype": str(dtype), "shape": asdict(s), "warmup": args.warmup}
+    results["options"] = {"recompute": args.recompute, "offload": args.offload or ",".join(DEFAULT_ACTIVATIONS)}
     memory_arms = [a for a in arms if a != "graphs"]
     if memory_arms:
-        results["memory"] = bench_memory_arms(s, memory_arms, device, dtype, steps, args.warmup)
+        recompute = [t for t in args.recompute.split(",") if t]
+        patterns = None if args.offload is None else [p for p in args.offload.split(",") if p]
+        results["memory"] = bench_memory_arms(s, memory_arms, device, dtype, steps, args.warmup, recompute, patterns)
     if "graphs" in arms:
         results["graphs"] = bench_graphs(s, device, dtype, args.graph_steps)
     rows = summarize(results, args.warmup)

@@ -22,6 +22,13 @@ case "${1:-layer}" in
       --no-breakdown --json "$OUT/moe_layer_skew.json" > "$OUT/moe_layer_skew.log" 2>&1
     grep -A60 "^device" "$OUT/moe_layer.log" | grep -v "^ \{20\}"; grep -A8 "^device" "$OUT/moe_layer_skew.log"
     ;;
+  final)
+    timeout 110 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --peers torch-grouped_mm-ref,liger-triton-fused \
+      --json "$OUT/q.json" > "$OUT/q.log" 2>&1
+    timeout 130 python3 benchmarks/moe_layer.py --shapes mixtral-8x7b,deepseek-v3 \
+      --peers torch-grouped_mm-ref,hf-grouped_mm,liger-triton-fused --json "$OUT/md.json" > "$OUT/md.log" 2>&1
+    grep -h '^{"peer\|^device\|^== ' "$OUT/q.log" "$OUT/md.log" | cut -c1-160
+    ;;
   e2e)
     timeout 200 python3 -m pytest tests/gpu/test_callbacks_gpu.py -q -p no:cacheprovider -rf > "$OUT/gpu_cb_tests.log" 2>&1
     tail -3 "$OUT/gpu_cb_tests.log"

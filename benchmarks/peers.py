@@ -108,7 +108,15 @@ def hf_block(H, Fh, E, k, dev, impl):
     cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=Fh, num_experts=E, num_experts_per_tok=k,
                          norm_topk_prob=True)
     cfg._experts_implementation = impl
-    blk = Qwen3MoeSparseMoeBlock(cfg).to(device=dev, dtype=torch.bfloat16)
+    # Built directly on the device in bf16: a CPU fp32 init of 11 B expert weights takes minutes.
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(dev):
+            blk = Qwen3MoeSparseMoeBlock(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    blk = blk.to(device=dev, dtype=torch.bfloat16)
     with torch.no_grad():
         for p in blk.parameters():
             p.normal_(0, 0.02)
@@ -177,7 +185,8 @@ def mcore_block(H, Fh, E, k, dev):
                             gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
                             bf16=True, params_dtype=torch.bfloat16, moe_grouped_gemm=False)
     spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
-    return spec(config=cfg).to(dev)
+    with torch.device(dev):
+        return spec(config=cfg).to(dev)
 
 
 def main():

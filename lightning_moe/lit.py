@@ -1,10 +1,13 @@
 """MoELanguageModel: the LightningModule that trains an :class:`MoETransformer`.
 
 It logs ``train/loss``, ``train/ppl``, every aux loss summed over layers, and the per-layer load
-imbalance ``max(c)/mean(c)`` of routed tokens per expert; ``val/loss`` and ``val/ppl``. It also
-keeps the MoE layers' bookkeeping in step with the optimizer: aux-loss gradient scale
-(``1/accumulate_grad_batches``, times the fp16 loss scale), expert-bias updates and
-global-aux-loss counts, once per optimizer step.
+imbalance ``max(c)/mean(c)`` of routed tokens per expert; ``val/loss`` and ``val/ppl``.
+``train/loss`` and the ``val/`` values are means over all ranks (one all-reduce each): tensor- and
+context-parallel ranks of one data-parallel replica hold equal shares, so this is the DP mean, the
+number a one-process run would log. ``train/ppl`` and the aux losses are logged unsynchronised
+(rank 0's value reaches the logger). It also keeps the MoE layers' bookkeeping in step with the
+optimizer: aux-loss gradient scale (``1/accumulate_grad_batches``, times the fp16 loss scale),
+expert-bias updates and global-aux-loss counts, once per optimizer step.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ class MoELanguageModel(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         set_aux_loss_scale(self.model, self._aux_loss_scale())
         loss = self._lm_loss(batch)
-        self.log("train/loss", loss, prog_bar=True, sync_dist=False)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
         self.log("train/ppl", torch.exp(loss.detach().clamp(max=30)))
         self._log_moe_stats()
         return loss

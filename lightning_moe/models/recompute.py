@@ -8,8 +8,9 @@ dropless), F expert FFN width; ``u`` is one ``[T, H]`` activation in the model d
 ==========  ========================================================================  ====================
 target      dropped in forward, rebuilt in backward                                    rebuild cost
 ==========  ========================================================================  ====================
-``norm``    both RMSNorm outputs (1 u each; the attention input saved by q/k/v and     2 elementwise passes
-            the router's fp32 copy of the MoE input, 2 u), and the norms' internals
+``norm``    both RMSNorm outputs (1 u each: the attention input q/k/v keep, the MoE    2 elementwise passes
+            input the router and experts keep, or the router's fp32 copy of it), and
+            the norms' internals
 ``moe_act`` the experts' pre-activation ``h_R2F = x_RH @ w13`` (2·F·K/H u: the       one grouped GEMM
             largest tensor the fused local MoE path keeps), rebuilt by re-gathering    (2/18 of the
             ``x_RH`` from the token-order input and one grouped GEMM. Never saved in   experts' FLOPs)
@@ -24,10 +25,10 @@ target      dropped in forward, rebuilt in backward                             
 ==========  ========================================================================  ====================
 
 Why ``moe_act`` means ``h_R2F``: what is cheap to rebuild is already never kept — the SwiGLU
-output (an elementwise pass over ``h``) and, since the dispatcher fuses permute, experts and
-combine into one autograd node (``ops/local_experts.py``), the dispatched rows (a gather). What
-the MoE layer still keeps per layer is ``h_R2F`` (2·F·K/H u; 6u for Qwen3-30B-A3B), the token-order
-input (1u) and the residual (1u). Rebuilding ``h_R2F`` costs one grouped GEMM in backward (the
+output (an elementwise pass over ``h``) and, since the local dispatcher fuses permute, experts
+and combine (``ops/local_experts.py``), the dispatched rows (a gather). What the MoE layer still
+keeps per layer is ``h_R2F`` (2·F·K/H u; 6u for Qwen3-30B-A3B), the token-order input (1u) and
+the residual (1u). Rebuilding ``h_R2F`` costs one grouped GEMM in backward (the
 forward's ``x_RH @ w13``: 2 of the experts' 18·T·K·H·F FLOPs per step) — the memory-heavy part at
 about a tenth of the experts' time. The dispatched rows ``x_RH`` (K·u) are rebuilt too on the
 unfused path (``memory_efficient_permute=False``). Only a single-rank (local) dispatcher is
@@ -37,9 +38,9 @@ Two mechanisms:
 
 1. *Rebuild on unpack* (``norm``, ``moe_act``): while the block runs forward, a
    ``saved_tensors_hooks`` pair watches what autograd saves. A tensor registered as rebuildable
-   (a norm output, the dispatched rows) — or a view of it, or a dtype cast of a reshape of it —
-   is replaced by a small token holding the recipe; the unpack hook rebuilds it once, shared by all
-   its consumers, right before the first consumer's backward. A rebuild runs the same kernels on
+   (a norm output, the experts' hidden state, the dispatched rows) — or a view of it, or a dtype
+   cast of a reshape of it — is replaced by a small token holding the recipe; the unpack hook
+   rebuilds it once, shared by all its consumers, right before the first consumer's backward. A rebuild runs the same kernels on
    the same inputs, so values — and therefore losses and gradients — are bitwise identical.
    Tensors the scope does not rebuild go to an enclosing hook pair (e.g. ``CPUOffload``) if any.
 2. *Checkpoint* (``moe``, ``attn``, ``block``, and the norms' internals):
@@ -77,6 +78,8 @@ __all__ = [
 RecomputeTarget = Literal["norm", "moe_act", "moe", "attn", "block"]
 RECOMPUTE_TARGETS: tuple[str, ...] = ("norm", "moe_act", "moe", "attn", "block")
 
+# Autograd nodes whose output is the experts' pre-activation h_R2F = x_TH[src_R] @ w13.
+_HIDDEN_PRODUCERS = frozenset({"_PermuteUpBackward"})
 # Autograd nodes of ops that only reinterpret a contiguous tensor's shape (element order kept).
 _RESHAPE_NODES = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "AliasBackward0"})
 
@@ -301,9 +304,12 @@ class _MoEActDispatcher:
         perm = build_permutation(topk_ids_TK, self.inner.num_experts, capacity, self.inner.dropless)
         w_R = row_weights(topk_weights_TK, perm)
         self.scope.expect_expert_hidden(experts, x_TH, perm)
+        lean = experts.lean_backward
+        experts.lean_backward = True  # rebuild x_RH and a_RF too, instead of saving them
         try:
             return experts.forward_local(x_TH, perm, w_R)  # type: ignore[operator]
         finally:
+            experts.lean_backward = lean
             self.scope.expected_hidden = None
 
     def __getattr__(self, name: str) -> Any:
@@ -437,7 +443,7 @@ class RecomputeScope:
             entry.on_first_pack = norm_entry.packed
 
     def expect_expert_hidden(self, experts: nn.Module, x_TH: torch.Tensor, perm: Permutation) -> None:
-        """The next saved ``[R, 2F]`` tensor without autograd history is ``gmm(x_TH[src_R], w13)``."""
+        """The next saved ``[R, 2F]`` hidden state of the fused experts is ``gmm(x_TH[src_R], w13)``."""
         source, norm_entry = self._source(x_TH)
         self.expected_hidden = _ExpectedHidden(
             rows=perm.num_rows,
@@ -450,13 +456,16 @@ class RecomputeScope:
         spec = self.expected_hidden
         if (
             spec is None
-            or t.grad_fn is not None
-            or t.requires_grad
             or t.dim() != 2
             or tuple(t.shape) != (spec.rows, spec.cols)
             or not t.dtype.is_floating_point
             or not _covers_storage(t)
         ):
+            return None
+        # ``h_R2F`` is internal to one fused node (no autograd history) or the output of
+        # ``ops/local_experts.py``'s ``_PermuteUp``; any other [R, 2F] tensor is left alone.
+        node = t.grad_fn
+        if not (node is None and not t.requires_grad) and type(node).__name__ not in _HIDDEN_PRODUCERS:
             return None
         self.expected_hidden = None  # one hidden state per expert call
         entry = _Rebuild(spec.recipe_for(t.dtype), t)

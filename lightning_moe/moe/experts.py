@@ -49,6 +49,9 @@ class GroupedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * ffn_hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
         self._resolved: dict[tuple[str, torch.dtype], GemmBackend] = {}
+        # Fused local path: keep the gathered rows and the activation for backward (fast), or
+        # rebuild them there (lean; activation recompute switches this on for its call).
+        self.lean_backward = False
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -93,7 +96,7 @@ class GroupedExperts(nn.Module):
         offs_e = offsets_from_counts(perm.tokens_per_expert_E)
         backend = self.gemm_backend(x_TH.device, dtype)
         with torch.autocast(device_type=device_type, enabled=False):
-            return local_experts(x_TH.to(dtype), w13, w2, weights_R, perm, offs_e, backend)
+            return local_experts(x_TH.to(dtype), w13, w2, weights_R, perm, offs_e, backend, self.lean_backward)
 
     def extra_repr(self) -> str:
         return (

@@ -8,17 +8,17 @@ Legend: T tokens, H hidden, F expert FFN width, E experts, K top-k, R rows group
     y_RH  = gmm(a_RF, w2)
     y_TH  = sum_k y_RH[slot_row_TK[t, k]]    # combine (gather-sum, the weight is already in)
 
-Why fused: each piece as its own autograd node keeps its inputs alive across the step — the
-permuted copy ``x_RH`` (R*H, the largest activation), the incoming ``grad_y_RH`` — and returns
-``grad_x_RH`` to the engine. Here only ``h_R2F`` is saved (``x_TH`` is the caller's tensor, held
-anyway); backward re-gathers ``x_RH`` when the ``w13`` gradient needs it and frees every R-sized
-buffer after its last use. Two nodes rather than one, so that the engine accumulates (and frees)
-``grad_w2`` before ``grad_w13`` is allocated — with large experts the two weight gradients are the
-biggest transient buffers of the step:
+Why fused: as separate autograd nodes each piece keeps its own inputs alive across the step
+(the permuted copy ``x_RH`` and the incoming ``grad_y_RH`` twice over) and hands ``grad_x_RH``
+back to the engine. Here ``h_R2F`` is saved, plus — unless ``lean`` — ``x_RH`` and ``a_RF``
+(lean re-gathers ``x_RH`` from the caller's ``x_TH`` and recomputes ``a_RF`` from ``h``); every
+other R-sized buffer is freed after its last use. Two nodes rather than one, so that the engine
+accumulates (and frees) ``grad_w2`` before ``grad_w13`` is allocated — with large experts the two
+weight gradients are the biggest transient buffers of the step:
 
     _DownCombine (h, w2, w_R -> y_TH)      backward: grad_y_RH = grad_out[src_R] -> grad_a,
-        grad_w2 (a recomputed from h) -> grad_h, grad_w_R = swiglu_bwd(h, w_R, grad_a)
-    _PermuteUp (x_TH, w13 -> h)            backward: x_RH = x_TH[src_R] -> grad_w13;
+        grad_w2 (with a) -> grad_h, grad_w_R = swiglu_bwd(h, w_R, grad_a)
+    _PermuteUp (x_TH, w13 -> h)            backward: grad_w13 (with x_RH);
         grad_x_RH = gmm(grad_h, w13^T) -> grad_x_TH = gather-sum over the K slots
 """
 
@@ -36,30 +36,36 @@ __all__ = ["local_experts"]
 class _PermuteUp(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, x_TH: torch.Tensor, w13: torch.Tensor, perm: Permutation, offs_E: torch.Tensor, backend: GemmBackend
+        ctx,
+        x_TH: torch.Tensor,
+        w13: torch.Tensor,
+        perm: Permutation,
+        offs_E: torch.Tensor,
+        backend: GemmBackend,
+        keep_gathered: bool,
     ) -> torch.Tensor:
         x_RH = _permute_rows_impl(x_TH, perm.src_token_R)
         h_R2F = gmm(x_RH, w13, offs_E, backend)
-        ctx.perm, ctx.backend = perm, backend
-        ctx.save_for_backward(x_TH, w13, offs_E)
+        ctx.perm, ctx.backend, ctx.keep_gathered = perm, backend, keep_gathered
+        ctx.save_for_backward(x_RH if keep_gathered else x_TH, w13, offs_E)
         return h_R2F
 
     @staticmethod
     def backward(ctx, grad_h_R2F: torch.Tensor):  # type: ignore[override]
-        x_TH, w13, offs_E = ctx.saved_tensors
+        x_saved, w13, offs_E = ctx.saved_tensors
         perm: Permutation = ctx.perm
         backend: GemmBackend = ctx.backend
         grad_h_R2F = grad_h_R2F.contiguous()
         grad_w13 = None
         if ctx.needs_input_grad[1]:
-            x_RH = _permute_rows_impl(x_TH, perm.src_token_R)
+            x_RH = x_saved if ctx.keep_gathered else _permute_rows_impl(x_saved, perm.src_token_R)
             grad_w13 = gmm_wgrad(x_RH, grad_h_R2F, offs_E, backend)
             del x_RH
         grad_x_TH = None
         if ctx.needs_input_grad[0]:
             grad_x_RH = gmm(grad_h_R2F, w13.transpose(1, 2), offs_E, backend)
             grad_x_TH = _unpermute_sum_impl(grad_x_RH, perm.slot_row_TK, None)
-        return grad_x_TH, grad_w13, None, None, None
+        return grad_x_TH, grad_w13, None, None, None, None
 
 
 class _DownCombine(torch.autograd.Function):
@@ -72,32 +78,33 @@ class _DownCombine(torch.autograd.Function):
         perm: Permutation,
         offs_E: torch.Tensor,
         backend: GemmBackend,
+        keep_activation: bool,
     ) -> torch.Tensor:
         a_RF = weighted_swiglu_forward(h_R2F, w_R)
         y_RH = gmm(a_RF, w2, offs_E, backend)
-        del a_RF
         y_TH = _unpermute_sum_impl(y_RH, perm.slot_row_TK, None)
         ctx.perm, ctx.backend = perm, backend
-        ctx.save_for_backward(h_R2F, w2, w_R, offs_E)
+        ctx.save_for_backward(h_R2F, w2, w_R, offs_E, a_RF if keep_activation else None)
         return y_TH
 
     @staticmethod
     def backward(ctx, grad_TH: torch.Tensor):  # type: ignore[override]
-        h_R2F, w2, w_R, offs_E = ctx.saved_tensors
+        h_R2F, w2, w_R, offs_E, a_RF = ctx.saved_tensors
         perm: Permutation = ctx.perm
         backend: GemmBackend = ctx.backend
         grad_y_RH = _permute_rows_impl(grad_TH.contiguous(), perm.src_token_R)
         grad_a_RF = gmm(grad_y_RH, w2.transpose(1, 2), offs_E, backend)
         grad_w2 = None
         if ctx.needs_input_grad[1]:
-            a_RF = weighted_swiglu_forward(h_R2F, w_R)
+            if a_RF is None:
+                a_RF = weighted_swiglu_forward(h_R2F, w_R)
             grad_w2 = gmm_wgrad(a_RF, grad_y_RH, offs_E, backend)
             del a_RF
         del grad_y_RH
         grad_h_R2F, grad_w_R = weighted_swiglu_backward(h_R2F, w_R, grad_a_RF, ctx.needs_input_grad[2])
         if grad_w_R is not None:
             grad_w_R = grad_w_R.to(w_R.dtype)
-        return grad_h_R2F, grad_w2, grad_w_R, None, None, None
+        return grad_h_R2F, grad_w2, grad_w_R, None, None, None, None
 
 
 def local_experts(
@@ -108,7 +115,13 @@ def local_experts(
     perm: Permutation,
     offs_E: torch.Tensor,
     backend: GemmBackend = "torch",
+    lean: bool = False,
 ) -> torch.Tensor:
-    """``y_TH`` of all experts on this rank, routing weights applied inside the SwiGLU."""
-    h_R2F = _PermuteUp.apply(x_TH, w13, perm, offs_E, backend)
-    return _DownCombine.apply(h_R2F, w2, w_R, perm, offs_E, backend)
+    """``y_TH`` of all experts on this rank, routing weights applied inside the SwiGLU.
+
+    ``lean=False`` (speed) keeps the gathered rows ``x_RH`` and the activation ``a_RF`` for
+    backward; ``lean=True`` keeps neither (one more gather and one more SwiGLU in backward, R*(H+F)
+    fewer values held) — what activation recompute asks for.
+    """
+    h_R2F = _PermuteUp.apply(x_TH, w13, perm, offs_E, backend, not lean)
+    return _DownCombine.apply(h_R2F, w2, w_R, perm, offs_E, backend, not lean)

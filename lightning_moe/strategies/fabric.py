@@ -141,8 +141,44 @@ class FabricFoldedMoEStrategy(FabricModelParallelStrategy):
         self._device_mesh = self._folded_mesh.dense
 
     @property
+    def data_parallel_size(self) -> int:
+        """Number of data-parallel replicas (``dp``); ``tp*cp`` ranks share each batch."""
+        return self.folded_mesh.layout.dp
+
+    @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return _sampler_kwargs(self.folded_mesh)
+
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
+    ) -> tuple[nn.Module, list[Optimizer], Any]:
+        """``fabric.setup(model, optimizer)``: shard the model, then re-point the optimizers.
+
+        TP and FSDP2 replace every parameter by a DTensor parameter of the same name, so an
+        optimizer made before ``setup`` would step the old tensors; its parameter groups are
+        rebuilt by name (it must not have stepped yet).
+        """
+        owner = type(self).__name__
+        names = {id(p): n for n, p in module.named_parameters()}
+        for optimizer in optimizers:
+            if optimizer.state:
+                raise ValueError(
+                    f"{owner}: {type(optimizer).__name__} already has state for {len(optimizer.state)} parameters; "
+                    "pass an optimizer that has not stepped, or call fabric.setup(model) first and build the "
+                    "optimizer from the returned model's parameters."
+                )
+            unknown = sum(id(p) not in names for g in optimizer.param_groups for p in g["params"])
+            if unknown:
+                raise ValueError(
+                    f"{owner}: {type(optimizer).__name__} holds {unknown} parameters that are not the model's; "
+                    "build it from model.parameters()."
+                )
+        module = self.setup_module(module)
+        sharded = dict(module.named_parameters())
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        return module, optimizers, scheduler
 
     def _parallelize(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         _check_namespace(module, type(self).__name__)

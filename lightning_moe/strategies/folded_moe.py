@@ -15,6 +15,20 @@ Attention and the other dense layers are laid out ``tp x cp x dp`` and the exper
    ``dp_cp`` group the router counts are summed over;
 5. checkpoints: Lightning's distributed (DCP) save/load; expert parameters are DTensors over
    ``(edp, ep[, etp])`` so every expert id is stored and a load reshards (EP4 -> EP2 -> EP1).
+   Optimizer state (SGD momentum, AdamW moments and step) goes through the same DCP folder and
+   comes back exactly: a run resumed from a checkpoint written at an optimizer-step boundary
+   continues with the identical loss sequence. Accumulated gradients are not checkpointed (as in
+   Lightning), and a plain ``DataLoader`` restarts an interrupted epoch from its first batch, so
+   an exact resume needs a checkpoint at an epoch end or a resumable loader
+   (``state_dict``/``load_state_dict``). Save from ``ModelCheckpoint`` (``on_train_batch_end``):
+   a ``trainer.save_checkpoint`` after ``fit`` returned at ``max_steps`` on an epoch's last batch
+   stores loop counters that make Lightning end the next epoch after its first batch.
+
+Throughput: Lightning's ``ThroughputMonitor`` multiplies per-device samples by
+``trainer.world_size``, but the ``tp*cp`` ranks of one data-parallel replica read the same
+samples. Use :attr:`data_parallel_size` (e.g. count a batch as
+``batch_size * data_parallel_size / world_size`` in its ``batch_size_fn``) to get global
+samples/s; its FLOP numbers are per device and need no change.
 """
 
 from __future__ import annotations
@@ -117,6 +131,12 @@ class FoldedMoEStrategy(ModelParallelStrategy):
         """Group the router's token counts are summed over (DP x CP); ``None`` with one data rank."""
         lay = self.folded_mesh.layout
         return self.folded_mesh.group("dp_cp") if lay.dp * lay.cp > 1 else None
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Number of data-parallel replicas of the dense layers (``dp``): the ranks that read
+        different samples. ``world_size // data_parallel_size`` ranks (``tp*cp``) share each batch."""
+        return self.folded_mesh.layout.dp
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

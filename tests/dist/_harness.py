@@ -11,9 +11,12 @@ import signal
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["run_torchrun", "free_port"]
+import pytest
+
+__all__ = ["Launch", "Suite", "free_port", "launch_torchrun", "run_torchrun"]
 
 HERE = Path(__file__).resolve().parent
 
@@ -24,8 +27,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torchrun(script: str, world_size: int, args: list[str], timeout: float, cwd: Path | None = None) -> str:
-    """Run ``tests/dist/<script>`` on ``world_size`` CPU ranks; raise with the output on failure."""
+@dataclass(frozen=True)
+class Launch:
+    """What one torchrun job left: its exit code (``None`` if it was killed at the timeout)."""
+
+    script: str
+    world_size: int
+    returncode: int | None
+    output: str
+    timeout: float
+
+    def failure(self, tail: int = 8000) -> str:
+        """A one-paragraph reason plus the output's tail; empty if the job succeeded."""
+        if self.returncode == 0:
+            return ""
+        how = f"timed out after {self.timeout}s" if self.returncode is None else f"failed (rc={self.returncode})"
+        return f"{self.script} on {self.world_size} ranks {how}:\n{self.output[-tail:]}"
+
+
+def launch_torchrun(script: str, world_size: int, args: list[str], timeout: float, cwd: Path | None = None) -> Launch:
+    """Run ``tests/dist/<script>`` on ``world_size`` CPU ranks; never raises for the job's outcome."""
     cmd = [
         sys.executable,
         "-m",
@@ -43,10 +64,31 @@ def run_torchrun(script: str, world_size: int, args: list[str], timeout: float, 
     )
     try:
         out, _ = proc.communicate(timeout=timeout)
+        return Launch(script, world_size, proc.returncode, out, timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise AssertionError(f"{script} on {world_size} ranks timed out after {timeout}s:\n{out[-6000:]}") from None
-    if proc.returncode != 0:
-        raise AssertionError(f"{script} on {world_size} ranks failed (rc={proc.returncode}):\n{out[-8000:]}")
-    return out
+        return Launch(script, world_size, None, out, timeout)
+
+
+def run_torchrun(script: str, world_size: int, args: list[str], timeout: float, cwd: Path | None = None) -> str:
+    """Run ``tests/dist/<script>`` on ``world_size`` CPU ranks; raise with the output on failure."""
+    job = launch_torchrun(script, world_size, args, timeout, cwd)
+    if job.returncode != 0:
+        raise AssertionError(job.failure())
+    return job.output
+
+
+@dataclass(frozen=True)
+class Suite:
+    """The parts' output folder and the job that filled it."""
+
+    out: Path
+    job: Launch
+
+    def check(self, part: str) -> None:
+        """Fail the calling test unless ``part`` finished (rank 0 printed ``PART OK <part>``)."""
+        if f"PART OK {part} " in self.job.output:
+            return
+        reason = self.job.failure() or self.job.output[-8000:]
+        pytest.fail(f"worker_suite part {part!r} did not finish:\n{reason}", pytrace=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -63,6 +64,7 @@ class RecordingLM(MoELanguageModel):
         return DataLoader(TokenData(), batch_size=BATCH, shuffle=False)
 
 
+@functools.lru_cache(maxsize=None)
 def reference(dp: int, steps: int = STEPS) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
     """One process, exactly equivalent: each DP shard is its own micro-batch, scaled by 1/(DP*ACCUM).
 
@@ -93,3 +95,16 @@ def reference(dp: int, steps: int = STEPS) -> tuple[list[list[float]], dict[str,
         opt.step()
         opt.zero_grad()
     return losses, {f"model.{k}": v.detach().clone() for k, v in model.named_parameters()}
+
+
+def compare_with_reference(result: dict, label: str, dp: int, steps: int | None = None) -> None:
+    """Every rank's micro-batch losses and the final parameters equal the one-process run (1e-5)."""
+    ref_losses, ref_state = reference(dp) if steps is None else reference(dp, steps)
+    for rank, (dp_rank, losses) in enumerate(result["losses"]):
+        want = [row[dp_rank] for row in ref_losses]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{label} rank {rank} losses: {m}")  # fmt: skip
+    assert set(result["state"]) == set(ref_state), label
+    for name, want in ref_state.items():
+        torch.testing.assert_close(result["state"][name], want, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, n=name: f"{label} {n}: {m}")  # fmt: skip

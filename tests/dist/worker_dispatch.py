@@ -1,6 +1,6 @@
 """Worker: AllToAllDispatcher (and AllGatherDispatcher) against LocalDispatcher, on every rank.
 
-Run by ``test_dispatch.py`` under torchrun (gloo). Every rank builds the same global inputs from
+Run by ``test_dist_dispatch.py`` through ``worker_suite.py`` under torchrun (gloo). Every rank builds the same global inputs from
 one seed, routes its own tokens, and checks outputs, input gradients, routing-weight gradients
 and its local experts' weight gradients against a single-process run of the same tokens.
 """

@@ -1,12 +1,15 @@
 """Worker: Trainer.fit with FoldedMoEStrategy for several layouts in one torchrun job.
 
-``python worker_fit.py OUT_DIR tp=2,ep=4 tp=1,ep=4 ...``: for each layout, 3 optimizer steps
-with gradient accumulation 2 and clipping; rank 0 writes ``OUT_DIR/<layout>.pt`` with every
-rank's micro-batch losses, the DP coordinate of each rank and the final full parameters.
+``python worker_fit.py OUT_DIR tp=2,ep=4 tp=1,ep=4 ...`` (or ``fit_one`` from
+``worker_suite.py``): for each layout, 3 optimizer steps with gradient accumulation 2 and
+clipping; rank 0 writes ``OUT_DIR/<layout>.pt`` with every rank's micro-batch losses, the DP
+coordinate of each rank, the final full parameters and the ``train/loss`` value Lightning
+logged last (a mean over the ranks).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -42,14 +45,15 @@ def fit_one(spec: str, out_dir: Path, world: int) -> None:
     state = gather_full_state(model)
     losses = [None] * world
     dist.all_gather_object(losses, (strategy.folded_mesh.rank("dp"), model.recorded))
+    logged = float(trainer.callback_metrics["train/loss"])  # the last micro-batch's, as logged
     if dist.get_rank() == 0:
-        torch.save({"losses": losses, "state": state}, out_dir / f"{spec}.pt")
+        torch.save({"losses": losses, "state": state, "logged_loss": logged}, out_dir / f"{spec}.pt")
         print(f"DONE {spec}", flush=True)
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
     out = Path(sys.argv[1])
-    world = int(__import__("os").environ["WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"])
     for spec in sys.argv[2:]:
         fit_one(spec, out, world)

@@ -106,6 +106,20 @@ def test_model_rules_fail_in_setup_environment_before_any_collective(
         strategy.setup_environment()
 
 
+def test_pytorch_lightning_trainer_with_the_folded_moe_name_gets_a_one_line_error() -> None:
+    pytorch_lightning = pytest.importorskip("pytorch_lightning")
+    register_strategies()  # registers the refusing stub now that pytorch_lightning is imported
+    with pytest.raises(TypeError, match="strategy='folded_moe' was given to the `pytorch_lightning` package"):
+        pytorch_lightning.Trainer(strategy="folded_moe", accelerator="cpu", devices=1, logger=False)
+
+
+def test_standalone_lightning_fabric_with_the_folded_moe_name_gets_a_one_line_error() -> None:
+    lightning_fabric = pytest.importorskip("lightning_fabric")
+    register_strategies()
+    with pytest.raises(TypeError, match="given to the `lightning_fabric` package; .* use `from lightning import Fabric`"):
+        lightning_fabric.Fabric(strategy="folded_moe", accelerator="cpu", devices=1)
+
+
 def test_pytorch_lightning_namespace_is_rejected_with_a_clear_error() -> None:
     pytorch_lightning = pytest.importorskip("pytorch_lightning")
 
@@ -122,3 +136,33 @@ def test_pytorch_lightning_namespace_is_rejected_with_a_clear_error() -> None:
 )
 def test_expert_grad_scale_ends_at_the_data_parallel_average(world: int, kwargs: dict, scale: float) -> None:
     assert expert_grad_scale(FoldedLayout(world, **kwargs)) == pytest.approx(scale)
+
+
+def test_data_parallel_size_is_the_dense_dp_degree_and_needs_setup() -> None:
+    strategy = FoldedMoEStrategy(tp=2, ep=4)
+    with pytest.raises(RuntimeError, match="setup_environment"):
+        strategy.data_parallel_size
+    strategy._folded_mesh = types.SimpleNamespace(layout=FoldedLayout(8, tp=2, ep=4))  # type: ignore[assignment]
+    assert strategy.data_parallel_size == 4
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        ("stepped", r"SGD already has state for 1 parameters; pass an optimizer that has not stepped"),
+        ("foreign", r"SGD holds 1 parameters that are not the model's; build it from model.parameters\(\)"),
+    ],
+)
+def test_fabric_setup_with_an_unusable_optimizer_fails_before_sharding(make: str, match: str) -> None:
+    import torch
+
+    model = torch.nn.Linear(2, 2, bias=False)
+    if make == "stepped":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+    else:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    strategy = FabricFoldedMoEStrategy()
+    with pytest.raises(ValueError, match=match):
+        strategy.setup_module_and_optimizers(model, [optimizer])

@@ -1,0 +1,50 @@
+"""One torchrun job per world size for the whole dist session.
+
+Starting W processes that import torch and Lightning takes longer on 2 cores than most of the
+checks they run, so tests do not launch their own jobs. A test names the parts it needs with a
+marker (``@pytest.mark.suite4("fit:ep=4")``) and takes the session fixture of that world size
+(``suite4``, ``suite8``). The fixture collects the parts of every *selected* test, runs them in
+one ``worker_suite.py`` job (with a timeout, so a hang fails) and hands each test its result:
+``suite.check(part)`` fails that test, with the job's output, if its part did not finish.
+
+Selecting one test (``pytest tests/dist/test_dist_fit.py -k ep=2``) runs only its parts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from _harness import Suite, launch_torchrun
+
+# parts run cheapest and most basic first: a dispatcher bug shows before the Trainer tests
+_KIND_ORDER = ("dispatch", "fit", "fabric", "ckpt")
+_BASE_TIMEOUT_S, _PART_TIMEOUT_S, _MAX_TIMEOUT_S = 120.0, 60.0, 570.0  # below pytest-timeout's 600 s
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for world in (4, 8):
+        config.addinivalue_line(
+            "markers", f"suite{world}(*parts): worker_suite.py parts this test needs on {world} gloo ranks"
+        )
+
+
+def _run_suite(request: pytest.FixtureRequest, factory: pytest.TempPathFactory, world: int) -> Suite:
+    marker = f"suite{world}"
+    parts: list[str] = []
+    for item in request.session.items:
+        for mark in item.iter_markers(marker):
+            parts += [p for p in mark.args if p not in parts]
+    parts.sort(key=lambda p: _KIND_ORDER.index(p.split(":")[0]) if p.split(":")[0] in _KIND_ORDER else 99)
+    out = factory.mktemp(marker)
+    timeout = min(_BASE_TIMEOUT_S + _PART_TIMEOUT_S * len(parts), _MAX_TIMEOUT_S)
+    return Suite(out, launch_torchrun("worker_suite.py", world, [str(out), *parts], timeout=timeout))
+
+
+@pytest.fixture(scope="session")
+def suite4(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Suite:
+    return _run_suite(request, tmp_path_factory, 4)
+
+
+@pytest.fixture(scope="session")
+def suite8(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Suite:
+    return _run_suite(request, tmp_path_factory, 8)

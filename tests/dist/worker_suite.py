@@ -1,0 +1,69 @@
+"""Worker: several dist-test parts in one torchrun job, one process group for all of them.
+
+``python worker_suite.py OUT_DIR PART...`` on W gloo ranks. On 2 CPU cores starting W Python
+processes that import torch and Lightning costs more than most parts themselves, so the
+session fixtures in ``conftest.py`` collect the parts the selected tests need and launch one job
+per world size. Parts run in the order given; each one ends with a barrier and rank 0 prints
+``PART OK <part> <seconds>s``. An exception ends the job (torchrun stops the other ranks), so
+the parts that finished before it still report OK.
+
+Parts:
+
+* ``dispatch:<kind>:<tp>:<ep>:<etp>`` — ``worker_dispatch.main`` (dispatchers vs one process);
+* ``fit:<layout>`` — ``worker_fit.fit_one`` (Trainer.fit vs one process), e.g. ``fit:tp=2,ep=4``;
+* ``fabric:<string|layout>`` — ``worker_fabric.run`` (Fabric vs one process);
+* ``ckpt`` — ``worker_ckpt.run`` (identical resume, reshard on load).
+
+Every Lightning part finds the default process group made here and reuses it (Lightning skips
+``init_process_group`` when one exists); each part builds its own ``FoldedMesh`` groups.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def run_part(part: str, out: Path) -> None:
+    kind, _, arg = part.partition(":")
+    if kind == "dispatch":
+        import worker_dispatch
+
+        dkind, tp, ep, etp = arg.split(":")
+        worker_dispatch.main(dkind, int(tp), int(ep), int(etp))
+    elif kind == "fit":
+        import worker_fit
+
+        worker_fit.fit_one(arg, out, dist.get_world_size())
+    elif kind == "fabric":
+        import worker_fabric
+
+        worker_fabric.run(out, arg)
+    elif kind == "ckpt":
+        import worker_ckpt
+
+        worker_ckpt.run(out)
+    else:
+        raise ValueError(f"worker_suite: part={part!r} is not known; use dispatch:…, fit:…, fabric:… or ckpt.")
+
+
+def main(out: Path, parts: list[str]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=int(os.environ.get("SUITE_PG_TIMEOUT", "120"))))
+    for part in parts:
+        start = time.perf_counter()
+        run_part(part, out)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            print(f"PART OK {part} {time.perf_counter() - start:.1f}s", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])
