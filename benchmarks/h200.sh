@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,no
 python3 -c "from lightning_moe.ops.build import load_extension; print(load_extension('csrc'))" 2>&1 | tail -2
 case "${1:-layer}" in
   layer)
-    timeout 120 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_layer_gpu.py -q -p no:cacheprovider -rf \
+    timeout 120 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_layer_gpu.py -v -p no:cacheprovider -rf \
       > "$OUT/gpu_tests.log" 2>&1; tail -4 "$OUT/gpu_tests.log"
     timeout 300 python3 benchmarks/moe_layer.py --json "$OUT/moe_layer.json" > "$OUT/moe_layer.log" 2>&1
     timeout 80 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --skew 2 --peers torch-grouped_mm-ref,hf-grouped_mm \
