@@ -37,6 +37,8 @@ class TransformerConfig:
     num_heads: int
     moe: MoEConfig
     num_kv_heads: int | None = None
+    head_dim: int | None = None
+    qk_norm: bool = False
     num_dense_layers: int = 0
     dense_ffn_hidden_size: int | None = None
     max_seq_len: int = 4096
@@ -48,11 +50,13 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         RecomputePlan.from_targets(self.recompute)  # raises on a bad list
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"TransformerConfig: hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; "
-                "choose num_heads dividing hidden_size."
-            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"TransformerConfig: hidden_size={self.hidden_size} is not divisible by "
+                    f"num_heads={self.num_heads}; choose num_heads dividing hidden_size, or set head_dim."
+                )
+            self.head_dim = self.hidden_size // self.num_heads
         kv = self.num_kv_heads or self.num_heads
         if self.num_heads % kv:
             raise ValueError(
@@ -68,12 +72,10 @@ class TransformerConfig:
             raise ValueError(
                 f"TransformerConfig: num_dense_layers={self.num_dense_layers} must be in [0, num_layers={self.num_layers}]."
             )
-        if (self.head_dim % 2) != 0:
-            raise ValueError(f"TransformerConfig: head dim {self.head_dim} must be even for RoPE; change num_heads.")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(
+                f"TransformerConfig: head_dim={self.head_dim} must be even and >= 2 for RoPE; change head_dim or num_heads."
+            )
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,12 +102,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        # Qwen3-style per-head RMSNorm of queries and keys (one weight shared by all heads).
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
         B, S, _ = x_BSH.shape
         # -1 instead of the head count: under tensor parallelism each rank holds a slice of heads.
-        q = self.q_proj(x_BSH).view(B, S, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x_BSH).view(B, S, -1, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x_BSH).view(B, S, -1, self.head_dim)
+        k = self.k_proj(x_BSH).view(B, S, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x_BSH).view(B, S, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos_SD, sin_SD), apply_rope(k, cos_SD, sin_SD)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
