@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ProcessGroup
 
 from lightning_moe.moe.comm import all_gather_rows, copy_to_group, reduce_from_group, reduce_scatter_rows
 from lightning_moe.moe.dispatch import DispatchedTokens, row_weights
+from lightning_moe.moe.dispatch_ep import ExpertParallelDispatcher
 from lightning_moe.ops.permute import Permutation, build_permutation, permute_rows, unpermute_sum
 
 __all__ = ["AllGatherDispatcher", "AllGatherHandle"]
@@ -44,7 +44,7 @@ class AllGatherHandle:
     rows: list[int]  # [P] tokens contributed by each EP rank
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(ExpertParallelDispatcher):
     """Experts sharded over ``ep_group``; tokens all-gathered, outputs reduce-scattered.
 
     Args:
@@ -53,28 +53,10 @@ class AllGatherDispatcher:
         etp_group: the expert-tensor-parallel group, ``None`` when ETP is 1.
     """
 
-    def __init__(self, num_experts: int, *, ep_group: ProcessGroup, etp_group: ProcessGroup | None = None) -> None:
-        ep = ep_group.size()
-        if num_experts % ep:
-            raise ValueError(
-                f"AllGatherDispatcher: num_experts={num_experts} is not divisible by the EP group size {ep}; "
-                "choose ep dividing num_experts."
-            )
-        self.num_experts = num_experts
-        self.ep_group = ep_group
-        self.etp_group = etp_group if etp_group is not None and etp_group.size() > 1 else None
-        self.ep_size = ep
-        self.ep_rank = ep_group.rank()
-        self.num_local_experts = num_experts // ep
-
     def dispatch(
         self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, capacity: int | None
     ) -> tuple[DispatchedTokens, AllGatherHandle]:
-        if capacity is not None:
-            raise NotImplementedError(
-                "AllGatherDispatcher: pad_to_capacity=True is not supported with expert parallelism yet; "
-                "set pad_to_capacity=False."
-            )
+        self._reject_padding(capacity)
         P, e = self.ep_size, self.num_local_experts
         num_T = torch.tensor([x_TH.shape[0]], dtype=torch.long, device=x_TH.device)
         sizes_P = torch.empty(P, dtype=torch.long, device=x_TH.device)

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ProcessGroup
 
 from lightning_moe.moe.comm import all_to_all_rows, copy_to_group, reduce_from_group
 from lightning_moe.moe.dispatch import DispatchedTokens, row_weights
+from lightning_moe.moe.dispatch_ep import ExpertParallelDispatcher
 from lightning_moe.ops.permute import Permutation, build_permutation, permute_rows, unpermute_sum
 
 __all__ = ["AllToAllDispatcher", "AllToAllHandle"]
@@ -52,7 +52,7 @@ class AllToAllHandle:
     unregroup_R: torch.Tensor  # expert-major row -> source-major position (inverse of the regroup)
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(ExpertParallelDispatcher):
     """Experts sharded over ``ep_group``; tokens travel by uneven all-to-all.
 
     Args:
@@ -63,28 +63,10 @@ class AllToAllDispatcher:
             replicas of each other); ``parallel/parallelize.py`` checks that.
     """
 
-    def __init__(self, num_experts: int, *, ep_group: ProcessGroup, etp_group: ProcessGroup | None = None) -> None:
-        ep = ep_group.size()
-        if num_experts % ep:
-            raise ValueError(
-                f"AllToAllDispatcher: num_experts={num_experts} is not divisible by the EP group size {ep}; "
-                "choose ep dividing num_experts."
-            )
-        self.num_experts = num_experts
-        self.ep_group = ep_group
-        self.etp_group = etp_group if etp_group is not None and etp_group.size() > 1 else None
-        self.ep_size = ep
-        self.ep_rank = ep_group.rank()
-        self.num_local_experts = num_experts // ep
-
     def dispatch(
         self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, capacity: int | None
     ) -> tuple[DispatchedTokens, AllToAllHandle]:
-        if capacity is not None:
-            raise NotImplementedError(
-                "AllToAllDispatcher: pad_to_capacity=True is not supported with expert parallelism yet; "
-                "set pad_to_capacity=False (capacity drops still work)."
-            )
+        self._reject_padding(capacity)
         P, e = self.ep_size, self.num_local_experts
         perm = build_permutation(topk_ids_TK, self.num_experts, None)
         x_NH = permute_rows(x_TH, perm)
