@@ -52,4 +52,4 @@ def register_strategies() -> None:
     for package, (module, attr, fix) in _LEGACY.items():
         registry = getattr(sys.modules.get(module), attr, None)
         if registry is not None and STRATEGY_NAME not in registry:
-            registry.register(STRATEGY_NAME, _legacy_stub(package, fix), description=f"{_DESCRIPTION}; unsupported here")
+            registry.register(STRATEGY_NAME, _legacy_stub(package, fix), description=f"{_DESCRIPTION} (unsupported)")

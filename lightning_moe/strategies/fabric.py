@@ -84,7 +84,11 @@ class FabricFoldedMoEStrategy(FabricModelParallelStrategy):
     """Fabric twin of :class:`~lightning_moe.strategies.folded_moe.FoldedMoEStrategy`.
 
     ``fabric.setup(module)`` shards the module with ``parallelize_moe_model`` (the root is
-    FSDP-sharded too); ``fabric.clip_gradients`` is mesh-aware. Arguments as the Trainer strategy.
+    FSDP-sharded too); build the optimizer from the returned module and pass it to
+    ``fabric.setup_optimizers``, or hand a fresh optimizer to ``fabric.setup(module, optimizer)``,
+    which re-points it at the sharded parameters. ``fabric.no_backward_sync`` turns FSDP2's
+    gradient reduction off during accumulation, and ``fabric.clip_gradients`` is mesh-aware.
+    Arguments as the Trainer strategy.
     """
 
     strategy_name = "folded_moe"

@@ -70,8 +70,19 @@ def reference(dp: int, steps: int = STEPS) -> tuple[list[list[float]], dict[str,
 
     Lightning always gives a training loader a shuffling DistributedSampler (seed 0, epoch 0).
 
-    Returns ``losses[micro_batch][dp_rank]`` and the final parameters.
+    Returns ``losses[micro_batch][dp_rank]`` and the final parameters (cached per ``(dp, steps)``).
+    Runs on one intra-op thread: the model is tiny, and on a loaded 2-core machine an OpenMP
+    pool spinning for busy cores makes it many times slower.
     """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference(dp, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(dp: int, steps: int) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     lm = RecordingLM()
     model = lm.model

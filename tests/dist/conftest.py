@@ -17,7 +17,7 @@ import pytest
 from _harness import Suite, launch_torchrun
 
 # parts run cheapest and most basic first: a dispatcher bug shows before the Trainer tests
-_KIND_ORDER = ("dispatch", "fit", "fabric", "ckpt")
+_KIND_ORDER = ("dispatch", "fit", "fabric", "ckpt", "echo", "replay")
 _BASE_TIMEOUT_S, _PART_TIMEOUT_S, _MAX_TIMEOUT_S = 120.0, 60.0, 570.0  # below pytest-timeout's 600 s
 
 
@@ -37,7 +37,9 @@ def _run_suite(request: pytest.FixtureRequest, factory: pytest.TempPathFactory, 
     parts.sort(key=lambda p: _KIND_ORDER.index(p.split(":")[0]) if p.split(":")[0] in _KIND_ORDER else 99)
     out = factory.mktemp(marker)
     timeout = min(_BASE_TIMEOUT_S + _PART_TIMEOUT_S * len(parts), _MAX_TIMEOUT_S)
-    return Suite(out, launch_torchrun("worker_suite.py", world, [str(out), *parts], timeout=timeout))
+    job = launch_torchrun("worker_suite.py", world, [str(out), *parts], timeout=timeout)
+    (out / "job.log").write_text(job.output)  # every part's "PART OK <part> <seconds>s" line is in here
+    return Suite(out, job)
 
 
 @pytest.fixture(scope="session")

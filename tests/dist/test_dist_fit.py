@@ -18,6 +18,7 @@ pytestmark = pytest.mark.dist
 
 W4 = ["ep=4", "ep=2", "tp=2,ep=4", "tp=2,ep=2,etp=2"]  # DP4·EP4; DP4·EP2·EDP2; TP2·DP2 EP4; TP2·DP2 ETP2·EP2
 W8 = ["tp=2,ep=8", "tp=2,ep=4,etp=2"]  # TP2·DP4 EP8; TP2·DP4 ETP2·EP4
+_W8_PARAMS = [pytest.param(s, marks=[pytest.mark.suite8(f"fit:{s}"), pytest.mark.slow]) for s in W8]
 
 
 def _check(suite: Suite, spec: str, world: int) -> None:
@@ -35,6 +36,6 @@ def test_folded_layout_on_4_ranks_matches_one_process(suite4: Suite, spec: str) 
     _check(suite4, spec, 4)
 
 
-@pytest.mark.parametrize("spec", [pytest.param(s, marks=[pytest.mark.suite8(f"fit:{s}"), pytest.mark.slow]) for s in W8])
+@pytest.mark.parametrize("spec", _W8_PARAMS)
 def test_folded_layout_on_8_ranks_matches_one_process(suite8: Suite, spec: str) -> None:
     _check(suite8, spec, 8)

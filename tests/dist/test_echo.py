@@ -1,4 +1,4 @@
-"""ECHO expert cloning under FoldedMoEStrategy(ep=4) on 4 gloo ranks (one torchrun job).
+"""ECHO expert cloning under FoldedMoEStrategy(ep=4) on 4 gloo ranks (the ``echo`` suite part).
 
 The routers are biased so every token takes expert 0 (home: EP rank 0) plus one other, so EP
 rank 0 processes ~2.3x the mean load. Acceptance (issue 5):
@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _harness import run_torchrun
+from _harness import Suite
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.suite4("echo")]  # the session's 4-rank job (conftest.py)
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("echo")
-    log = run_torchrun("worker_echo.py", 4, [str(out)], timeout=300)
-    assert "DONE echo" in log, log[-3000:]
-    return torch.load(out / "echo.pt", weights_only=False)
+def results(suite4: Suite) -> dict:
+    suite4.check("echo")
+    return torch.load(suite4.out / "echo.pt", weights_only=False)
 
 
 def test_echo_matches_the_plain_run_in_losses_and_parameters(results: dict) -> None:

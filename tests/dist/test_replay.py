@@ -2,21 +2,22 @@
 
 Each rank records its own shard; the replay run (routers perturbed) must route the recorded ids
 in every forward, including the recomputed forward of checkpointed blocks, and the routers
-must still receive gradients. Both layouts share one torchrun launch.
+must still receive gradients. Both layouts run in the session's shared 4-rank job.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from _harness import run_torchrun
+from _harness import Suite
 
 pytestmark = pytest.mark.dist
 
 
-def test_replay_forces_recorded_ids_on_every_rank_with_ep2_and_ep4_recompute(tmp_path: Path) -> None:
-    out = run_torchrun("worker_replay.py", 4, [str(tmp_path), "ep=2", "ep=4+recompute"], timeout=300)
+@pytest.mark.suite4("replay:ep=2", "replay:ep=4+recompute")  # the session's 4-rank job (conftest.py)
+def test_replay_forces_recorded_ids_on_every_rank_with_ep2_and_ep4_recompute(suite4: Suite) -> None:
+    for part in ("replay:ep=2", "replay:ep=4+recompute"):
+        suite4.check(part)
+    out = suite4.job.output
     for spec, recompute in (("ep=2", False), ("ep=4", True)):
         forwards = 3 * 2 * 2 * (2 if recompute else 1)  # steps x micro-batches x layers (x forward + recompute)
         for rank in range(4):

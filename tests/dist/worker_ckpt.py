@@ -1,15 +1,17 @@
-"""Worker: resume from a DCP checkpoint with the identical loss tail; reshard TP2·EP4 -> EP2 -> EP1.
+"""Worker: resume from a DCP checkpoint with the identical loss tail, then reshard on load.
 
-``python worker_ckpt.py OUT_DIR`` on 4 ranks (or ``run(OUT_DIR)`` from ``worker_suite.py``).
+``python worker_ckpt.py OUT_DIR LAYOUT...`` on 4 ranks (or ``run(OUT_DIR, LAYOUT)`` from
+``worker_suite.py``), ``LAYOUT`` like ``tp=2,ep=4`` (TP2·DP2 with EP4) or ``ep=2`` (EP2·EDP2):
 
-1. continuous run, attention TP2·DP2 and experts EP4, AdamW with warm-up/cosine schedule,
-   gradient accumulation 2 and clipping, 4 optimizer steps; ``ModelCheckpoint`` writes a DCP
-   folder after optimizer steps 2 and 4 (``on_train_batch_end``, as a preemption-safe run does);
-2. resumed run: a fresh model and Trainer continue from the step-2 folder to step 4; every
-   micro-batch loss and the final parameters must be *bitwise* those of the continuous run
-   (AdamW moments, step counts, the LR schedule and the loop counters all come back);
-3. reshard on load: the step-4 folder is loaded at TP1·EP2·EDP2 and TP1·EP1·EDP4 (``validate``)
-   and must give the continuous run's parameters exactly; every expert id is in the folder.
+1. continuous run at LAYOUT, AdamW with warm-up/cosine schedule, gradient accumulation 2 and
+   clipping, 4 optimizer steps; ``ModelCheckpoint`` writes a DCP folder after optimizer steps 2
+   and 4 (``on_train_batch_end``, as a preemption-safe run does);
+2. resumed run: a fresh model and Trainer at LAYOUT continue from the step-2 folder to step 4;
+   every micro-batch loss and the final parameters must be *bitwise* those of the continuous run
+   (AdamW moments and step counts, the LR schedule and the loop counters all come back);
+3. reshard on load: the step-4 folder is loaded at TP1 with each other EP of {4, 2, 1}
+   (``validate``) and must give the continuous run's parameters exactly; every expert id is
+   stored in the folder.
 
 Why the checkpoint sits at an epoch end: accumulated gradients are not part of a Lightning
 checkpoint, so a resume point must be an optimizer-step boundary; and a plain ``DataLoader`` is
@@ -18,7 +20,7 @@ not resumable, so Lightning restarts an interrupted epoch's data from its first 
 resumable loader (``state_dict``/``load_state_dict``, e.g. torchdata's ``StatefulDataLoader``)
 lifts the second condition; it is Lightning's business, not the strategy's.
 
-Rank 0 writes ``OUT_DIR/ckpt.pt`` with every rank's losses of both runs.
+Rank 0 writes ``OUT_DIR/ckpt_<LAYOUT>.pt`` with every rank's losses of both runs.
 """
 
 from __future__ import annotations
@@ -69,51 +71,54 @@ def _fresh() -> AdamLM:
     return AdamLM()
 
 
-def run(out: Path) -> None:
-    ckpt_dir = out / "ckpt"
+def run(out: Path, spec: str) -> None:
+    degrees = {k: int(v) for k, v in (item.split("=") for item in spec.split(","))}
+    tp, ep = degrees.get("tp", 1), degrees.get("ep", 1)
+    ckpt_dir = out / f"ckpt_{spec}"
     saver = ModelCheckpoint(
         dirpath=ckpt_dir, filename="step{step}", auto_insert_metric_name=False,
         every_n_train_steps=RESUME_AT, save_top_k=-1,
     )  # fmt: skip
     cont = _fresh()
-    _trainer(2, 4, [saver]).fit(cont)
+    _trainer(tp, ep, [saver]).fit(cont)
     rank = dist.get_rank()  # the first fit initialised the process group
     final = gather_full_state(cont)
     resumed = _fresh()
-    _trainer(2, 4).fit(resumed, ckpt_path=ckpt_dir / f"step{RESUME_AT}.ckpt")
+    _trainer(tp, ep).fit(resumed, ckpt_path=ckpt_dir / f"step{RESUME_AT}.ckpt")
     resumed_state = gather_full_state(resumed)
     losses = [None] * dist.get_world_size()
     dist.all_gather_object(losses, (cont.recorded, resumed.recorded))
     if rank == 0:
-        torch.save({"losses": losses}, out / "ckpt.pt")
+        torch.save({"losses": losses}, out / f"ckpt_{spec}.pt")
     tail = cont.recorded[RESUME_AT * ACCUM :]
     if resumed.recorded != tail:
         raise AssertionError(f"rank {rank}: resumed losses {resumed.recorded} != continuous tail {tail}")
     for name, want in final.items():
         if not torch.equal(resumed_state[name], want):
             raise AssertionError(f"rank {rank}: {name} differs between the resumed and the continuous run")
-    # reshard on load: TP2·EP4 -> TP1·EP2 and TP1·EP1; zeros first so the load, not the init, decides
+    # reshard on load at TP1 and every other EP; zeros first so the load, not the init, decides
     last = ckpt_dir / f"step{STEPS}.ckpt"
     val = DataLoader(TokenData(), batch_size=2)
-    for ep in (2, 1):
+    for other_ep in (e for e in (4, 2, 1) if (1, e) != (tp, ep)):
         other = _fresh()
         with torch.no_grad():
             for p in other.parameters():
                 p.zero_()
-        _trainer(1, ep).validate(other, dataloaders=val, ckpt_path=last, verbose=False)
+        _trainer(1, other_ep).validate(other, dataloaders=val, ckpt_path=last, verbose=False)
         got = gather_full_state(other)
         for name, want in final.items():
             if not torch.equal(got[name], want):
-                raise AssertionError(f"rank {rank}: {name} differs after loading TP2·EP4 at TP1·EP{ep}")
+                raise AssertionError(f"rank {rank}: {name} differs after loading {spec} at tp=1,ep={other_ep}")
     if rank == 0:
         for layer in (1, 2):
             for w in ("w13", "w2"):
                 ids = stored_expert_ids(last, f"state_dict.model.layers.{layer}.ffn.experts.{w}")
                 if ids != list(range(8)):
                     raise AssertionError(f"layer {layer} {w}: stored expert ids {ids}")
-        print("CKPT OK", flush=True)
+        print(f"CKPT OK {spec}", flush=True)
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    run(Path(sys.argv[1]))
+    for layout in sys.argv[2:]:
+        run(Path(sys.argv[1]), layout)

@@ -1,8 +1,9 @@
 """Worker: AllToAllDispatcher (and AllGatherDispatcher) against LocalDispatcher, on every rank.
 
-Run by ``test_dist_dispatch.py`` through ``worker_suite.py`` under torchrun (gloo). Every rank builds the same global inputs from
-one seed, routes its own tokens, and checks outputs, input gradients, routing-weight gradients
-and its local experts' weight gradients against a single-process run of the same tokens.
+Run by ``test_dist_dispatch.py`` through ``worker_suite.py`` under torchrun (gloo). Every rank
+builds the same global inputs from one seed, routes its own tokens, and checks outputs, input
+gradients, routing-weight gradients and its local experts' weight gradients against a
+single-process run of the same tokens.
 """
 
 from __future__ import annotations

@@ -124,9 +124,8 @@ def fit(kind: str, ckpt: Path) -> dict[str, Any]:
     return {"per_rank": per_rank, "state": state, "dispatchers": sorted(dispatchers)}
 
 
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    out = Path(sys.argv[1])
+def run(out: Path) -> None:
+    """The three fits; rank 0 writes ``out/echo.pt`` (also the ``echo`` part of ``worker_suite.py``)."""
     ckpt = out / "ckpt_step3"
     results = {}
     for kind in ("plain", "echo", "resumed"):
@@ -137,3 +136,8 @@ if __name__ == "__main__":
     if dist.get_rank() == 0:
         torch.save(results, out / "echo.pt")
         print("DONE echo", flush=True)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    run(Path(sys.argv[1]))

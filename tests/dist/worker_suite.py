@@ -12,7 +12,9 @@ Parts:
 * ``dispatch:<kind>:<tp>:<ep>:<etp>`` — ``worker_dispatch.main`` (dispatchers vs one process);
 * ``fit:<layout>`` — ``worker_fit.fit_one`` (Trainer.fit vs one process), e.g. ``fit:tp=2,ep=4``;
 * ``fabric:<string|layout>`` — ``worker_fabric.run`` (Fabric vs one process);
-* ``ckpt`` — ``worker_ckpt.run`` (identical resume, reshard on load).
+* ``ckpt:<layout>`` — ``worker_ckpt.run`` (identical resume, reshard on load);
+* ``echo`` — ``worker_echo.run`` (ECHO expert cloning: plain, echo, resumed);
+* ``replay:<layout>[+recompute]`` — ``worker_replay.main`` (RouterReplay record, then replay).
 
 Every Lightning part finds the default process group made here and reuses it (Lightning skips
 ``init_process_group`` when one exists); each part builds its own ``FoldedMesh`` groups.
@@ -48,9 +50,20 @@ def run_part(part: str, out: Path) -> None:
     elif kind == "ckpt":
         import worker_ckpt
 
-        worker_ckpt.run(out)
+        worker_ckpt.run(out, arg)
+    elif kind == "echo":
+        import worker_echo
+
+        worker_echo.run(out)
+    elif kind == "replay":
+        import worker_replay
+
+        spec_text, _, flag = arg.partition("+")
+        worker_replay.main(out, spec_text, flag == "recompute")
     else:
-        raise ValueError(f"worker_suite: part={part!r} is not known; use dispatch:…, fit:…, fabric:… or ckpt.")
+        raise ValueError(
+            f"worker_suite: part={part!r} is not known; use dispatch:…, fit:…, fabric:…, ckpt:…, echo or replay:…."
+        )
 
 
 def main(out: Path, parts: list[str]) -> None:

@@ -116,7 +116,7 @@ def test_pytorch_lightning_trainer_with_the_folded_moe_name_gets_a_one_line_erro
 def test_standalone_lightning_fabric_with_the_folded_moe_name_gets_a_one_line_error() -> None:
     lightning_fabric = pytest.importorskip("lightning_fabric")
     register_strategies()
-    with pytest.raises(TypeError, match="given to the `lightning_fabric` package; .* use `from lightning import Fabric`"):
+    with pytest.raises(TypeError, match="given to the `lightning_fabric` package; .* `from lightning import Fabric`"):
         lightning_fabric.Fabric(strategy="folded_moe", accelerator="cpu", devices=1)
 
 
