@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from lightning_moe.moe.dispatch_allgather import AllGatherDispatcher
 from lightning_moe.moe.dispatch_alltoall import AllToAllDispatcher
@@ -126,6 +126,12 @@ def _apply_tp(module: nn.Module, mesh: FoldedMesh) -> None:
     for m in list(module.modules()):
         if _has_linears(m, _ATTN):
             plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel()}
+            # Per-head q/k norms (Qwen3) see only this rank's heads ([B, S, heads, D], heads on
+            # dim 2): their one weight is a TP-replicated DTensor, so its partial gradients are
+            # summed over TP instead of drifting apart rank by rank.
+            for norm in ("q_norm", "k_norm"):
+                if isinstance(getattr(m, norm, None), nn.Module):
+                    plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
             parallelize_module(m, tp_mesh, plan | {"o_proj": RowwiseParallel()})
         elif _has_linears(m, _MLP):
             plan = {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()}

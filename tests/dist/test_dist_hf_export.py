@@ -16,18 +16,12 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.dist
 
 
-QK_NORM_TP = (
-    "OPEN: Qwen3's q_norm/k_norm weights are shared by all heads; under TP each rank sees only its heads, "
-    "so their gradients need an all-reduce over tp that the strategy does not do yet and the ranks diverge."
-)
-
-
 @pytest.mark.parametrize(
     ("family", "tp", "ep", "etp"),
     [
         ("qwen3_moe", 1, 2, 1),
         ("mixtral", 2, 1, 2),  # w13 stored column-blocked over ETP; export unblocks it
-        pytest.param("qwen3_moe", 2, 1, 2, marks=pytest.mark.xfail(reason=QK_NORM_TP, strict=True)),
+        ("qwen3_moe", 2, 1, 2),  # per-head q/k norms: TP-replicated weights, gradients summed over TP
     ],
     ids=["qwen3_ep2", "mixtral_tp2_etp2", "qwen3_tp2_etp2"],
 )
