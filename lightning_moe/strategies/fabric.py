@@ -49,6 +49,8 @@ def _check_args(owner: str, tp: int, cp: int, ep: int, etp: int, pp: int, dp: De
     """Checks that need no world size (constructor time)."""
     if pp != 1 and isinstance(pp, int) and pp > 1:
         raise ValueError(f"{owner}: pp={pp} is not supported; pipeline parallel comes later; set pp=1.")
+    if cp != 1 and isinstance(cp, int) and cp > 1:
+        raise ValueError(f"{owner}: cp={cp} is not supported yet; context parallel comes later; set cp=1.")
     for name, value in (("dp", dp), ("edp", edp)):
         if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{owner}: {name}={value!r} must be 'auto' or a positive int.")

@@ -99,8 +99,6 @@ class FoldedMoEStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        if cp != 1:
-            raise ValueError(f"FoldedMoEStrategy: cp={cp} is not supported yet; context parallel comes later; set cp=1.")
         _check_args(type(self).__name__, tp, cp, ep, etp, pp, dp, edp, order)
         super().__init__(
             data_parallel_size=dp,

@@ -166,3 +166,11 @@ def test_fabric_setup_with_an_unusable_optimizer_fails_before_sharding(make: str
     strategy = FabricFoldedMoEStrategy()
     with pytest.raises(ValueError, match=match):
         strategy.setup_module_and_optimizers(model, [optimizer])
+
+
+@pytest.mark.parametrize("kwargs", [{"cp": 2}, {"pp": 2}])
+def test_fabric_twin_refuses_what_the_trainer_strategy_refuses(kwargs: dict) -> None:
+    from lightning_moe.strategies.fabric import FabricFoldedMoEStrategy
+
+    with pytest.raises(ValueError, match="FabricFoldedMoEStrategy: (cp|pp)=2 is not supported"):
+        FabricFoldedMoEStrategy(**kwargs)
