@@ -37,6 +37,7 @@ __all__ = [
     "permute_rows_reference",
     "unpermute_sum",
     "unpermute_sum_reference",
+    "unpermute_weight_grad_reference",
 ]
 
 
@@ -237,12 +238,26 @@ class _UnpermuteSum(torch.autograd.Function):
         grad_RH = (grad_RH.to(acc) * w_R.unsqueeze(-1)).to(grad_TH.dtype)
         grad_w_TK = None
         if ctx.needs_input_grad[2]:
-            rows_TK = perm.slot_row_TK.clamp(min=0)
-            T, K = rows_TK.shape
-            y_TKH = y_RH.index_select(0, rows_TK.reshape(-1)).view(T, K, -1).to(acc)
-            grad_w_TK = (y_TKH * grad_TH.to(acc).unsqueeze(1)).sum(-1) * (perm.slot_row_TK >= 0)
-            grad_w_TK = grad_w_TK.to(weights_TK.dtype)
+            grad_w_TK = _unpermute_weight_grad_impl(grad_TH, y_RH, perm.slot_row_TK).to(weights_TK.dtype)
         return grad_RH, None, grad_w_TK
+
+
+def unpermute_weight_grad_reference(
+    grad_TH: torch.Tensor, y_RH: torch.Tensor, slot_row_TK: torch.Tensor
+) -> torch.Tensor:
+    """``grad_w[t, k] = <grad_TH[t], y_RH[slot_row_TK[t, k]]>`` (0 where the slot was dropped)."""
+    acc = _accum_dtype(y_RH.dtype)
+    rows_TK = slot_row_TK.clamp(min=0).long()
+    T, K = rows_TK.shape
+    y_TKH = y_RH.index_select(0, rows_TK.reshape(-1)).view(T, K, -1).to(acc)
+    return (y_TKH * grad_TH.to(acc).unsqueeze(1)).sum(-1) * (slot_row_TK >= 0)
+
+
+def _unpermute_weight_grad_impl(grad_TH: torch.Tensor, y_RH: torch.Tensor, slot_row_TK: torch.Tensor) -> torch.Tensor:
+    ext = csrc_extension(y_RH)
+    if ext is None or grad_TH.dtype != y_RH.dtype:
+        return unpermute_weight_grad_reference(grad_TH, y_RH, slot_row_TK)
+    return ext.unpermute_weight_grad(grad_TH.contiguous(), y_RH.contiguous(), slot_row_TK.int().contiguous())
 
 
 def _permute_rows_impl(x_SH: torch.Tensor, src_R: torch.Tensor) -> torch.Tensor:
