@@ -1,0 +1,334 @@
+"""EP scaling: a Qwen3-30B-A3B-shaped stack of MoE layers under the all-to-all dispatcher.
+
+Protocol (BENCHMARKS.md, "Multi-GPU"; issue 8). Every rank builds the same stack of ``--layers``
+residual MoE FFN layers (``x = x + moe(x)``; hidden 2048, 128 experts, top-8, expert FFN 768,
+softmax top-k renormalised, router in fp32, dropless, random router weights so the load is about
+balanced), bf16 on CUDA and fp32 on CPU, and feeds it its own ``--tokens`` tokens. The experts
+are cut to this rank's ``E/ep`` local experts and every layer's dispatcher is replaced by an
+:class:`~lightning_moe.moe.dispatch_alltoall.AllToAllDispatcher` over the EP group, by the
+package's own :func:`~lightning_moe.parallel.parallelize.parallelize_moe_model` (``fsdp=False``,
+so no FSDP collective is timed) on a :class:`~lightning_moe.parallel.mesh.FoldedMesh` of
+``FoldedLayout(world_size=W, ep=--ep)``. With ``ep < W`` the EP groups are the default order's
+contiguous blocks (``[0..ep-1]``, ...) and the experts are replicated over ``edp``; with
+``ep == 1`` the layer keeps its local fused path (the single-GPU baseline, one process per GPU).
+
+One timed step = forward + backward of the whole stack with a given upstream gradient
+(``.grad`` set to None before each step). Warm-up steps, then the median of ``--iters`` (>= 8)
+steps, timed with CUDA events on GPU and ``time.perf_counter`` on CPU.
+
+Reported (JSON from rank 0, also printed):
+
+* ``step_ms``: rank 0's median step; ``step_ms_max_rank``: the largest median over all ranks.
+* ``tflops_per_gpu``: expert GEMMs only, ``18 * T * K * H * F`` per layer per rank (T tokens per
+  rank, K top-k, H hidden, F expert FFN; fwd 6, bwd 12), over rank 0's median step.
+* ``a2a_ms`` and ``a2a_share``: the exposed all-to-all. Chosen method: a thin timing wrapper.
+  While a second series of steps runs, the name ``dist`` in ``lightning_moe.moe.comm`` and
+  ``lightning_moe.moe.dispatch_alltoall`` points at a stand-in whose ``all_to_all_single``
+  brackets the real call with two CUDA events on the current stream (``perf_counter`` on CPU);
+  everything else passes through to ``torch.distributed``. The dispatcher does not overlap its
+  exchange with compute, and a blocking NCCL collective makes the compute stream wait for it,
+  so the start event fires when the preceding compute is done and the end event when the
+  exchange has landed: the interval is the time the compute stream stands idle for the
+  exchange, including waiting for slower peers (load imbalance shows up here). It covers the
+  count exchange, the row and weight exchanges of dispatch, the combine, and all their
+  backward exchanges. The host round trip of the split sizes (``# SYNC`` in the dispatcher)
+  is not inside any bracket. ``a2a_share = a2a_ms / step_ms_timed`` where both come from the
+  instrumented series (the plain series gives ``step_ms``). This was chosen over replacing the
+  exchange by a local copy because a copy changes which rows every rank's experts receive
+  (hence the load and the GEMM shapes) and hides the waiting for stragglers, which is part of
+  what EP costs.
+* ``load_max_over_mean``: tokens (rows) each EP rank's experts receive, per layer, summed over
+  the EP group from the router counts of the last step; max/mean over EP ranks, worst layer
+  (``load_max_over_mean_per_layer`` lists all). 1.0 means perfectly balanced.
+
+NCCL is kept away from NVLink multicast: ``NCCL_NVLS_ENABLE=0``,
+``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and ``NVSHMEM_DISABLE_NVLS=1`` are forced before the
+process group starts.
+
+    torchrun --nproc_per_node=8 benchmarks/ep_scaling.py --ep 8 --out ep8.json
+    torchrun --nproc_per_node=2 benchmarks/ep_scaling.py --quick --out smoke.json   # CPU, gloo
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+# Safe NCCL settings before torch.distributed can start NCCL (never NVLink multicast).
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning_moe.moe.comm as _comm_module
+import lightning_moe.moe.dispatch_alltoall as _a2a_module
+from lightning_moe import FoldedLayout, MoEConfig, MoELayer
+from lightning_moe.parallel.mesh import FoldedMesh
+from lightning_moe.parallel.parallelize import parallelize_moe_model
+
+__all__ = ["Shape", "main", "run"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shape:
+    """The proxy's sizes: T tokens per rank, H hidden, F expert FFN, E experts, K top-k."""
+
+    tokens: int
+    hidden: int
+    ffn: int
+    experts: int
+    top_k: int
+    layers: int
+
+
+QWEN3_30B_A3B = {"hidden": 2048, "ffn": 768, "experts": 128, "top_k": 8}
+QUICK = Shape(tokens=256, hidden=64, ffn=32, experts=8, top_k=2, layers=2)
+
+
+class ProxyStack(nn.Module):
+    """``layers`` residual MoE FFN layers: ``x = x + moe_l(x)``."""
+
+    def __init__(self, layers: list[MoELayer]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x_TH = x_TH + layer(x_TH)
+        return x_TH
+
+
+class _TimedDist:
+    """Stands in for ``torch.distributed`` in the dispatcher modules; times ``all_to_all_single``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.seconds: list[float] = []
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    def all_to_all_single(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = dist.all_to_all_single(*args, **kwargs)
+            end.record()
+            self.events.append((start, end))
+            return out
+        t0 = time.perf_counter()
+        out = dist.all_to_all_single(*args, **kwargs)
+        self.seconds.append(time.perf_counter() - t0)
+        return out
+
+    def take_ms(self) -> float:
+        """Sum of the bracketed intervals since the last call (ms); call after a device sync."""
+        total = sum(s.elapsed_time(e) for s, e in self.events) + 1e3 * sum(self.seconds)
+        self.events.clear()
+        self.seconds.clear()
+        return total
+
+
+@contextlib.contextmanager
+def _timed_all_to_all(timer: _TimedDist) -> Iterator[None]:
+    modules: tuple[ModuleType, ...] = (_comm_module, _a2a_module)
+    saved = [m.dist for m in modules]  # type: ignore[attr-defined]
+    try:
+        for m in modules:
+            m.dist = timer  # type: ignore[attr-defined]
+        yield
+    finally:
+        for m, d in zip(modules, saved):
+            m.dist = d  # type: ignore[attr-defined]
+
+
+def _time_steps(
+    step: Callable[[], None], device: torch.device, warmup: int, iters: int, after: Callable[[], float] | None = None
+) -> tuple[list[float], list[float]]:
+    """Step times (ms) of ``iters`` steps after ``warmup``; ``after()`` per step (ms) if given."""
+    for _ in range(warmup):
+        step()
+    if after is not None:
+        _sync(device)
+        after()
+    times, extra = [], []
+    for _ in range(iters):
+        dist.barrier()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(1e3 * (time.perf_counter() - t0))
+        if after is not None:
+            _sync(device)
+            extra.append(after())
+    return times, extra
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_stack(shape: Shape, mesh: FoldedMesh, device: torch.device, dtype: torch.dtype, seed: int) -> ProxyStack:
+    """Same full weights on every rank (one seed), then cut to the local experts layer by layer."""
+    cfg = MoEConfig(hidden_size=shape.hidden, ffn_hidden_size=shape.ffn, num_experts=shape.experts, top_k=shape.top_k)
+    layers = []
+    for index in range(shape.layers):
+        torch.manual_seed(seed + index)
+        with torch.device(device):
+            layer = MoELayer(cfg, layer_name=f"layers.{index}")
+        layer = layer.to(dtype=dtype)
+        # expert slices + AllToAllDispatcher over the EP group (no FSDP: nothing else is timed)
+        parallelize_moe_model(layer, mesh=mesh, fsdp=False)
+        layers.append(layer)
+    return ProxyStack(layers)
+
+
+def _load_per_layer(stack: ProxyStack, mesh: FoldedMesh, ep: int) -> list[float]:
+    """max/mean over EP ranks of the rows each rank's experts receive, one value per layer."""
+    out = []
+    for layer in stack.layers:
+        counts_E = layer.last_tokens_per_expert.detach().to(torch.float64).clone()  # type: ignore[union-attr]
+        if ep > 1:
+            dist.all_reduce(counts_E, group=mesh.group("ep"))
+        per_rank = counts_E.view(ep, -1).sum(1)
+        out.append(float(per_rank.max() / per_rank.mean()))  # SYNC: reporting only
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Run the benchmark on this rank; rank 0 returns the report, the others None."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.quick:
+        shape = QUICK
+    else:
+        shape = Shape(tokens=args.tokens, layers=args.layers, **QWEN3_30B_A3B)
+    ep = world if args.ep is None else args.ep
+    if world % ep or shape.experts % ep:
+        raise ValueError(
+            f"ep_scaling: ep={ep} must divide world_size={world} and num_experts={shape.experts}; "
+            f"choose ep from {[d for d in range(1, world + 1) if world % d == 0 and shape.experts % d == 0]}."
+        )
+    mesh = FoldedMesh.build(FoldedLayout(world_size=world, ep=ep), device_type=device.type)
+    stack = build_stack(shape, mesh, device, dtype, args.seed)
+
+    gen = torch.Generator(device=device).manual_seed(args.seed + 1000 + rank)
+    x_TH = torch.randn(shape.tokens, shape.hidden, device=device, dtype=dtype, generator=gen)
+    grad_TH = torch.randn(shape.tokens, shape.hidden, device=device, dtype=dtype, generator=gen)
+
+    def step() -> None:
+        stack.zero_grad(set_to_none=True)
+        stack(x_TH).backward(grad_TH)
+
+    warmup, iters = args.warmup, max(args.iters, 8)
+    plain_ms, _ = _time_steps(step, device, warmup, iters)
+    timer = _TimedDist(device)
+    with _timed_all_to_all(timer):
+        timed_ms, a2a_ms = _time_steps(step, device, 1, iters, after=timer.take_ms)
+    a2a_calls = timer.calls / (iters + 1)  # the one warm-up step of the timed series included
+    load = _load_per_layer(stack, mesh, ep)
+
+    step_med = statistics.median(plain_ms)
+    medians = torch.tensor(
+        [step_med, statistics.median(timed_ms), statistics.median(a2a_ms)], dtype=torch.float64, device=device
+    )
+    gathered = [torch.zeros_like(medians) for _ in range(world)]
+    dist.all_gather(gathered, medians)
+    gathered = [g.cpu() for g in gathered]  # SYNC: reporting only
+    if rank != 0:
+        return None
+    flop = 18 * shape.tokens * shape.top_k * shape.hidden * shape.ffn * shape.layers
+    a2a_med, timed_med = statistics.median(a2a_ms), statistics.median(timed_ms)
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "backend": dist.get_backend(),
+        "torch": torch.__version__,
+        "world_size": world,
+        "ep": ep,
+        "edp": world // ep,
+        "dtype": str(dtype).removeprefix("torch."),
+        "quick": bool(args.quick),
+        "shape": asdict(shape),
+        "warmup": warmup,
+        "iters": iters,
+        "step_ms": step_med,
+        "step_ms_all": plain_ms,
+        "step_ms_max_rank": max(float(g[0]) for g in gathered),
+        "tflops_per_gpu": flop / (step_med * 1e-3) / 1e12,
+        "expert_gemm_flop_per_rank": flop,
+        "step_ms_timed": timed_med,
+        "a2a_ms": a2a_med,
+        "a2a_share": a2a_med / timed_med if timed_med > 0 else 0.0,
+        "a2a_share_max_rank": max(float(g[2] / g[1]) if g[1] > 0 else 0.0 for g in gathered),
+        "a2a_calls_per_step": a2a_calls,
+        "a2a_method": "CUDA events (perf_counter on CPU) around dist.all_to_all_single, second series of steps",
+        "load_max_over_mean": max(load),
+        "load_max_over_mean_per_layer": load,
+        "command": " ".join([f"torchrun --nproc_per_node={world}", *sys.argv]),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel degree (default: the world size)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per rank")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10, help="timed steps (at least 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help=f"tiny shapes, CPU smoke test: {QUICK}")
+    p.add_argument("--out", type=Path, default=None, help="write rank 0's JSON report here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if "RANK" not in os.environ:
+        raise SystemExit("ep_scaling: start under torchrun, e.g. torchrun --nproc_per_node=8 benchmarks/ep_scaling.py")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+    try:
+        report = run(args)
+        if report is not None:
+            text = json.dumps(report, indent=2)
+            print(text, flush=True)
+            if args.out is not None:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(text + "\n")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""``benchmarks/ep_scaling.py --quick`` on 2 gloo ranks: it finishes and writes a full report.
+
+A smoke test of the multi-GPU benchmark's code path on CPU (tiny shapes, EP over both ranks);
+the figures themselves are meaningless here, only their presence and sanity are checked.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from _harness import launch_torchrun
+
+pytestmark = pytest.mark.dist
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "ep_scaling.py"
+FIELDS = (
+    "world_size",
+    "ep",
+    "step_ms",
+    "step_ms_max_rank",
+    "tflops_per_gpu",
+    "a2a_ms",
+    "a2a_share",
+    "a2a_calls_per_step",
+    "load_max_over_mean",
+    "load_max_over_mean_per_layer",
+)
+
+
+def test_ep_scaling_quick_writes_report_with_every_field_on_two_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "ep_scaling.json"
+    # launch_torchrun joins its script to tests/dist; an absolute path replaces that base
+    job = launch_torchrun(str(SCRIPT), 2, ["--quick", "--out", str(out)], timeout=90.0)
+    assert job.returncode == 0, job.failure()
+    report = json.loads(out.read_text())
+    missing = [f for f in FIELDS if f not in report]
+    assert not missing, f"fields {missing} missing from {sorted(report)}"
+    assert report["world_size"] == 2 and report["ep"] == 2
+    assert report["iters"] >= 8 and len(report["step_ms_all"]) == report["iters"]
+    assert report["step_ms"] > 0 and report["tflops_per_gpu"] > 0
+    # the wrapper saw the exchanges: 4 forward + 3 backward per layer (2 backward on the first
+    # layer, whose input needs no gradient)
+    layers = report["shape"]["layers"]
+    assert report["a2a_calls_per_step"] == 7 * layers - 1
+    assert report["a2a_ms"] > 0 and 0 < report["a2a_share"] < 1
+    assert len(report["load_max_over_mean_per_layer"]) == layers
+    assert all(v >= 1.0 for v in report["load_max_over_mean_per_layer"])
