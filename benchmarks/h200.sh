@@ -1,19 +1,29 @@
 #!/usr/bin/env bash
 # The H200 runs, batched (device time is scarce). On the device machine, in the repo root:
-#   bash benchmarks/h200.sh layer     # kernels built + GPU tests + the MoE-layer race vs peers
+#   bash benchmarks/h200.sh tests     # kernels built + every GPU test (-v, so a crash names its test)
+#   bash benchmarks/h200.sh layer     # GPU kernel/layer tests + the MoE-layer race vs peers
+#   bash benchmarks/h200.sh final     # qwen3 vs torch/Liger, then mixtral + deepseek vs the peers
 #   bash benchmarks/h200.sh e2e       # end-to-end model race + callbacks / recompute figures
 # Results land in $OUT (JSON + logs); the last lines printed are the summary tables.
+# The kernel build (~1 min) is cached in .kcache/ (git-ignored) and also sent back as
+# $OUT/kcache.tgz: unpack it into .kcache/ here and name .kcache in the next call's `carry`.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+export LIGHTNING_MOE_CACHE="$PWD/.kcache"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader
 python3 -c "from lightning_moe.ops.build import load_extension; print(load_extension('csrc'))" 2>&1 | tail -2
+trap 'tar czf "$OUT/kcache.tgz" -C "$LIGHTNING_MOE_CACHE" . 2>/dev/null' EXIT
 case "${1:-layer}" in
+  tests)
+    timeout 400 python3 -m pytest tests/gpu -v -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" | tail -15; tail -3 "$OUT/gpu_tests.log"
+    ;;
   layer)
     timeout 120 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_layer_gpu.py -v -p no:cacheprovider -rf \
       > "$OUT/gpu_tests.log" 2>&1; tail -4 "$OUT/gpu_tests.log"
