@@ -40,6 +40,24 @@ Reported (JSON from rank 0, also printed):
 * ``load_max_over_mean``: tokens (rows) each EP rank's experts receive, per layer, summed over
   the EP group from the router counts of the last step; max/mean over EP ranks, worst layer
   (``load_max_over_mean_per_layer`` lists all). 1.0 means perfectly balanced.
+* ``skew`` (``--skew S``, default 0: the random, about balanced router): every layer's router
+  gets ``S * 0.02 * d`` added to its first ``E/8`` rows and every rank's input gets ``d`` added,
+  ``d`` one seeded direction shared by all ranks (as ``benchmarks/moe_layer.py``), so a few
+  experts (hence their EP rank) take most tokens.
+* ``echo_spare`` (``--echo-spare N``, default 0: off). With N > 0 (needs ``ep == world_size > 1``),
+  after the series above, ECHO expert cloning runs outside Lightning, mirroring
+  :class:`~lightning_moe.callbacks.echo.ECHOExpertCloning`: every layer's dispatcher is wrapped in
+  an :class:`~lightning_moe.moe.dispatch_echo.EchoDispatcher` with N spare slots per rank; the
+  router counts of ``max(warmup, 1)`` steps are summed, all-reduced over EP, and
+  :func:`~lightning_moe.moe.echo_plan.plan_clones` (tolerance 0) runs per layer; then
+  ``refresh_clones()``. One ECHO step = ``refresh_clones()`` (the callback's per-optimizer-step
+  copy) + forward + backward + ``reduce_clone_grads(1.0)`` (no FSDP, so the expert gradient
+  scale is 1). Reported: ``echo_step_ms`` (rank 0's median), ``echo_step_ms_max_rank``,
+  ``echo_clones_per_layer``, and from the last ECHO step (same inputs, so the same routing)
+  ``rank_load_max_over_mean_plain`` (router counts per EP rank, as ``load_max_over_mean``) next
+  to ``rank_load_max_over_mean_echo`` (rows each EP rank's experts process, clones included:
+  the dispatcher's ``last_rows_per_ep_rank`` summed over the EP group, the monitor's
+  definition), worst layer, with ``..._per_layer`` lists.
 
 NCCL is kept away from NVLink multicast: ``NCCL_NVLS_ENABLE=0``,
 ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and ``NVSHMEM_DISABLE_NVLS=1`` are forced before the
@@ -47,6 +65,7 @@ process group starts.
 
     torchrun --nproc_per_node=8 benchmarks/ep_scaling.py --ep 8 --out ep8.json
     torchrun --nproc_per_node=2 benchmarks/ep_scaling.py --quick --out smoke.json   # CPU, gloo
+    torchrun --nproc_per_node=8 benchmarks/ep_scaling.py --ep 8 --skew 4 --echo-spare 2 --out ep8_echo.json
 """
 
 from __future__ import annotations
@@ -78,6 +97,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning_moe.moe.comm as _comm_module
 import lightning_moe.moe.dispatch_alltoall as _a2a_module
 from lightning_moe import FoldedLayout, MoEConfig, MoELayer
+from lightning_moe.moe.dispatch_alltoall import AllToAllDispatcher
+from lightning_moe.moe.dispatch_echo import EchoDispatcher
+from lightning_moe.moe.echo_plan import plan_clones
 from lightning_moe.parallel.mesh import FoldedMesh
 from lightning_moe.parallel.parallelize import parallelize_moe_model
 
@@ -209,6 +231,27 @@ def build_stack(shape: Shape, mesh: FoldedMesh, device: torch.device, dtype: tor
     return ProxyStack(layers)
 
 
+def _skew_direction(hidden: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The shared skew direction (one seed, the same on every rank; as ``benchmarks/moe_layer.py``)."""
+    g = torch.Generator(device="cpu").manual_seed(7)
+    return torch.randn(hidden, generator=g).to(device, dtype)
+
+
+def skew_routers(stack: ProxyStack, skew: float) -> None:
+    """Add ``skew * 0.02 * d`` to the first ``E/8`` rows of every router (no-op for ``skew <= 0``)."""
+    if skew <= 0:
+        return
+    with torch.no_grad():
+        for layer in stack.layers:
+            weight = layer.router.weight  # type: ignore[union-attr]
+            hot = max(weight.shape[0] // 8, 1)
+            weight[:hot] += skew * 0.02 * _skew_direction(weight.shape[1], weight.device, weight.dtype)
+
+
+def _max_over_mean(per_rank: torch.Tensor) -> float:
+    return float(per_rank.max() / per_rank.mean())  # SYNC: reporting only
+
+
 def _load_per_layer(stack: ProxyStack, mesh: FoldedMesh, ep: int) -> list[float]:
     """max/mean over EP ranks of the rows each rank's experts receive, one value per layer."""
     out = []
@@ -217,8 +260,75 @@ def _load_per_layer(stack: ProxyStack, mesh: FoldedMesh, ep: int) -> list[float]
         if ep > 1:
             dist.all_reduce(counts_E, group=mesh.group("ep"))
         per_rank = counts_E.view(ep, -1).sum(1)
-        out.append(float(per_rank.max() / per_rank.mean()))  # SYNC: reporting only
+        out.append(_max_over_mean(per_rank))
     return out
+
+
+def _echo_rows_per_layer(echos: list[EchoDispatcher], mesh: FoldedMesh, device: torch.device) -> list[float]:
+    """max/mean over EP ranks of the rows each rank's experts process (clones included), per layer."""
+    out = []
+    for echo in echos:
+        assert echo.last_rows_per_ep_rank is not None
+        rows_P = echo.last_rows_per_ep_rank.to(device, torch.float64)  # rows this rank sent to each EP rank
+        dist.all_reduce(rows_P, group=mesh.group("ep"))
+        out.append(_max_over_mean(rows_P))
+    return out
+
+
+def run_echo(
+    stack: ProxyStack,
+    step: Callable[[], None],
+    mesh: FoldedMesh,
+    device: torch.device,
+    spare: int,
+    warmup: int,
+    iters: int,
+) -> dict[str, Any]:
+    """ECHO outside Lightning (the callback's stages 1-4): wrap, count, plan, refresh, time."""
+    echos = []
+    for layer in stack.layers:
+        base = layer.dispatcher  # type: ignore[union-attr]
+        if not isinstance(base, AllToAllDispatcher):
+            raise TypeError(f"ep_scaling: --echo-spare needs the all-to-all dispatcher, got {type(base).__name__}.")
+        echo = EchoDispatcher(base, layer.experts, spare_slots=spare)  # type: ignore[union-attr]
+        layer.dispatcher = echo  # type: ignore[union-attr]
+        echos.append(echo)
+    # stage 2: routed counts of a few steps (no clones yet: routing is the same as without ECHO)
+    E = stack.layers[0].config.num_experts  # type: ignore[union-attr]
+    counts_LE = torch.zeros(len(echos), E, dtype=torch.float64, device=device)
+    for _ in range(max(warmup, 1)):
+        step()
+        for i, layer in enumerate(stack.layers):
+            counts_LE[i] += layer.last_tokens_per_expert.to(counts_LE)  # type: ignore[union-attr]
+        for echo in echos:
+            echo.reduce_clone_grads(1.0)  # no plan yet: only clears the clone gradients
+    # stage 3: one all-reduce over EP for every layer, plan per layer, copy the clone weights
+    dist.all_reduce(counts_LE, group=mesh.group("ep"))
+    for i, echo in enumerate(echos):
+        echo.plan = plan_clones(counts_LE[i], echo.ep_size, echo.spare_slots, 0.0)
+        echo.refresh_clones()
+
+    def echo_step() -> None:
+        for echo in echos:
+            echo.refresh_clones()  # the callback does this after every optimizer step
+        step()
+        for echo in echos:
+            echo.reduce_clone_grads(1.0)  # stage 4 (fsdp=False: expert gradient scale 1)
+
+    echo_ms, _ = _time_steps(echo_step, device, 1, iters)
+    rows_echo = _echo_rows_per_layer(echos, mesh, device)
+    routed_plain = _load_per_layer(stack, mesh, echos[0].ep_size)  # same step's router counts
+    clones = [0 if echo.plan is None else echo.plan.num_clones for echo in echos]
+    for layer, echo in zip(stack.layers, echos):
+        layer.dispatcher = echo.base  # type: ignore[union-attr]  # stage 5: restore
+    return {
+        "echo_step_ms_all": echo_ms,
+        "echo_clones_per_layer": clones,
+        "rank_load_max_over_mean_plain": max(routed_plain),
+        "rank_load_max_over_mean_plain_per_layer": routed_plain,
+        "rank_load_max_over_mean_echo": max(rows_echo),
+        "rank_load_max_over_mean_echo_per_layer": rows_echo,
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -236,11 +346,20 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             f"ep_scaling: ep={ep} must divide world_size={world} and num_experts={shape.experts}; "
             f"choose ep from {[d for d in range(1, world + 1) if world % d == 0 and shape.experts % d == 0]}."
         )
+    if args.echo_spare < 0:
+        raise ValueError(f"ep_scaling: --echo-spare={args.echo_spare} must be >= 0 (0 turns ECHO off).")
+    if args.echo_spare > 0 and not (ep == world and ep > 1):
+        raise ValueError(
+            f"ep_scaling: --echo-spare needs ep == world_size > 1 (ECHO needs edp=1); got ep={ep}, world_size={world}."
+        )
     mesh = FoldedMesh.build(FoldedLayout(world_size=world, ep=ep), device_type=device.type)
     stack = build_stack(shape, mesh, device, dtype, args.seed)
+    skew_routers(stack, args.skew)
 
     gen = torch.Generator(device=device).manual_seed(args.seed + 1000 + rank)
     x_TH = torch.randn(shape.tokens, shape.hidden, device=device, dtype=dtype, generator=gen)
+    if args.skew > 0:
+        x_TH = x_TH + _skew_direction(shape.hidden, device, dtype)
     grad_TH = torch.randn(shape.tokens, shape.hidden, device=device, dtype=dtype, generator=gen)
 
     def step() -> None:
@@ -254,10 +373,12 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         timed_ms, a2a_ms = _time_steps(step, device, 1, iters, after=timer.take_ms)
     a2a_calls = timer.calls / (iters + 1)  # the one warm-up step of the timed series included
     load = _load_per_layer(stack, mesh, ep)
+    echo = run_echo(stack, step, mesh, device, args.echo_spare, warmup, iters) if args.echo_spare > 0 else None
 
     step_med = statistics.median(plain_ms)
+    echo_med = statistics.median(echo["echo_step_ms_all"]) if echo is not None else 0.0
     medians = torch.tensor(
-        [step_med, statistics.median(timed_ms), statistics.median(a2a_ms)], dtype=torch.float64, device=device
+        [step_med, statistics.median(timed_ms), statistics.median(a2a_ms), echo_med], dtype=torch.float64, device=device
     )
     gathered = [torch.zeros_like(medians) for _ in range(world)]
     dist.all_gather(gathered, medians)
@@ -266,6 +387,13 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         return None
     flop = 18 * shape.tokens * shape.top_k * shape.hidden * shape.ffn * shape.layers
     a2a_med, timed_med = statistics.median(a2a_ms), statistics.median(timed_ms)
+    echo_report: dict[str, Any] = {}
+    if echo is not None:
+        echo_report = {
+            "echo_step_ms": echo_med,
+            "echo_step_ms_max_rank": max(float(g[3]) for g in gathered),
+            **echo,
+        }
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "backend": dist.get_backend(),
@@ -291,6 +419,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "a2a_method": "CUDA events (perf_counter on CPU) around dist.all_to_all_single, second series of steps",
         "load_max_over_mean": max(load),
         "load_max_over_mean_per_layer": load,
+        "skew": args.skew,
+        "echo_spare": args.echo_spare,
+        **echo_report,
         "command": " ".join([f"torchrun --nproc_per_node={world}", *sys.argv]),
     }
 
@@ -303,6 +434,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10, help="timed steps (at least 8)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--skew",
+        type=float,
+        default=0.0,
+        help="router skew: a few experts take most tokens (0: off)",
+    )
+    p.add_argument(
+        "--echo-spare",
+        type=int,
+        default=0,
+        help="ECHO spare slots per EP rank and layer (0: off; needs ep == world)",
+    )
     p.add_argument("--quick", action="store_true", help=f"tiny shapes, CPU smoke test: {QUICK}")
     p.add_argument("--out", type=Path, default=None, help="write rank 0's JSON report here")
     return p.parse_args(argv)

@@ -1,7 +1,9 @@
 """``benchmarks/ep_scaling.py --quick`` on 2 gloo ranks: it finishes and writes a full report.
 
 A smoke test of the multi-GPU benchmark's code path on CPU (tiny shapes, EP over both ranks);
-the figures themselves are meaningless here, only their presence and sanity are checked.
+the figures themselves are meaningless here, only their presence and sanity are checked. With
+``--skew 4 --echo-spare 2`` the one check on a figure is that ECHO's clones flatten the EP-rank load
+(rows processed per rank, clones included) below the plain router-count load.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def test_ep_scaling_quick_writes_report_with_every_field_on_two_ranks(tmp_path: 
     job = launch_torchrun(str(SCRIPT), 2, ["--quick", "--out", str(out)], timeout=90.0)
     assert job.returncode == 0, job.failure()
     report = json.loads(out.read_text())
+    assert report["skew"] == 0.0 and report["echo_spare"] == 0 and "echo_step_ms" not in report
     missing = [f for f in FIELDS if f not in report]
     assert not missing, f"fields {missing} missing from {sorted(report)}"
     assert report["world_size"] == 2 and report["ep"] == 2
@@ -48,3 +51,25 @@ def test_ep_scaling_quick_writes_report_with_every_field_on_two_ranks(tmp_path: 
     assert report["a2a_ms"] > 0 and 0 < report["a2a_share"] < 1
     assert len(report["load_max_over_mean_per_layer"]) == layers
     assert all(v >= 1.0 for v in report["load_max_over_mean_per_layer"])
+
+
+def test_ep_scaling_quick_skew_with_echo_flattens_rank_load_on_two_ranks(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "ep_scaling_echo.json"
+    args = ["--quick", "--skew", "4", "--echo-spare", "2", "--out", str(out)]
+    job = launch_torchrun(str(SCRIPT), 2, args, timeout=90.0)
+    assert job.returncode == 0, job.failure()
+    report = json.loads(out.read_text())
+    assert report["skew"] == 4.0 and report["echo_spare"] == 2
+    layers = report["shape"]["layers"]
+    assert report["echo_step_ms"] > 0 and len(report["echo_step_ms_all"]) == report["iters"]
+    assert len(report["echo_clones_per_layer"]) == layers and all(c >= 1 for c in report["echo_clones_per_layer"])
+    plain, echo = (
+        report["rank_load_max_over_mean_plain"],
+        report["rank_load_max_over_mean_echo"],
+    )
+    assert len(report["rank_load_max_over_mean_echo_per_layer"]) == layers
+    # the skew makes one EP rank busy; the clones move rows to the other one
+    assert plain > 1.1, report["rank_load_max_over_mean_plain_per_layer"]
+    assert 1.0 <= echo < plain, (plain, echo)
