@@ -154,8 +154,18 @@ def gemms_alone(x_RH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: t
         F.grouped_mm(h_R2F, w13.transpose(1, 2), offs=offs)
         F.grouped_mm(x_RH.t(), h_R2F, offs=offs)
 
+    def wgrad() -> None:  # the two weight-gradient GEMMs as the layer runs them: x^T @ dy
+        F.grouped_mm(a_RF.t(), g_RH, offs=offs)
+        F.grouped_mm(x_RH.t(), h_R2F, offs=offs)
+
+    def wgrad_transposed() -> None:  # the same products as dy^T @ x (weights' transpose layout)
+        F.grouped_mm(g_RH.t(), a_RF, offs=offs)
+        F.grouped_mm(h_R2F.t(), x_RH, offs=offs)
+
     f_ms, b_ms = peers.timeit(fwd, 3, 10), peers.timeit(bwd, 3, 10)
     return {
+        "wgrad_ms": round(peers.timeit(wgrad, 3, 10), 3),
+        "wgrad_transposed_ms": round(peers.timeit(wgrad_transposed, 3, 10), 3),
         "fwd_ms": round(f_ms, 3),
         "bwd_ms": round(b_ms, 3),
         "fwd_tflops": round(6.0 * M * H * Fh / f_ms / 1e9, 1),
@@ -276,7 +286,8 @@ def print_table(out: dict) -> None:
                 print(
                     f"{shape:24s} GEMMs alone fwd+bwd {gms:.2f} ms = {g['fwd_bwd_tflops']} TFLOP/s "
                     f"(fwd {g['fwd_tflops']}); whole layer {100 * within:+.1f} % over them; "
-                    f"kernel time {r.get('total_kernel_ms')} ms"
+                    f"kernel time {r.get('total_kernel_ms')} ms; wgrad GEMMs {g.get('wgrad_ms')} ms "
+                    f"(as dy^T x: {g.get('wgrad_transposed_ms')} ms)"
                 )
                 for ms, n, kname in r.get("kernels_ms", [])[:12]:
                     print(f"{'':26s}{ms:8.3f} ms x{n:<3d} {kname}")
