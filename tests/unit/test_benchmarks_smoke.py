@@ -40,3 +40,20 @@ def test_e2e_quick(tmp_path: Path) -> None:
     assert results["lightning_moe_hf"]["flops_per_token"] == results["hf"]["flops_per_token"]
     assert "lightning_moe_hf/hf tokens_per_s" in report["ratios"]
     assert dist.is_initialized() == had_process_group  # the script leaves no process group behind
+
+
+def test_moe_layer_benchmark_quick_runs_and_writes_json(tmp_path: Path) -> None:
+    """benchmarks/moe_layer.py on tiny CPU shapes: our layer, a peer and the breakdown all run."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "moe_layer.py"
+    out = tmp_path / "layer.json"
+    args = [sys.executable, str(script), "--quick", "--peers", "torch-grouped_mm-ref", "--skew", "0,2", "--json", str(out)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    peers = {(r["shape"], r["peer"]) for r in results}
+    assert {("tiny", "lightning-moe"), ("tiny", "torch-grouped_mm-ref"), ("tiny/skew2", "lightning-moe")} <= peers
+    assert all("error" not in r for r in results if r["peer"] in ("lightning-moe", "torch-grouped_mm-ref"))
+    breakdown = [r for r in results if r["peer"] == "breakdown"]
+    assert breakdown and {"wgrad_ms", "fwd_ms", "bwd_ms"} <= set(breakdown[0]["gemms_fwd_bwd_alone"])
