@@ -128,6 +128,8 @@ def breakdown(T: int, H: int, Fh: int, E: int, k: int, dev: str, skew: float) ->
         rows.sort(reverse=True)
         out["kernels_ms"] = [[round(ms, 3), n, name] for ms, n, name in rows[:22]]
         out["total_kernel_ms"] = round(sum(r[0] for r in rows), 3)
+        out["host_syncs"] = _host_syncs(lambda: layer(x).backward(go))
+        out["host_ms"] = round(_host_time(lambda: layer(x).backward(go)), 3)
     with torch.no_grad():
         routing = layer.router(x)
     perm = build_permutation(routing.topk_ids_TK, E, dropless=True)
@@ -135,6 +137,34 @@ def breakdown(T: int, H: int, Fh: int, E: int, k: int, dev: str, skew: float) ->
     offs = offsets_from_counts(perm.tokens_per_expert_E)
     out["gemms_fwd_bwd_alone"] = gemms_alone(x_RH, layer.experts.w13.detach(), layer.experts.w2.detach(), offs, Fh)
     return out
+
+
+def _host_syncs(step) -> list[str]:  # noqa: ANN001
+    """Where one step makes the host wait for the device (torch's sync debug mode)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()]
+
+
+def _host_time(step) -> float:  # noqa: ANN001
+    """Host-side ms of one step's launches (no sync inside): near the GPU time means launch-bound."""
+    import time
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) * 1e3
 
 
 def gemms_alone(x_RH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, Fh: int) -> dict:
@@ -289,6 +319,8 @@ def print_table(out: dict) -> None:
                     f"kernel time {r.get('total_kernel_ms')} ms; wgrad GEMMs {g.get('wgrad_ms')} ms "
                     f"(as dy^T x: {g.get('wgrad_transposed_ms')} ms)"
                 )
+                print(f"{'':26s}host time of one step's launches {r.get('host_ms')} ms; "
+                      f"host syncs: {len(r.get('host_syncs', []))} {r.get('host_syncs', [])[:3]}")
                 for ms, n, kname in r.get("kernels_ms", [])[:12]:
                     print(f"{'':26s}{ms:8.3f} ms x{n:<3d} {kname}")
             elif "error" in r:
