@@ -40,10 +40,10 @@ case "${1:-layer}" in
     grep -h '^{"peer\|^device\|^== ' "$OUT/q.log" "$OUT/md.log" | cut -c1-160
     ;;
   e2e)
-    timeout 200 python3 -m pytest tests/gpu/test_callbacks_gpu.py -q -p no:cacheprovider -rf > "$OUT/gpu_cb_tests.log" 2>&1
+    timeout 150 python3 -m pytest tests/gpu/test_callbacks_gpu.py -q -p no:cacheprovider -rf > "$OUT/gpu_cb_tests.log" 2>&1
     tail -3 "$OUT/gpu_cb_tests.log"
-    timeout 240 python3 benchmarks/e2e.py --out "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1; tail -12 "$OUT/e2e.log"
-    timeout 240 python3 benchmarks/callbacks_bench.py --out "$OUT/callbacks.json" > "$OUT/callbacks.log" 2>&1
+    timeout 200 python3 benchmarks/e2e.py --out "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1; tail -12 "$OUT/e2e.log"
+    timeout 200 python3 benchmarks/callbacks_bench.py --out "$OUT/callbacks.json" > "$OUT/callbacks.log" 2>&1
     tail -16 "$OUT/callbacks.log"
     ;;
 esac
