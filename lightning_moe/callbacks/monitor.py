@@ -142,6 +142,8 @@ class MoEMonitor(Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._layers = require_moe_layers("MoEMonitor", pl_module)
+        for _, layer in self._layers:
+            layer.record_router_entropy = True  # the layer skips this [T, E] pass unless asked
         if self.heatmap_every_n_steps is not None and importlib.util.find_spec("matplotlib") is None:
             raise ModuleNotFoundError(
                 f"MoEMonitor: heatmap_every_n_steps={self.heatmap_every_n_steps} needs matplotlib; "

@@ -16,7 +16,8 @@ Stages of :meth:`MoELayer.forward`:
 
 Published hooks (what callbacks and the LightningModule read or set): ``last_aux_losses``,
 ``last_tokens_per_expert`` (routed, before drops), ``last_dropped_fraction``,
-``last_router_entropy``, ``aux_loss_scale``, ``router.set_routing_override``, ``dispatcher``.
+``last_router_entropy`` (when ``record_router_entropy`` is set), ``aux_loss_scale``,
+``router.set_routing_override``, ``dispatcher``.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class MoELayer(nn.Module):
         self.last_tokens_per_expert: torch.Tensor | None = None
         self.last_dropped_fraction: torch.Tensor | None = None
         self.last_router_entropy: torch.Tensor | None = None
+        self.record_router_entropy = False  # a [T, E] pass per forward: on only when a monitor asks
         self.register_buffer("global_tokens_per_expert", torch.zeros(config.num_experts), persistent=False)
         self.register_buffer("global_num_tokens", torch.zeros(()), persistent=False)
 
@@ -154,7 +156,8 @@ class MoELayer(nn.Module):
 
     def _record(self, routing: RouterOutput, num_tokens: int) -> None:
         self.last_tokens_per_expert = routing.tokens_per_expert_E.detach()
-        self.last_router_entropy = router_entropy(routing.logits_TE, self.config.score_func)
+        if self.record_router_entropy:
+            self.last_router_entropy = router_entropy(routing.logits_TE, self.config.score_func)
         if self.config.capacity_factor is None:
             self.last_dropped_fraction = None
         else:

@@ -6,6 +6,8 @@ Legend: T tokens, H hidden, F expert FFN width, E experts, K experts per token.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -307,3 +309,13 @@ def test_fused_local_path_matches_generic_dispatch_path(lean: bool) -> None:
     torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-6)
     for a, b in zip(outs[0][2], outs[1][2]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_router_entropy_is_recorded_only_when_asked() -> None:
+    cfg = MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, pre_softmax=True)
+    layer = MoELayer(cfg)
+    layer(torch.randn(5, 8))
+    assert layer.last_router_entropy is None
+    layer.record_router_entropy = True
+    layer(torch.randn(5, 8))
+    assert layer.last_router_entropy is not None and 0 < float(layer.last_router_entropy) <= math.log(4) + 1e-6
