@@ -36,12 +36,17 @@ def model_config() -> TransformerConfig:
 
 
 class TokenData(Dataset):
+    """Random token windows, the same on every rank: sample ``i`` is seeded by ``seed + i``."""
+
+    def __init__(self, num_samples: int = NUM_SAMPLES, seq: int = SEQ, seed: int = 1000, vocab: int = VOCAB) -> None:
+        self.num_samples, self.seq, self.seed, self.vocab = num_samples, seq, seed, vocab
+
     def __len__(self) -> int:
-        return NUM_SAMPLES
+        return self.num_samples
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(1000 + i)
-        w = torch.randint(0, VOCAB, (SEQ + 1,), generator=g)
+        g = torch.Generator().manual_seed(self.seed + i)
+        w = torch.randint(0, self.vocab, (self.seq + 1,), generator=g)
         return {"input_ids": w[:-1], "labels": w[1:]}
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_moe  # noqa: F401 - registers "folded_moe"
+import _models  # noqa: E402 - tests/dist is on sys.path for workers
 from lightning_moe.callbacks import ECHOExpertCloning, MoEMonitor
 from lightning_moe.config import MoEConfig
 from lightning_moe.lit import MoELanguageModel
@@ -42,14 +43,8 @@ NUM_SAMPLES = 4 * BATCH * ACCUM * CKPT_STEP  # epoch 0 ends with the checkpoint 
 EP_LOAD = "moe/ep_load_max_over_mean"
 
 
-class TokenData(Dataset):
-    def __len__(self) -> int:
-        return NUM_SAMPLES
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(2000 + i)
-        w = torch.randint(0, VOCAB, (SEQ + 1,), generator=g)
-        return {"input_ids": w[:-1], "labels": w[1:]}
+def token_data() -> Dataset:
+    return _models.TokenData(num_samples=NUM_SAMPLES, seq=SEQ, seed=2000, vocab=VOCAB)
 
 
 class BiasedLM(MoELanguageModel):
@@ -75,7 +70,7 @@ class BiasedLM(MoELanguageModel):
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(TokenData(), batch_size=BATCH, shuffle=False)
+        return DataLoader(token_data(), batch_size=BATCH, shuffle=False)
 
 
 class Probe(pl.Callback):

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_moe  # noqa: F401 - registers "folded_moe"
+import _models  # noqa: E402 - tests/dist is on sys.path for workers
 from lightning_moe.callbacks import RouterReplay
 from lightning_moe.callbacks.router_replay import load_shard
 from lightning_moe.config import MoEConfig
@@ -41,14 +42,8 @@ VOCAB, SEQ, BATCH, ACCUM, STEPS = 64, 8, 2, 2, 3
 Key = tuple[int, int]
 
 
-class TokenData(Dataset):
-    def __len__(self) -> int:
-        return 4 * BATCH * ACCUM * STEPS
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(3000 + i)
-        w = torch.randint(0, VOCAB, (SEQ + 1,), generator=g)
-        return {"input_ids": w[:-1], "labels": w[1:]}
+def token_data() -> Dataset:
+    return _models.TokenData(num_samples=4 * BATCH * ACCUM * STEPS, seq=SEQ, seed=3000, vocab=VOCAB)
 
 
 class RecomputedTransformer(MoETransformer):
@@ -71,7 +66,7 @@ class LM(MoELanguageModel):
             self.model = RecomputedTransformer(cfg)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(TokenData(), batch_size=BATCH, shuffle=False)
+        return DataLoader(token_data(), batch_size=BATCH, shuffle=False)
 
 
 class Spy(pl.Callback):
