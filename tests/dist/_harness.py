@@ -92,3 +92,25 @@ class Suite:
             return
         reason = self.job.failure() or self.job.output[-8000:]
         pytest.fail(f"worker_suite part {part!r} did not finish:\n{reason}", pytrace=False)
+
+
+def run_cli_fit(config: str, extra_args: list[str], cwd: Path, timeout: float) -> str:
+    """``lightning-moe fit --config configs/<config>`` as a user runs it (Lightning launches the
+    ranks); fails the test on a non-zero exit or a timeout (the whole process group is killed)."""
+    import shutil
+
+    root = Path(__file__).resolve().parents[2]
+    script = shutil.which("lightning-moe")  # Lightning re-runs argv for the other ranks: no ``-c``
+    entry = [script] if script else [sys.executable, "-m", "lightning_moe.cli"]
+    cmd = [*entry, "fit", "--config", str(root / "configs" / config), *extra_args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"lightning-moe fit timed out:\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-6000:]
+    return out

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _harness import run_torchrun
+from _harness import run_cli_fit, run_torchrun
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.dist
@@ -41,28 +41,9 @@ def test_folded_dcp_checkpoint_exports_to_hf_with_trained_logits(
 
 def test_hf_recipe_yaml_fits_under_folded_moe_on_2_cpu_ranks(tmp_path: Path) -> None:
     """``lightning-moe fit --config configs/hf_qwen3_moe_tiny.yaml`` as written (2 ranks, EP2)."""
-    import os
-    import shutil
-    import signal
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[2]
-    script = shutil.which("lightning-moe")
-    entry = [script] if script else [sys.executable, "-m", "lightning_moe.cli"]
-    cmd = [
-        *entry, "fit", "--config", str(root / "configs" / "hf_qwen3_moe_tiny.yaml"),
+    args = [
         "--trainer.max_steps=2", "--trainer.limit_val_batches=1", "--trainer.val_check_interval=2",
         "--trainer.num_sanity_val_steps=0", "--trainer.logger=false", "--data.init_args.max_bytes=100000",
     ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"lightning-moe fit timed out:\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-6000:]
+    out = run_cli_fit("hf_qwen3_moe_tiny.yaml", args, tmp_path, timeout=300)
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in out, out[-3000:]
