@@ -51,10 +51,15 @@ class TokenData(Dataset):
 
 
 class RecordingLM(MoELanguageModel):
-    """MoELanguageModel with SGD (no schedule) and every micro-batch loss recorded."""
+    """MoELanguageModel with SGD (no schedule) and every micro-batch loss recorded.
 
-    def __init__(self) -> None:
-        super().__init__(model_config(), log_layer_load=False)
+    Defaults are the fit/checkpoint workers' model; other workers pass their own and override
+    :meth:`train_data` (data stays out of the init arguments, which land in the checkpoint).
+    """
+
+    def __init__(self, config: TransformerConfig | None = None, lr: float = LR) -> None:
+        super().__init__(config or model_config(), log_layer_load=False)
+        self.lr = lr
         self.recorded: list[float] = []
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -63,10 +68,13 @@ class RecordingLM(MoELanguageModel):
         return loss
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+    def train_data(self) -> Dataset:
+        return TokenData()
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(TokenData(), batch_size=BATCH, shuffle=False)
+        return DataLoader(self.train_data(), batch_size=BATCH, shuffle=False)
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,13 +25,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 import lightning_moe  # noqa: F401 - registers "folded_moe"
 import _models  # noqa: E402 - tests/dist is on sys.path for workers
 from lightning_moe.callbacks import ECHOExpertCloning, MoEMonitor
 from lightning_moe.config import MoEConfig
-from lightning_moe.lit import MoELanguageModel
 from lightning_moe.models.transformer import TransformerConfig
 from lightning_moe.moe.utils import find_moe_layers
 from lightning_moe.parallel.checkpoint import gather_full_state
@@ -47,7 +46,7 @@ def token_data() -> Dataset:
     return _models.TokenData(num_samples=NUM_SAMPLES, seq=SEQ, seed=2000, vocab=VOCAB)
 
 
-class BiasedLM(MoELanguageModel):
+class BiasedLM(_models.RecordingLM):
     """Two MoE blocks, 8 experts, top-2; expert 0 always chosen (bias 1.0, frozen). SGD."""
 
     def __init__(self) -> None:
@@ -56,21 +55,12 @@ class BiasedLM(MoELanguageModel):
             expert_bias=True, bias_update_rate=0.0, aux_loss="switch", aux_loss_coeff=0.01,
         )  # fmt: skip
         cfg = TransformerConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, moe=moe, max_seq_len=SEQ)
-        super().__init__(cfg, log_layer_load=False)
+        super().__init__(cfg, lr=LR)
         for _, layer in find_moe_layers(self):
             layer.router.expert_bias[0] = 1.0
-        self.recorded: list[float] = []
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = super().training_step(batch, batch_idx)
-        self.recorded.append(float(loss.detach()))
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(token_data(), batch_size=BATCH, shuffle=False)
+    def train_data(self) -> Dataset:
+        return token_data()
 
 
 class Probe(pl.Callback):
