@@ -216,6 +216,22 @@ def _sync_check(fn: nn.Module, sample: tuple[torch.Tensor, ...]) -> str | None:
         torch.cuda.set_sync_debug_mode(previous)
 
 
+def _release_generators_from_failed_capture() -> None:
+    """Give each CUDA default generator a fresh state with the same seed and offset.
+
+    A capture that fails midway never reaches the generators' capture epilogue: they stay marked as
+    capturing and every later random op on the device raises ("Offset increment outside graph
+    capture"). Running eager after a failed capture needs them released.
+    """
+    for gen in torch.cuda.default_generators:
+        try:
+            fresh = torch.Generator(device=gen.device)
+            fresh.set_state(gen.get_state())
+            gen.graphsafe_set_state(fresh.graphsafe_get_state())
+        except RuntimeError as err:  # pragma: no cover - depends on the torch build
+            warnings.warn(f"CUDAGraphCapture: could not reset the CUDA generator after a failed capture ({err}).")
+
+
 class CUDAGraphCapture(Callback):
     """Capture static-shape regions after warm-up and replay them as CUDA graphs.
 
@@ -321,6 +337,7 @@ class CUDAGraphCapture(Callback):
                 tuple(fn for _, fn, _ in kept), tuple(s for _, _, s in kept), allow_unused_input=True
             )
         except Exception as err:  # a capture that fails leaves every module eager
+            _release_generators_from_failed_capture()
             self._warn_once(
                 "capture", f"CUDAGraphCapture: capture failed ({type(err).__name__}: {err}); running eager."
             )

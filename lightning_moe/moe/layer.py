@@ -195,7 +195,7 @@ class MoELayer(nn.Module):
     def _global_counts(self, tokens_per_expert_E: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Counts summed over this step's micro-batches so far and over ``aux_loss_group``."""
         counts_E = tokens_per_expert_E.float()
-        num = torch.tensor(float(num_tokens), device=counts_E.device)
+        num = counts_E.new_full((), float(num_tokens))  # a fill kernel: no host copy (capturable)
         if self.aux_loss_group is not None:
             import torch.distributed as dist
 
