@@ -21,9 +21,16 @@ parameter a token touches except the input embedding (routed experts scaled by K
 included) and the second term is causal attention (PaLM's 12*L*H*Q*T, halved for the mask).
 MFU = tokens/s * FLOPs per token / 989e12 (H200 dense bf16 peak).
 
+``--profile`` (CUDA only; skipped with a note on CPU): after the timed steps, 2 more steps of each
+contender run under ``torch.profiler`` (CUDA activity); it prints the top 20 kernels by total
+device time (ms per step, calls per step) and the sum of all kernel time per step beside the
+median step time (the difference is time the GPU sat idle: host work and launch gaps), and stores
+them under ``results[contender]["profile"]``. The profiled steps are not timed.
+
     python benchmarks/e2e.py                       # the BENCHMARKS.md shape (one H200)
     python benchmarks/e2e.py --quick               # tiny shapes, CPU smoke test
     python benchmarks/e2e.py --only hf,lightning_moe_hf --out e2e.json
+    python benchmarks/e2e.py --only lightning_moe --profile
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -52,6 +61,8 @@ from torch.utils.data import DataLoader, Dataset
 __all__ = ["CONTENDERS", "PEAK_FLOPS", "Shape", "active_params", "flops_per_token", "main", "run"]
 
 PEAK_FLOPS = 989e12  # H200 SXM dense bf16
+PROFILE_STEPS = 2  # steps profiled after the timed ones under --profile
+TOP_KERNELS = 20
 CONTENDERS = ("lightning_moe", "lightning_moe_hf", "hf")
 FORMULA = (
     "flops/token = 6*N_active + 6*L*S*n_heads*head_dim  (N_active: parameters a token touches, input embedding "
@@ -122,6 +133,66 @@ class StepTimer(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self._sync()
         self.times.append(time.perf_counter() - self._t0)
+
+
+class StepProfiler(Callback):
+    """``torch.profiler`` (CUDA activity) around ``steps`` training steps from the ``start``-th (0-based)."""
+
+    def __init__(self, start: int, steps: int = PROFILE_STEPS) -> None:
+        self.start, self.steps = start, steps
+        self.prof: profile | None = None
+        self._seen = 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        if self._seen == self.start:
+            torch.cuda.synchronize()
+            self.prof = profile(activities=[ProfilerActivity.CUDA])
+            self.prof.__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._seen += 1
+        if self.prof is not None and self._seen == self.start + self.steps:
+            torch.cuda.synchronize()
+            self.prof.__exit__(None, None, None)
+
+    def kernels(self) -> list[dict[str, Any]]:
+        """Every device event of the profiled steps by name: total ms and count, longest first."""
+        if self.prof is None:
+            raise RuntimeError(f"profiler never started (expected it at step {self.start})")
+        totals: dict[str, list[float]] = {}
+        for e in self.prof.events():
+            if e.device_type == DeviceType.CUDA:
+                t = totals.setdefault(e.name, [0.0, 0])
+                t[0] += e.time_range.elapsed_us() / 1e3
+                t[1] += 1
+        ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+        return [{"name": name, "total_ms": ms, "count": int(n)} for name, (ms, n) in ranked]
+
+
+def profile_report(kernels: list[dict[str, Any]], steps: int, step_ms_median: float) -> dict[str, Any]:
+    """Top kernels per step, and all kernel time per step beside the measured (median, unprofiled) step."""
+    kernel_ms = sum(k["total_ms"] for k in kernels) / steps
+    top = [
+        {"name": k["name"], "ms_per_step": k["total_ms"] / steps, "count": k["count"]} for k in kernels[:TOP_KERNELS]
+    ]
+    return {"steps": steps, "kernel_ms_per_step": kernel_ms, "step_ms_median": step_ms_median,
+            "idle_ms_per_step": step_ms_median - kernel_ms, "distinct_kernels": len(kernels),
+            "top_kernels": top}  # fmt: skip
+
+
+def print_profile(name: str, prof: dict[str, Any]) -> None:
+    if "error" in prof:
+        print(f"[{name}] profile failed: {prof['error']}", flush=True)
+        return
+    steps = prof["steps"]
+    print(f"[{name}] top {len(prof['top_kernels'])} of {prof['distinct_kernels']} CUDA kernels over {steps} profiled "
+          f"steps (ms per step, calls per step):", flush=True)  # fmt: skip
+    for k in prof["top_kernels"]:
+        print(f"    {k['name'][:70]:<70}  {k['ms_per_step']:9.3f}  {k['count'] / steps:7.1f}", flush=True)
+    busy = prof["kernel_ms_per_step"]
+    step = prof["step_ms_median"]
+    print(f"[{name}] kernel time {busy:.1f} ms/step vs measured step {step:.1f} ms (median, unprofiled): "
+          f"GPU busy {100 * busy / step:.1f} %, idle {prof['idle_ms_per_step']:.1f} ms (host, launch gaps)", flush=True)
 
 
 def active_params(model: nn.Module, top_k: int, num_experts: int) -> int:
@@ -275,27 +346,32 @@ def _head_dim(lit: L.LightningModule, shape: Shape, notes: dict[str, Any]) -> in
     return int(notes.get("head_dim", shape.head_dim))
 
 
-def run_one(name: str, shape: Shape, device: str, strategy: str) -> dict[str, Any]:
-    """Build, train ``warmup + steps`` steps, and measure one contender."""
+def run_one(name: str, shape: Shape, device: str, strategy: str, profile_steps: int = 0) -> dict[str, Any]:
+    """Build, train ``warmup + steps`` steps, and measure one contender (then ``profile_steps`` profiled)."""
     torch.manual_seed(0)
     lit, notes = BUILDERS[name](shape, device)
     n_active = active_params(lit, shape.top_k, shape.experts)
     timer = StepTimer()
     total_steps = shape.warmup + shape.steps
+    callbacks: list[Callback] = [timer]
+    if profile_steps:
+        profiler = StepProfiler(start=total_steps, steps=profile_steps)
+        callbacks.append(profiler)
+        total_steps += profile_steps
     data = DataLoader(
         RandomTokens(total_steps * shape.batch_size, shape.seq_len, shape.vocab), batch_size=shape.batch_size
     )
     trainer = L.Trainer(
         accelerator="gpu" if device == "cuda" else "cpu", devices=1, strategy=strategy, precision=shape.precision,
         max_steps=total_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer],
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
     )  # fmt: skip
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     trainer.fit(lit, data)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
-    timed = timer.times[shape.warmup :]
+    timed = timer.times[shape.warmup : shape.warmup + shape.steps]
     if len(timed) != shape.steps:
         raise RuntimeError(f"{name}: timed {len(timed)} steps, expected {shape.steps}")
     median = sorted(timed)[len(timed) // 2]
@@ -308,6 +384,12 @@ def run_one(name: str, shape: Shape, device: str, strategy: str) -> dict[str, An
         "active_params": n_active, "total_params": sum(p.numel() for p in lit.parameters()),
         "peak_memory_gib": peak, **notes,
     }  # fmt: skip
+    if profile_steps:
+        try:
+            result["profile"] = profile_report(profiler.kernels(), profile_steps, 1e3 * median)
+        except Exception as err:  # noqa: BLE001 - a profiler failure must not lose the timings
+            result["profile"] = {"error": f"{type(err).__name__}: {err}"}
+        result["profile"]["profiled_step_ms"] = [round(1e3 * t, 2) for t in timer.times[-profile_steps:]]
     del trainer, lit, data
     gc.collect()
     if device == "cuda":
@@ -315,8 +397,13 @@ def run_one(name: str, shape: Shape, device: str, strategy: str) -> dict[str, An
     return result
 
 
-def run(shape: Shape, only: tuple[str, ...] = CONTENDERS, strategy: str | None = None) -> dict[str, Any]:
-    """Every contender in ``only`` on ``shape``; a contender that fails is reported, not fatal."""
+def run(
+    shape: Shape, only: tuple[str, ...] = CONTENDERS, strategy: str | None = None, profile_kernels: bool = False
+) -> dict[str, Any]:
+    """Every contender in ``only`` on ``shape``; a contender that fails is reported, not fatal.
+
+    ``profile_kernels``: on CUDA, profile ``PROFILE_STEPS`` more steps of each contender (skipped on CPU).
+    """
     import torch.distributed as dist
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -325,12 +412,15 @@ def run(shape: Shape, only: tuple[str, ...] = CONTENDERS, strategy: str | None =
           "  (folded_moe not importable)"), flush=True)  # fmt: skip
     print(f"shape: {asdict(shape)}", flush=True)
     print(FORMULA, flush=True)
+    profile_steps = PROFILE_STEPS if profile_kernels and device == "cuda" else 0
+    if profile_kernels and not profile_steps:
+        print(f"--profile: skipped, CUDA kernel profiling needs a CUDA device (device={device})", flush=True)
     had_pg = dist.is_available() and dist.is_initialized()
     results: dict[str, Any] = {}
     for name in only:
         strat = "auto" if name == "hf" else ours
         try:
-            results[name] = run_one(name, shape, device, strat)
+            results[name] = run_one(name, shape, device, strat, profile_steps)
         except Exception as err:  # noqa: BLE001 - one failing contender must not hide the others
             tb = traceback.format_exc(limit=6)
             print(f"[{name}] FAILED: {type(err).__name__}: {err}\n{tb}", flush=True)
@@ -343,6 +433,8 @@ def run(shape: Shape, only: tuple[str, ...] = CONTENDERS, strategy: str | None =
             peak = "n/a" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.2f} GiB"
             print(f"[{name}] {r['tokens_per_s']:,.0f} tokens/s  MFU {100 * r['mfu']:.2f} %  peak {peak}  "
                   f"median step {r['step_ms_median']:.1f} ms  ({r['strategy']})", flush=True)  # fmt: skip
+            if "profile" in r:
+                print_profile(name, r["profile"])
     if not had_pg and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()  # the strategy made one; leave the process as we found it
     ratios = {}
@@ -382,6 +474,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--only", default=",".join(CONTENDERS), help=f"comma-separated subset of {CONTENDERS}")
     ap.add_argument("--strategy", default=None, help="lightning-moe strategy (default: folded_moe if importable)")
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT/e2e.json when $OUT is set)")
+    ap.add_argument("--profile", action="store_true",
+                    help=f"CUDA: profile {PROFILE_STEPS} more steps per contender, print the top kernels")  # fmt: skip
     for f in fields(Shape):
         ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None)
     a = ap.parse_args(argv)
@@ -392,7 +486,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = set(only) - set(CONTENDERS)
     if unknown:
         ap.error(f"--only: unknown {sorted(unknown)}; choose from {CONTENDERS}")
-    report = run(shape, only, a.strategy)
+    report = run(shape, only, a.strategy, profile_kernels=a.profile)
     out = a.out or (str(Path(os.environ["OUT"]) / "e2e.json") if os.environ.get("OUT") else None)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

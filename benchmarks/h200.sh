@@ -4,6 +4,7 @@
 #   bash benchmarks/h200.sh layer     # GPU kernel/layer tests + the MoE-layer race vs peers
 #   bash benchmarks/h200.sh final     # qwen3 vs torch/Liger, then mixtral + deepseek vs the peers
 #   bash benchmarks/h200.sh e2e       # end-to-end model race + callbacks / recompute figures
+#   bash benchmarks/h200.sh all       # GPU tests, e2e with profile, callbacks, mixtral, Liger (results.tgz)
 # Results land in $OUT (JSON + logs); the last lines printed are the summary tables.
 # The kernel build (~1 min) is cached in .kcache/ (git-ignored) and also sent back as
 # $OUT/kcache.tgz: unpack it into .kcache/ here and name .kcache in the next call's `carry`.
@@ -21,7 +22,7 @@ python3 -c "from lightning_moe.ops.build import load_extension; print(load_exten
 trap 'tar czf "$OUT/kcache.tgz" -C "$LIGHTNING_MOE_CACHE" . 2>/dev/null' EXIT
 case "${1:-layer}" in
   tests)
-    timeout 400 python3 -m pytest tests/gpu -v -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1
+    timeout 240 python3 -m pytest tests/gpu -v -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" | tail -15; tail -3 "$OUT/gpu_tests.log"
     ;;
   layer)
@@ -33,7 +34,7 @@ case "${1:-layer}" in
     grep -A60 "^device" "$OUT/moe_layer.log" | grep -v "^ \{20\}"; grep -A8 "^device" "$OUT/moe_layer_skew.log"
     ;;
   final)
-    timeout 110 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --peers torch-grouped_mm-ref,liger-triton-fused \
+    timeout 150 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --peers torch-grouped_mm-ref,liger-triton-fused \
       --json "$OUT/q.json" > "$OUT/q.log" 2>&1
     timeout 130 python3 benchmarks/moe_layer.py --shapes mixtral-8x7b,deepseek-v3 \
       --peers torch-grouped_mm-ref,hf-grouped_mm,liger-triton-fused --json "$OUT/md.json" > "$OUT/md.log" 2>&1
@@ -45,5 +46,21 @@ case "${1:-layer}" in
     timeout 200 python3 benchmarks/e2e.py --out "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1; tail -12 "$OUT/e2e.log"
     timeout 200 python3 benchmarks/callbacks_bench.py --out "$OUT/callbacks.json" > "$OUT/callbacks.log" 2>&1
     tail -16 "$OUT/callbacks.log"
+    ;;
+  all)  # one call for everything after a fix round: tests, e2e (+profile), callbacks, mixtral, Liger last
+    timeout 100 python3 -m pytest tests/gpu -v -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1
+    grep -E "FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" | tail -12; tail -1 "$OUT/gpu_tests.log"
+    timeout 170 python3 benchmarks/e2e.py --profile --out "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1
+    grep -E "^\[|^ratio" "$OUT/e2e.log"
+    timeout 170 python3 benchmarks/callbacks_bench.py --out "$OUT/callbacks.json" > "$OUT/callbacks.log" 2>&1
+    tail -20 "$OUT/callbacks.log"
+    timeout 60 python3 benchmarks/callbacks_bench.py --arms offload --offload '*layers.*.ffn' \
+      --out "$OUT/offload_ffn.json" > "$OUT/offload_ffn.log" 2>&1; tail -6 "$OUT/offload_ffn.log"
+    timeout 80 python3 benchmarks/moe_layer.py --shapes mixtral-8x7b --peers torch-grouped_mm-ref,hf-grouped_mm \
+      --json "$OUT/mixtral.json" > "$OUT/mixtral.log" 2>&1; grep -h '^{"peer\|^== ' "$OUT/mixtral.log" | cut -c1-160
+    (cd "$OUT" && tar czf results.tgz *.log *.json 2>/dev/null)
+    timeout "${LIGER_S:-150}" python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --peers liger-triton-fused --no-breakdown \
+      --json "$OUT/liger.json" > "$OUT/liger.log" 2>&1; grep -h '^{"peer' "$OUT/liger.log" | cut -c1-160
+    (cd "$OUT" && tar czf results.tgz *.log *.json 2>/dev/null && rm -f *.log *.json)
     ;;
 esac

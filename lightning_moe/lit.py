@@ -24,6 +24,15 @@ from lightning_moe.moe.utils import find_moe_layers, reset_global_aux_counts, se
 
 __all__ = ["MoELanguageModel"]
 
+_OPTIMIZER_IMPLS = ("auto", "fused", "foreach")
+
+
+def _adamw_kernels(impl: str, params: list[torch.Tensor]) -> dict[str, bool]:
+    """AdamW keyword for ``impl``; ``auto`` fuses when every parameter lives on CUDA."""
+    if impl == "auto":
+        impl = "fused" if params and all(p.is_cuda for p in params) else "default"
+    return {"fused": True} if impl == "fused" else {"foreach": True} if impl == "foreach" else {}
+
 
 class MoELanguageModel(L.LightningModule):
     """Causal language modelling on ``batch["input_ids"]`` / ``batch["labels"]``.
@@ -35,6 +44,8 @@ class MoELanguageModel(L.LightningModule):
         warmup_steps: linear warm-up steps, then cosine decay to 10 % over ``max_steps``.
         betas: AdamW betas.
         log_layer_load: log each MoE layer's ``max/mean`` routed-token load.
+        optimizer_impl: AdamW kernels: ``fused`` (one kernel per step and dtype), ``foreach``, or
+            ``auto`` = fused when every parameter is on CUDA, else torch's default.
     """
 
     def __init__(
@@ -45,8 +56,13 @@ class MoELanguageModel(L.LightningModule):
         warmup_steps: int = 20,
         betas: tuple[float, float] = (0.9, 0.95),
         log_layer_load: bool = True,
+        optimizer_impl: str = "auto",
     ) -> None:
         super().__init__()
+        if optimizer_impl not in _OPTIMIZER_IMPLS:
+            raise ValueError(
+                f"MoELanguageModel: optimizer_impl={optimizer_impl!r} is unknown; choose one of {_OPTIMIZER_IMPLS}."
+            )
         self.save_hyperparameters()
         self.config = model
         self.model = MoETransformer(model)
@@ -98,6 +114,7 @@ class MoELanguageModel(L.LightningModule):
             [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=hp.learning_rate,
             betas=tuple(hp.betas),
+            **_adamw_kernels(hp.get("optimizer_impl", "auto"), decay + no_decay),
         )
         total = self.trainer.max_steps if self._trainer is not None and self.trainer.max_steps > 0 else 10_000
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(hp.warmup_steps, total))

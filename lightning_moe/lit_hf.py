@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_moe.lit import MoELanguageModel
+from lightning_moe.lit import _OPTIMIZER_IMPLS, MoELanguageModel
 
 __all__ = ["HFMoELanguageModel", "build_hf_model", "hf_config_from"]
 
@@ -95,7 +95,7 @@ class HFMoELanguageModel(MoELanguageModel):
         attn_implementation: transformers attention backend (``sdpa``, ``eager``, ...).
         experts_implementation: transformers experts backend when ``swap=False``
             (``grouped_mm``, ``eager``, ...); unused for swapped blocks.
-        learning_rate, weight_decay, warmup_steps, betas, log_layer_load: as in
+        learning_rate, weight_decay, warmup_steps, betas, log_layer_load, optimizer_impl: as in
             :class:`~lightning_moe.lit.MoELanguageModel`.
     """
 
@@ -113,8 +113,13 @@ class HFMoELanguageModel(MoELanguageModel):
         warmup_steps: int = 20,
         betas: tuple[float, float] = (0.9, 0.95),
         log_layer_load: bool = True,
+        optimizer_impl: str = "auto",
     ) -> None:
         hparams = {k: v for k, v in locals().items() if k != "self"}
+        if optimizer_impl not in _OPTIMIZER_IMPLS:
+            raise ValueError(
+                f"HFMoELanguageModel: optimizer_impl={optimizer_impl!r} is unknown; choose one of {_OPTIMIZER_IMPLS}."
+            )
         # Skip MoELanguageModel.__init__ (it builds an MoETransformer); keep its state fields. Without
         # a zero-argument super() Lightning cannot find the init arguments, so they are passed.
         L.LightningModule.__init__(self)

@@ -16,7 +16,8 @@ Stages:
 3. Before step ``warmup_steps + 1``: each module runs once eager under
    ``torch.cuda.set_sync_debug_mode("error")``; one that synchronizes with the host cannot be
    captured and stays eager (one warning naming it). The rest are captured together by
-   ``torch.cuda.make_graphed_callables`` in forward order (one memory pool). The MoE bookkeeping
+   ``_graphed.capture_modules`` in forward order (one memory pool; see there why not
+   ``torch.cuda.make_graphed_callables``). The MoE bookkeeping
    buffers are restored afterwards, since capture runs warm-up iterations.
 4. Each later call replays the graph when grad is enabled, the training mode is the captured
    one, the arguments have the captured signature and (MoE) the aux-loss scale is unchanged and
@@ -29,7 +30,6 @@ buffers and outputs are static buffers overwritten by the next replay.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +43,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils._pytree import tree_leaves
 
+from lightning_moe.callbacks._graphed import capture_modules
 from lightning_moe.callbacks._layers import require_moe_layers
 from lightning_moe.callbacks._patterns import select_modules
 from lightning_moe.models.recompute import RecomputePlan
@@ -73,7 +74,7 @@ def _describe(signature: ArgSignature | None) -> str:
 
 
 class _RouterAsTuple(nn.Module):
-    """A router whose output is a tuple of tensors (what ``make_graphed_callables`` can capture)."""
+    """A router whose output is a tuple of tensors (what the capture flattens and rebuilds)."""
 
     def __init__(self, router: TopKRouter) -> None:
         super().__init__()
@@ -107,33 +108,6 @@ class _Target:
         return [m for m in self.module.modules() if isinstance(m, TopKRouter)]
 
 
-def _guard_gradient_accumulation(outputs: Any, params: Sequence[torch.Tensor]) -> None:
-    """Detach ``p.grad`` from the graph's static buffers before the graph's backward replays.
-
-    ``make_graphed_callables`` returns its static gradient buffers to autograd, which keeps one as
-    ``p.grad`` when ``p.grad`` was None. Accumulating into it (micro-batches, or
-    ``zero_grad(set_to_none=False)``) would let the next replay overwrite it and then add it to
-    itself. A hook on the outputs, which runs before the graph's backward, copies such a ``p.grad``.
-    """
-    if dataclasses.is_dataclass(outputs) and not isinstance(outputs, type):  # RouterOutput
-        outputs = list(vars(outputs).values())
-    grads_out = [o for o in tree_leaves(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
-    if not grads_out or not params:
-        return
-    done = [False]
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        if not done[0]:
-            done[0] = True
-            for p in params:
-                if p.grad is not None:
-                    p.grad = p.grad.clone()
-        return grad
-
-    for o in grads_out:
-        o.register_hook(hook)
-
-
 class _Replay:
     """The forward of a captured module: the graph when a call matches the capture, else eager."""
 
@@ -143,13 +117,11 @@ class _Replay:
         target: _Target,
         graphed: Callable[..., Any],
         eager: Callable[..., Any],
-        params: Sequence[torch.Tensor],
     ) -> None:
         self.owner = owner
         self.target = target
         self.graphed = graphed
         self.eager = eager
-        self.params = list(params)
         self.aux_scales = [layer.aux_loss_scale for layer in target.moe_layers]
         self.replays = 0
 
@@ -161,7 +133,6 @@ class _Replay:
                 self.owner._warn_once(key, f"CUDAGraphCapture: {self.target.name} {reason}; running it eager.")
             return self.eager(*args, **kwargs)
         out = self.graphed(*args)
-        _guard_gradient_accumulation(out, self.params)
         self.replays += 1
         return out
 
@@ -333,9 +304,7 @@ class CUDAGraphCapture(Callback):
             for t, _, _ in kept:
                 t.had_instance_forward = "forward" in vars(t.module)
                 t.original_forward = t.module.forward
-            graphed = torch.cuda.make_graphed_callables(
-                tuple(fn for _, fn, _ in kept), tuple(s for _, _, s in kept), allow_unused_input=True
-            )
+            graphed = capture_modules([fn for _, fn, _ in kept], [s for _, _, s in kept])
         except Exception as err:  # a capture that fails leaves every module eager
             _release_generators_from_failed_capture()
             self._warn_once(
@@ -438,7 +407,7 @@ class CUDAGraphCapture(Callback):
             return "a routing override (replay) is set on its router"
         m = target.module
         if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:
-            return "another callback registered hooks on it (make_graphed_callables refuses hooked modules)"
+            return "another callback registered hooks on it (a graph would run them once, at capture, and never again)"
         return None
 
     @staticmethod
@@ -451,8 +420,7 @@ class CUDAGraphCapture(Callback):
                 out.append(torch.zeros(shape, dtype=dtype, device=device))
         return tuple(out)
 
-    def _install(self, target: _Target, fn: nn.Module, graphed_fn: nn.Module) -> None:
-        graphed_forward = graphed_fn.forward
+    def _install(self, target: _Target, fn: nn.Module, graphed_forward: Callable[..., Any]) -> None:
         eager = target.original_forward
         assert eager is not None
         if isinstance(target.module, TopKRouter):
@@ -462,8 +430,7 @@ class CUDAGraphCapture(Callback):
 
         else:
             graphed = graphed_forward
-        params = list(fn.parameters())
-        target.module.forward = _Replay(self, target, graphed, eager, params)  # type: ignore[method-assign]
+        target.module.forward = _Replay(self, target, graphed, eager)  # type: ignore[method-assign]
         self.captured.append(target)
 
     def _remove_hooks(self) -> None:

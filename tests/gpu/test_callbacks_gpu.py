@@ -323,3 +323,42 @@ def test_failed_capture_runs_eager_and_random_ops_still_work(monkeypatch: pytest
     assert len(failed) == 1 and cb.captured == [], [str(w.message) for w in caught]
     torch.randn(4, device=DEV)  # the default generator is usable again
     assert torch.isfinite(model(x)).all()
+
+
+class _TwoOutputs(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(64, 96, device=DEV)
+        self.b = torch.nn.Linear(96, 64, device=DEV)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.nn.functional.silu(self.a(x))
+        return self.b(h) * scale, h.argmax(-1)  # a differentiable and an integer output
+
+
+def test_captured_module_matches_eager_and_feeds_the_real_parameters() -> None:
+    from lightning_moe.callbacks._graphed import capture_modules
+
+    torch.manual_seed(0)
+    eager, graphed_module = _TwoOutputs(), _TwoOutputs()
+    graphed_module.load_state_dict(eager.state_dict())
+    scale = torch.full((1,), 0.5, device=DEV)
+    sample = (torch.randn(32, 64, device=DEV, requires_grad=True), scale)
+    (graphed,) = capture_modules([graphed_module], [sample])
+    for step in range(3):  # new inputs and accumulated gradients every step
+        x = torch.randn(32, 64, device=DEV)
+        xe, xg = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        ye, ie = eager(xe, scale)
+        yg, ig = graphed(xg, scale)
+        go = torch.randn_like(ye)
+        ye.backward(go)
+        yg.backward(go)
+        torch.testing.assert_close(yg, ye, rtol=1e-5, atol=1e-6)
+        assert torch.equal(ig, ie) and not ig.requires_grad
+        torch.testing.assert_close(xg.grad, xe.grad, rtol=1e-5, atol=1e-6)
+        for (name, pe), pg in zip(eager.named_parameters(), graphed_module.parameters()):
+            torch.testing.assert_close(pg.grad, pe.grad, rtol=1e-5, atol=1e-6, msg=f"{name} at step {step}")
+        with torch.no_grad():  # an optimizer step in place: the graphs read the new values
+            for pe, pg in zip(eager.parameters(), graphed_module.parameters()):
+                pe -= 0.1 * pe.grad
+                pg -= 0.1 * pg.grad.clone()

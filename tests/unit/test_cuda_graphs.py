@@ -3,7 +3,7 @@
 No graph can be captured here; what is checked: the no-op info line with a real Trainer, every
 refusal (dynamic MoE, recompute, autocast, names), the module choice, the replay guard (shape
 change -> eager + one warning) with a stand-in graph, the gradient-accumulation guard against
-the static-buffer aliasing of ``make_graphed_callables``, and that a static MoE layer's forward
+the static-buffer aliasing of the graph replay, and that a static MoE layer's forward
 and backward contain no host sync (the precondition for capture).
 """
 
@@ -12,16 +12,19 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from _callback_models import tiny_config, tiny_trainer, token_loader
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import lightning_moe.ops.permute as permute_ops
 from lightning_moe import MoEConfig, MoELayer
-from lightning_moe.callbacks.cuda_graphs import CUDAGraphCapture, _guard_gradient_accumulation, _Replay, _Target
+from lightning_moe.callbacks._graphed import _GraphReplay, _Graphs
+from lightning_moe.callbacks.cuda_graphs import CUDAGraphCapture, _Replay, _Target
 from lightning_moe.lit import MoELanguageModel
 from lightning_moe.models.transformer import MoETransformer
 
@@ -120,7 +123,7 @@ def _replay_for(layer: MoELayer, x: torch.Tensor) -> tuple[_Replay, list[str]]:
         calls.append("eager")
         return MoELayer.forward(layer, *args)
 
-    return _Replay(cb, target, graphed, eager, list(layer.parameters())), calls
+    return _Replay(cb, target, graphed, eager), calls
 
 
 def test_replay_falls_back_to_eager_on_a_shape_change_with_one_warning() -> None:
@@ -148,31 +151,36 @@ def test_replay_runs_eager_when_the_aux_loss_scale_changes() -> None:
     assert calls == ["eager"]
 
 
-def test_gradient_accumulation_guard_keeps_static_buffers_out_of_grads() -> None:
-    """Mimics make_graphed_callables: backward returns (an alias of) one static buffer every time."""
-    static = torch.zeros(4)
+class _FakeGraph:
+    """Stands in for a captured graph on CPU: replay runs a function writing static buffers."""
 
-    class Graphed(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, p: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-            return p * 2
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.replay = fn
 
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-            static.copy_(g * 2)
-            return static.detach()
 
-    def accumulate(guard: bool) -> torch.Tensor:
-        p = torch.nn.Parameter(torch.ones(4))
-        for scale in (1.0, 3.0):
-            out = Graphed.apply(p)
-            if guard:
-                _guard_gradient_accumulation(out, [p])
-            (out.sum() * scale).backward()
-        return p.grad
-
-    assert torch.equal(accumulate(guard=False), torch.full((4,), 12.0))  # the bug: 2*6 instead of 2+6
-    assert torch.equal(accumulate(guard=True), torch.full((4,), 8.0))
+def test_replay_keeps_static_gradient_buffers_out_of_accumulated_grads() -> None:
+    """The replay's backward returns one static buffer every time; accumulation must stay right."""
+    p = torch.nn.Parameter(torch.ones(4))
+    x_static, y_static, go_static, gp_static = torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(4)
+    graphs = _Graphs(
+        params=[p],
+        static_inputs=(x_static,),
+        static_outputs=[y_static],
+        output_spec=tree_flatten([y_static])[1],
+        differentiable=[True],
+        static_grad_outputs=[go_static],
+        static_grads=[gp_static],
+        forward_graph=_FakeGraph(lambda: y_static.copy_(x_static * p.detach())),  # type: ignore[arg-type]
+        backward_graph=_FakeGraph(lambda: gp_static.copy_(go_static * x_static)),  # type: ignore[arg-type]
+    )
+    for scale in (1.0, 3.0):
+        (y,) = _GraphReplay.apply(graphs, torch.full((4,), 2.0), p)
+        torch.testing.assert_close(y, torch.full((4,), 2.0))
+        (y.sum() * scale).backward()
+    # d/dp of sum(x * p) * scale is x * scale: 2 + 6. Without the copy, the second replay would
+    # overwrite p.grad (the static buffer) with 6 and autograd would add it to itself: 12.
+    assert torch.equal(p.grad, torch.full((4,), 8.0))
+    assert p.grad.untyped_storage().data_ptr() != gp_static.untyped_storage().data_ptr()
 
 
 # --- a static MoE layer has no host sync (what capture needs) -------------------------------------
