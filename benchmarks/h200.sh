@@ -4,6 +4,7 @@
 #   bash benchmarks/h200.sh layer     # GPU kernel/layer tests + the MoE-layer race vs peers
 #   bash benchmarks/h200.sh final     # qwen3 vs torch/Liger, then mixtral + deepseek vs the peers
 #   bash benchmarks/h200.sh e2e       # end-to-end model race + callbacks / recompute figures
+#   bash benchmarks/h200.sh verify    # graph-capture tests, GPU tests, kernels last, layer figures (results.tgz)
 #   bash benchmarks/h200.sh all       # GPU tests, e2e with profile, callbacks, mixtral, Liger (results.tgz)
 # Results land in $OUT (JSON + logs); the last lines printed are the summary tables.
 # The kernel build (~1 min) is cached in .kcache/ (git-ignored) and also sent back as
@@ -61,6 +62,19 @@ case "${1:-layer}" in
     (cd "$OUT" && tar czf results.tgz *.log *.json 2>/dev/null)
     timeout "${LIGER_S:-150}" python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --peers liger-triton-fused --no-breakdown \
       --json "$OUT/liger.json" > "$OUT/liger.log" 2>&1; grep -h '^{"peer' "$OUT/liger.log" | cut -c1-160
+    (cd "$OUT" && tar czf results.tgz *.log *.json 2>/dev/null && rm -f *.log *.json)
+    ;;
+  verify)  # after a fix round: graph-capture tests alone, the other GPU tests, kernels last; layer figures
+    timeout 60 python3 -m pytest tests/gpu/test_callbacks_gpu.py -k "captured_module or failed_capture" -v --tb=long \
+      -p no:cacheprovider > "$OUT/graph_tests.log" 2>&1; grep -E "PASSED|FAILED|^E " "$OUT/graph_tests.log" | head -30
+    timeout 90 python3 -m pytest tests/gpu/test_callbacks_gpu.py tests/gpu/test_layer_gpu.py -v -p no:cacheprovider -rf \
+      > "$OUT/gpu_tests.log" 2>&1; grep -E "FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" | tail -8; tail -1 "$OUT/gpu_tests.log"
+    timeout 60 python3 -m pytest tests/gpu/test_kernels.py -v -p no:cacheprovider -rf > "$OUT/gpu_kernels.log" 2>&1
+    grep -E "FAILED|ERROR|Fatal" "$OUT/gpu_kernels.log" | tail -8; tail -1 "$OUT/gpu_kernels.log"
+    timeout 150 python3 benchmarks/moe_layer.py --shapes mixtral-8x7b,deepseek-v3 --peers torch-grouped_mm-ref \
+      --json "$OUT/md.json" > "$OUT/md.log" 2>&1; grep -h '^{"peer\|^== ' "$OUT/md.log" | cut -c1-300
+    timeout 60 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --peers torch-grouped_mm-ref --no-breakdown \
+      --json "$OUT/q.json" > "$OUT/q.log" 2>&1; grep -h '^{"peer' "$OUT/q.log" | cut -c1-160
     (cd "$OUT" && tar czf results.tgz *.log *.json 2>/dev/null && rm -f *.log *.json)
     ;;
 esac

@@ -15,6 +15,7 @@
 
 #include <limits>
 #include <optional>
+#include <string>
 #include <tuple>
 
 #include <ATen/cuda/CUDAContext.h>
@@ -28,13 +29,24 @@ namespace {
 
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
+// "[a, b, c]": sizes and strides in error messages, formatted here rather than through
+// ArrayRef's stream operator.
+std::string dims(c10::IntArrayRef values) {
+  std::string out = "[";
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (i > 0) out += ", ";
+    out += std::to_string(values[i]);
+  }
+  return out + "]";
+}
+
 void check_tensor(const at::Tensor& t, const char* op, const char* name, const at::Device& device) {
   TORCH_CHECK(t.is_cuda(), "lightning_moe_C.", op, ": ", name, " is on ", t.device(),
               "; every input must be a CUDA tensor (use the torch path on CPU).");
   TORCH_CHECK(t.device() == device, "lightning_moe_C.", op, ": ", name, " is on ", t.device(),
               " but the first input is on ", device, "; move all inputs to one device.");
-  TORCH_CHECK(t.is_contiguous(), "lightning_moe_C.", op, ": ", name, " with shape ", t.sizes(),
-              " and strides ", t.strides(), " is not contiguous; pass ", name, ".contiguous().");
+  TORCH_CHECK(t.is_contiguous(), "lightning_moe_C.", op, ": ", name, " with shape ", dims(t.sizes()),
+              " and strides ", dims(t.strides()), " is not contiguous; pass ", name, ".contiguous().");
 }
 
 void check_dtype(const at::Tensor& t, const char* op, const char* name, at::ScalarType want) {
@@ -44,7 +56,7 @@ void check_dtype(const at::Tensor& t, const char* op, const char* name, at::Scal
 
 void check_dim(const at::Tensor& t, const char* op, const char* name, int64_t dim,
                const char* shape) {
-  TORCH_CHECK(t.dim() == dim, "lightning_moe_C.", op, ": ", name, " has shape ", t.sizes(),
+  TORCH_CHECK(t.dim() == dim, "lightning_moe_C.", op, ": ", name, " has shape ", dims(t.sizes()),
               "; expected ", shape, ".");
 }
 
@@ -88,7 +100,7 @@ at::Tensor permute_rows_op(const at::Tensor& x, const at::Tensor& src_idx,
     check_tensor(*row_scale, op, "row_scale", dev);
     check_dtype(*row_scale, op, "row_scale", at::kFloat);
     TORCH_CHECK(row_scale->dim() == 1 && row_scale->size(0) == R, "lightning_moe_C.", op,
-                ": row_scale has shape ", row_scale->sizes(), "; expected [R] = [", R, "].");
+                ": row_scale has shape ", dims(row_scale->sizes()), "; expected [R] = [", R, "].");
   }
   const c10::cuda::CUDAGuard guard(dev);
   at::Tensor out = at::empty({R, x.size(1)}, x.options());
@@ -114,7 +126,7 @@ at::Tensor unpermute_sum_op(const at::Tensor& y, const at::Tensor& slot_row,
     check_tensor(*weights, op, "weights", dev);
     check_dtype(*weights, op, "weights", at::kFloat);
     TORCH_CHECK(weights->sizes() == slot_row.sizes(), "lightning_moe_C.", op,
-                ": weights has shape ", weights->sizes(), " but slot_row has ", slot_row.sizes(),
+                ": weights has shape ", dims(weights->sizes()), " but slot_row has ", dims(slot_row.sizes()),
                 "; they must match ([T, K]).");
   }
   const c10::cuda::CUDAGuard guard(dev);
@@ -169,7 +181,7 @@ at::Tensor weighted_swiglu_fwd_op(const at::Tensor& h, const std::optional<at::T
     check_tensor(*w, op, "w", dev);
     check_dtype(*w, op, "w", at::kFloat);
     TORCH_CHECK(w->dim() == 1 && w->size(0) == R, "lightning_moe_C.", op, ": w has shape ",
-                w->sizes(), "; expected [R] = [", R, "].");
+                dims(w->sizes()), "; expected [R] = [", R, "].");
   }
   const c10::cuda::CUDAGuard guard(dev);
   at::Tensor a = at::empty({R, F}, h.options());
@@ -195,12 +207,12 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> weighted_swiglu_bwd_op(
   check_dtype(grad_a, op, "grad_a", h.scalar_type());
   const int64_t R = h.size(0), F = h.size(1) / 2;
   TORCH_CHECK(grad_a.size(0) == R && grad_a.size(1) == F, "lightning_moe_C.", op,
-              ": grad_a has shape ", grad_a.sizes(), "; expected [R, F] = [", R, ", ", F, "].");
+              ": grad_a has shape ", dims(grad_a.sizes()), "; expected [R, F] = [", R, ", ", F, "].");
   if (w.has_value()) {
     check_tensor(*w, op, "w", dev);
     check_dtype(*w, op, "w", at::kFloat);
     TORCH_CHECK(w->dim() == 1 && w->size(0) == R, "lightning_moe_C.", op, ": w has shape ",
-                w->sizes(), "; expected [R] = [", R, "].");
+                dims(w->sizes()), "; expected [R] = [", R, "].");
   }
   const c10::cuda::CUDAGuard guard(dev);
   at::Tensor grad_h = at::empty({R, 2 * F}, h.options());
@@ -275,7 +287,7 @@ std::tuple<at::Tensor, at::Tensor> router_topk_op(const at::Tensor& logits,
     check_tensor(*bias, op, "bias", dev);
     check_dtype(*bias, op, "bias", at::kFloat);
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == E, "lightning_moe_C.", op,
-                ": bias has shape ", bias->sizes(), "; expected [E] = [", E, "].");
+                ": bias has shape ", dims(bias->sizes()), "; expected [E] = [", E, "].");
   }
   TORCH_CHECK(num_groups >= 0 && num_groups <= kMaxRouterGroups, "lightning_moe_C.", op,
               ": num_groups=", num_groups, " must be in [0, ", kMaxRouterGroups, "] (0 = off).");

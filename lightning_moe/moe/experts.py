@@ -49,9 +49,10 @@ class GroupedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * ffn_hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
         self._resolved: dict[tuple[str, torch.dtype], GemmBackend] = {}
-        # Fused local path: keep the gathered rows and the activation for backward (fast), or
-        # rebuild them there (lean; activation recompute switches this on for its call).
-        self.lean_backward = False
+        # Fused local path: keep the gathered rows and the activation for backward (False: fast),
+        # rebuild them there (True: lean; activation recompute sets it for its call), or None:
+        # rebuild each one whose rebuild is cheap for this shape (ops.local_experts.rebuild_is_cheap).
+        self.lean_backward: bool | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -289,9 +289,14 @@ def test_update_expert_biases_steps_every_layer_and_resets_counts() -> None:
     torch.testing.assert_close(model[0].router.expert_bias, torch.tensor([-0.1, -0.1, 0.1, 0.1]))
 
 
-@pytest.mark.parametrize("lean", [False, True])
-def test_fused_local_path_matches_generic_dispatch_path(lean: bool) -> None:
-    """The fused permute→experts→combine node (lean or not) equals dispatch/experts/combine."""
+@pytest.mark.parametrize("lean", [False, True, "rebuild_x", "rebuild_a"])
+def test_fused_local_path_matches_generic_dispatch_path(lean: bool | str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused permute→experts→combine node (keeping or rebuilding x_RH / a_RF) equals the stages."""
+    if isinstance(lean, str):  # the automatic choice, forced to rebuild one of the two
+        import lightning_moe.ops.local_experts as local_ops
+
+        monkeypatch.setattr(local_ops, "rebuild_is_cheap", lambda h, f: (lean == "rebuild_x", lean == "rebuild_a"))
+        lean = None  # type: ignore[assignment]
     torch.manual_seed(3)
     cfg = MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=6, top_k=2, pre_softmax=True, aux_loss="none")
     fused, generic = MoELayer(cfg), MoELayer(cfg)
@@ -319,3 +324,12 @@ def test_router_entropy_is_recorded_only_when_asked() -> None:
     layer.record_router_entropy = True
     layer(torch.randn(5, 8))
     assert layer.last_router_entropy is not None and 0 < float(layer.last_router_entropy) <= math.log(4) + 1e-6
+
+
+def test_automatic_rebuild_choice_keeps_fine_grained_and_rebuilds_wide_experts() -> None:
+    from lightning_moe.ops.local_experts import rebuild_is_cheap
+
+    assert rebuild_is_cheap(2048, 768) == (False, False)  # qwen3-30b-a3b: 6 % and 3 % of its GEMMs
+    assert rebuild_is_cheap(7168, 2048) == (True, True)  # deepseek-v3
+    assert rebuild_is_cheap(4096, 14336) == (True, True)  # mixtral-8x7b
+    assert MoELayer(MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)).experts.lean_backward is None
