@@ -31,6 +31,10 @@ constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
 // "[a, b, c]": sizes and strides in error messages, formatted here rather than through
 // ArrayRef's stream operator.
+// Numbers likewise go through std::to_string: streaming an integer into the message from this
+// library crashed on the GPU machine (the int64 cases, not the string ones).
+std::string num(int64_t value) { return std::to_string(value); }
+
 std::string dims(c10::IntArrayRef values) {
   std::string out = "[";
   for (size_t i = 0; i < values.size(); ++i) {
@@ -94,13 +98,13 @@ at::Tensor permute_rows_op(const at::Tensor& x, const at::Tensor& src_idx,
   check_dtype(src_idx, op, "src_idx", at::kInt);
   const DType dt = activation_dtype(x, op, "x");
   const int64_t R = src_idx.size(0);
-  TORCH_CHECK(x.size(0) <= kInt32Max, "lightning_moe_C.", op, ": x has ", x.size(0),
-              " rows; int32 row indices address at most ", kInt32Max, ".");
+  TORCH_CHECK(x.size(0) <= kInt32Max, "lightning_moe_C.", op, ": x has ", num(x.size(0)),
+              " rows; int32 row indices address at most ", num(kInt32Max), ".");
   if (row_scale.has_value()) {
     check_tensor(*row_scale, op, "row_scale", dev);
     check_dtype(*row_scale, op, "row_scale", at::kFloat);
     TORCH_CHECK(row_scale->dim() == 1 && row_scale->size(0) == R, "lightning_moe_C.", op,
-                ": row_scale has shape ", dims(row_scale->sizes()), "; expected [R] = [", R, "].");
+                ": row_scale has shape ", dims(row_scale->sizes()), "; expected [R] = [", num(R), "].");
   }
   const c10::cuda::CUDAGuard guard(dev);
   at::Tensor out = at::empty({R, x.size(1)}, x.options());
@@ -153,10 +157,10 @@ at::Tensor unpermute_weight_grad_op(const at::Tensor& grad_out, const at::Tensor
   check_dtype(slot_row, op, "slot_row", at::kInt);
   const DType dt = activation_dtype(grad_out, op, "grad_out");
   check_dtype(y, op, "y", grad_out.scalar_type());
-  TORCH_CHECK(y.size(1) == grad_out.size(1), "lightning_moe_C.", op, ": y has H=", y.size(1),
-              " but grad_out has H=", grad_out.size(1), "; they must match.");
+  TORCH_CHECK(y.size(1) == grad_out.size(1), "lightning_moe_C.", op, ": y has H=", num(y.size(1)),
+              " but grad_out has H=", num(grad_out.size(1)), "; they must match.");
   TORCH_CHECK(slot_row.size(0) == grad_out.size(0), "lightning_moe_C.", op, ": slot_row has T=",
-              slot_row.size(0), " but grad_out has T=", grad_out.size(0), "; they must match.");
+              num(slot_row.size(0)), " but grad_out has T=", num(grad_out.size(0)), "; they must match.");
   const c10::cuda::CUDAGuard guard(dev);
   const int64_t T = slot_row.size(0), K = slot_row.size(1);
   at::Tensor grad_w = at::empty({T, K}, grad_out.options().dtype(at::kFloat));
@@ -173,7 +177,7 @@ at::Tensor weighted_swiglu_fwd_op(const at::Tensor& h, const std::optional<at::T
   const at::Device dev = h.device();
   check_tensor(h, op, "h", dev);
   check_dim(h, op, "h", 2, "[R, 2F]");
-  TORCH_CHECK(h.size(1) % 2 == 0, "lightning_moe_C.", op, ": h has ", h.size(1),
+  TORCH_CHECK(h.size(1) % 2 == 0, "lightning_moe_C.", op, ": h has ", num(h.size(1)),
               " columns; expected an even 2F = [gate | up].");
   const DType dt = activation_dtype(h, op, "h");
   const int64_t R = h.size(0), F = h.size(1) / 2;
@@ -181,7 +185,7 @@ at::Tensor weighted_swiglu_fwd_op(const at::Tensor& h, const std::optional<at::T
     check_tensor(*w, op, "w", dev);
     check_dtype(*w, op, "w", at::kFloat);
     TORCH_CHECK(w->dim() == 1 && w->size(0) == R, "lightning_moe_C.", op, ": w has shape ",
-                dims(w->sizes()), "; expected [R] = [", R, "].");
+                dims(w->sizes()), "; expected [R] = [", num(R), "].");
   }
   const c10::cuda::CUDAGuard guard(dev);
   at::Tensor a = at::empty({R, F}, h.options());
@@ -201,18 +205,18 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> weighted_swiglu_bwd_op(
   check_tensor(grad_a, op, "grad_a", dev);
   check_dim(h, op, "h", 2, "[R, 2F]");
   check_dim(grad_a, op, "grad_a", 2, "[R, F]");
-  TORCH_CHECK(h.size(1) % 2 == 0, "lightning_moe_C.", op, ": h has ", h.size(1),
+  TORCH_CHECK(h.size(1) % 2 == 0, "lightning_moe_C.", op, ": h has ", num(h.size(1)),
               " columns; expected an even 2F = [gate | up].");
   const DType dt = activation_dtype(h, op, "h");
   check_dtype(grad_a, op, "grad_a", h.scalar_type());
   const int64_t R = h.size(0), F = h.size(1) / 2;
   TORCH_CHECK(grad_a.size(0) == R && grad_a.size(1) == F, "lightning_moe_C.", op,
-              ": grad_a has shape ", dims(grad_a.sizes()), "; expected [R, F] = [", R, ", ", F, "].");
+              ": grad_a has shape ", dims(grad_a.sizes()), "; expected [R, F] = [", num(R), ", ", num(F), "].");
   if (w.has_value()) {
     check_tensor(*w, op, "w", dev);
     check_dtype(*w, op, "w", at::kFloat);
     TORCH_CHECK(w->dim() == 1 && w->size(0) == R, "lightning_moe_C.", op, ": w has shape ",
-                dims(w->sizes()), "; expected [R] = [", R, "].");
+                dims(w->sizes()), "; expected [R] = [", num(R), "].");
   }
   const c10::cuda::CUDAGuard guard(dev);
   at::Tensor grad_h = at::empty({R, 2 * F}, h.options());
@@ -237,10 +241,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_permutation_op(
               "lightning_moe_C.", op, ": topk_ids.dtype=", topk_ids.scalar_type(),
               " must be int32 or int64.");
   TORCH_CHECK(num_experts >= 1 && num_experts <= kMaxPermuteExperts, "lightning_moe_C.", op,
-              ": num_experts=", num_experts, " must be in [1, ", kMaxPermuteExperts, "].");
+              ": num_experts=", num(num_experts), " must be in [1, ", num(kMaxPermuteExperts), "].");
   const int64_t T = topk_ids.size(0), K = topk_ids.size(1), N = T * K;
-  TORCH_CHECK(N <= kInt32Max, "lightning_moe_C.", op, ": T*K=", N,
-              " slots exceed int32 row indices (max ", kInt32Max, "); split the batch.");
+  TORCH_CHECK(N <= kInt32Max, "lightning_moe_C.", op, ": T*K=", num(N),
+              " slots exceed int32 row indices (max ", num(kInt32Max), "); split the batch.");
   const c10::cuda::CUDAGuard guard(dev);
   const auto i32 = topk_ids.options().dtype(at::kInt);
   at::Tensor src_idx = at::empty({N}, i32);
@@ -279,26 +283,26 @@ std::tuple<at::Tensor, at::Tensor> router_topk_op(const at::Tensor& logits,
     TORCH_CHECK(score_func == "softmax", "lightning_moe_C.", op, ": score_func='",
                 std::string(score_func), "' is unknown; use 'softmax' or 'sigmoid'.");
   }
-  TORCH_CHECK(E >= 1 && E <= kMaxRouterExperts, "lightning_moe_C.", op, ": E=", E,
-              " experts; the kernel handles 1..", kMaxRouterExperts, " (use the torch path).");
+  TORCH_CHECK(E >= 1 && E <= kMaxRouterExperts, "lightning_moe_C.", op, ": E=", num(E),
+              " experts; the kernel handles 1..", num(kMaxRouterExperts), " (use the torch path).");
   TORCH_CHECK(top_k >= 1 && top_k <= kMaxRouterTopK && top_k <= E, "lightning_moe_C.", op,
-              ": top_k=", top_k, " must be in [1, min(E=", E, ", ", kMaxRouterTopK, ")].");
+              ": top_k=", num(top_k), " must be in [1, min(E=", num(E), ", ", num(kMaxRouterTopK), ")].");
   if (bias.has_value()) {
     check_tensor(*bias, op, "bias", dev);
     check_dtype(*bias, op, "bias", at::kFloat);
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == E, "lightning_moe_C.", op,
-                ": bias has shape ", dims(bias->sizes()), "; expected [E] = [", E, "].");
+                ": bias has shape ", dims(bias->sizes()), "; expected [E] = [", num(E), "].");
   }
   TORCH_CHECK(num_groups >= 0 && num_groups <= kMaxRouterGroups, "lightning_moe_C.", op,
-              ": num_groups=", num_groups, " must be in [0, ", kMaxRouterGroups, "] (0 = off).");
+              ": num_groups=", num(num_groups), " must be in [0, ", num(kMaxRouterGroups), "] (0 = off).");
   if (num_groups > 0) {
-    TORCH_CHECK(E % num_groups == 0, "lightning_moe_C.", op, ": num_groups=", num_groups,
-                " must divide E=", E, ".");
+    TORCH_CHECK(E % num_groups == 0, "lightning_moe_C.", op, ": num_groups=", num(num_groups),
+                " must divide E=", num(E), ".");
     TORCH_CHECK(group_topk >= 1 && group_topk <= num_groups, "lightning_moe_C.", op,
-                ": group_topk=", group_topk, " must be in [1, num_groups=", num_groups, "].");
+                ": group_topk=", num(group_topk), " must be in [1, num_groups=", num(num_groups), "].");
     TORCH_CHECK(top_k >= group_topk && top_k <= group_topk * (E / num_groups),
-                "lightning_moe_C.", op, ": top_k=", top_k, " must be in [group_topk=",
-                group_topk, ", group_topk * E / num_groups=", group_topk * (E / num_groups),
+                "lightning_moe_C.", op, ": top_k=", num(top_k), " must be in [group_topk=",
+                num(group_topk), ", group_topk * E / num_groups=", num(group_topk * (E / num_groups)),
                 "] so that every kept group contributes and enough experts stay selectable.");
   }
   const c10::cuda::CUDAGuard guard(dev);

@@ -43,6 +43,15 @@ class _Graphs:
     static_grads: list[torch.Tensor | None]  # inputs that require grad, then params
     forward_graph: torch.cuda.CUDAGraph
     backward_graph: torch.cuda.CUDAGraph | None = None
+    group: _Group | None = None  # the modules captured together (one memory pool)
+
+
+@dataclass
+class _Group:
+    """Modules captured in one pool. ``grads_handed_out``: a backward replay ran since the last check."""
+
+    members: list[_Graphs]
+    grads_handed_out: bool = False
 
 
 class _GraphReplay(torch.autograd.Function):
@@ -50,6 +59,11 @@ class _GraphReplay(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, graphs: _Graphs, *inputs_then_params: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        group = graphs.group
+        if group is not None and group.grads_handed_out:  # first forward replay after a backward one
+            for member in group.members:
+                _unalias_accumulated_grads(member)
+            group.grads_handed_out = False
         for static, x in zip(graphs.static_inputs, inputs_then_params):
             if static.data_ptr() != x.data_ptr():
                 static.copy_(x)
@@ -73,6 +87,8 @@ class _GraphReplay(torch.autograd.Function):
                 static.copy_(grad)
         _unalias_accumulated_grads(graphs)
         graphs.backward_graph.replay()
+        if graphs.group is not None:
+            graphs.group.grads_handed_out = True
         computed = iter(graphs.static_grads)
         result: list[torch.Tensor | None] = [None]  # for ``graphs``
         for x in graphs.static_inputs:
@@ -82,11 +98,14 @@ class _GraphReplay(torch.autograd.Function):
 
 
 def _unalias_accumulated_grads(graphs: _Graphs) -> None:
-    """Give a parameter whose ``.grad`` is a static gradient buffer a copy of it, before the replay.
+    """Give a parameter whose ``.grad`` is a static gradient buffer a copy of it.
 
-    Autograd keeps a returned gradient as ``p.grad`` when ``p.grad`` was None. Accumulating into
-    it later (micro-batches, ``zero_grad(set_to_none=False)``) would let the replay overwrite
-    ``p.grad`` with the new gradient, which autograd would then add to itself.
+    Autograd keeps a returned gradient as ``p.grad`` when ``p.grad`` was None. That buffer lives in
+    the graphs' pool: the backward graph rewrites it, and the forward graphs, captured earlier, may
+    reuse its addresses for their temporaries. Kept into the next forward/backward (micro-batches,
+    ``zero_grad(set_to_none=False)``), it would be overwritten before autograd adds to it. So, once
+    per step, before the first forward replay (and before a backward replay, for its own buffers),
+    such a ``.grad`` is copied out; with ``set_to_none=True`` there is nothing to copy.
     """
     for p, static in zip(graphs.params, graphs.static_grads[len(graphs.static_grads) - len(graphs.params) :]):
         grad = p.grad
@@ -166,6 +185,10 @@ def capture_modules(
         graphs.static_grads = list(grads)
         graphs.backward_graph = graph
         graphs.static_outputs = [o.detach() for o in graphs.static_outputs]  # drop the capture's autograd graph
+
+    group = _Group(captured)
+    for graphs in captured:
+        graphs.group = group
 
     def replayer(graphs: _Graphs) -> Callable[..., Any]:
         def replay(*args: torch.Tensor) -> Any:

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 import lightning_moe.ops.permute as permute_ops
 from lightning_moe import MoEConfig, MoELayer
-from lightning_moe.callbacks._graphed import _GraphReplay, _Graphs
+from lightning_moe.callbacks._graphed import _GraphReplay, _Graphs, _Group
 from lightning_moe.callbacks.cuda_graphs import CUDAGraphCapture, _Replay, _Target
 from lightning_moe.lit import MoELanguageModel
 from lightning_moe.models.transformer import MoETransformer
@@ -181,6 +181,35 @@ def test_replay_keeps_static_gradient_buffers_out_of_accumulated_grads() -> None
     # overwrite p.grad (the static buffer) with 6 and autograd would add it to itself: 12.
     assert torch.equal(p.grad, torch.full((4,), 8.0))
     assert p.grad.untyped_storage().data_ptr() != gp_static.untyped_storage().data_ptr()
+
+
+def test_forward_replay_reusing_the_gradient_addresses_leaves_accumulated_grads_intact() -> None:
+    """A forward graph captured before the backward one may use the static gradient's addresses
+    for its temporaries: the ``.grad`` autograd kept from the last backward must be copied out
+    before the next forward replay, not only before the next backward replay."""
+    p = torch.nn.Parameter(torch.ones(4))
+    x_static, y_static, go_static, gp_static = torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(4)
+
+    def forward() -> None:
+        gp_static.fill_(-100.0)  # a temporary of the forward graph at the gradient's address
+        y_static.copy_(x_static * p.detach())
+
+    graphs = _Graphs(
+        params=[p],
+        static_inputs=(x_static,),
+        static_outputs=[y_static],
+        output_spec=tree_flatten([y_static])[1],
+        differentiable=[True],
+        static_grad_outputs=[go_static],
+        static_grads=[gp_static],
+        forward_graph=_FakeGraph(forward),  # type: ignore[arg-type]
+        backward_graph=_FakeGraph(lambda: gp_static.copy_(go_static * x_static)),  # type: ignore[arg-type]
+    )
+    graphs.group = _Group([graphs])
+    for scale in (1.0, 3.0):  # two micro-batches, no zero_grad in between
+        (y,) = _GraphReplay.apply(graphs, torch.full((4,), 2.0), p)
+        (y.sum() * scale).backward()
+    assert torch.equal(p.grad, torch.full((4,), 8.0))
 
 
 # --- a static MoE layer has no host sync (what capture needs) -------------------------------------
