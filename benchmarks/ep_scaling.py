@@ -216,9 +216,28 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build_stack(shape: Shape, mesh: FoldedMesh, device: torch.device, dtype: torch.dtype, seed: int) -> ProxyStack:
-    """Same full weights on every rank (one seed), then cut to the local experts layer by layer."""
-    cfg = MoEConfig(hidden_size=shape.hidden, ffn_hidden_size=shape.ffn, num_experts=shape.experts, top_k=shape.top_k)
+def build_stack(
+    shape: Shape,
+    mesh: FoldedMesh,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
+    shared_ffn: int | None = None,
+    overlap: bool = False,
+) -> ProxyStack:
+    """Same full weights on every rank (one seed), then cut to the local experts layer by layer.
+
+    ``shared_ffn``: add a shared expert of that width; ``overlap``: run it on a side stream,
+    concurrently with the token exchange (``MoEConfig.shared_expert_overlap``).
+    """
+    cfg = MoEConfig(
+        hidden_size=shape.hidden,
+        ffn_hidden_size=shape.ffn,
+        num_experts=shape.experts,
+        top_k=shape.top_k,
+        shared_expert_ffn_size=shared_ffn,
+        shared_expert_overlap=overlap,
+    )
     layers = []
     for index in range(shape.layers):
         torch.manual_seed(seed + index)
@@ -352,8 +371,10 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         raise ValueError(
             f"ep_scaling: --echo-spare needs ep == world_size > 1 (ECHO needs edp=1); got ep={ep}, world_size={world}."
         )
+    if args.overlap_shared and args.shared_expert_ffn is None:
+        raise ValueError("ep_scaling: --overlap-shared needs --shared-expert-ffn N (there is no shared expert to overlap).")
     mesh = FoldedMesh.build(FoldedLayout(world_size=world, ep=ep), device_type=device.type)
-    stack = build_stack(shape, mesh, device, dtype, args.seed)
+    stack = build_stack(shape, mesh, device, dtype, args.seed, args.shared_expert_ffn, args.overlap_shared)
     skew_routers(stack, args.skew)
 
     gen = torch.Generator(device=device).manual_seed(args.seed + 1000 + rank)
@@ -421,6 +442,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "load_max_over_mean_per_layer": load,
         "skew": args.skew,
         "echo_spare": args.echo_spare,
+        "shared_expert_ffn": args.shared_expert_ffn,  # its FLOPs are not in the TFLOP/s figures
+        "overlap_shared": args.overlap_shared,
         **echo_report,
         "command": " ".join([f"torchrun --nproc_per_node={world}", *sys.argv]),
     }
@@ -445,6 +468,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=0,
         help="ECHO spare slots per EP rank and layer (0: off; needs ep == world)",
+    )
+    p.add_argument(
+        "--shared-expert-ffn",
+        type=int,
+        default=None,
+        help="add a shared expert of this FFN width to every layer (default: none)",
+    )
+    p.add_argument(
+        "--overlap-shared",
+        action="store_true",
+        help="run the shared expert on a side stream, overlapping the exchange (needs --shared-expert-ffn)",
     )
     p.add_argument("--quick", action="store_true", help=f"tiny shapes, CPU smoke test: {QUICK}")
     p.add_argument("--out", type=Path, default=None, help="write rank 0's JSON report here")

@@ -59,6 +59,8 @@ class MoEConfig:
         pad_to_capacity: pad every expert to its capacity so shapes are static.
         shared_expert_ffn_size: FFN width of an always-on shared expert; ``None`` is off.
         shared_expert_gate: scale the shared expert's output by ``sigmoid(x @ g)``.
+        shared_expert_overlap: on CUDA, run the shared expert on a side stream, concurrently with
+            the routed path (its token exchange under expert parallelism), forward and backward.
         memory_efficient_permute: apply the routing weight inside the expert activation, so the
             combine is a plain sum and nothing extra is saved for the weight's gradient.
         experts_backend: grouped GEMM backend; ``auto`` picks the fastest importable one.
@@ -87,6 +89,7 @@ class MoEConfig:
     pad_to_capacity: bool = False
     shared_expert_ffn_size: int | None = None
     shared_expert_gate: bool = False
+    shared_expert_overlap: bool = False
     memory_efficient_permute: bool = True
     experts_backend: ExpertsBackend = "auto"
     check_finite: bool = False
@@ -142,6 +145,11 @@ class MoEConfig:
             )
         if self.shared_expert_gate and self.shared_expert_ffn_size is None:
             raise ValueError("MoEConfig: shared_expert_gate=True needs shared_expert_ffn_size; set it or drop the gate.")
+        if self.shared_expert_overlap and self.shared_expert_ffn_size is None:
+            raise ValueError(
+                "MoEConfig: shared_expert_overlap=True needs a shared expert; set shared_expert_ffn_size or drop "
+                "the overlap."
+            )
         if self.bias_update_rate < 0:
             raise ValueError(f"MoEConfig: bias_update_rate={self.bias_update_rate} must be >= 0.")
 

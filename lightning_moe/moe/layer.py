@@ -132,6 +132,7 @@ class MoELayer(nn.Module):
             if cfg.pad_to_capacity and cfg.capacity_factor is not None
             else None
         )
+        shared = _SharedOnSideStream(self.shared_expert, x_TH) if self._overlap_shared(x_TH) else None
         me = cfg.memory_efficient_permute
         run_experts = getattr(self.dispatcher, "run_experts", None)
         if me and run_experts is not None:  # the dispatcher fuses its three stages (fast path)
@@ -143,7 +144,9 @@ class MoELayer(nn.Module):
             y_RH = self.experts(dispatched.x_RH, dispatched.tokens_per_expert_e, dispatched.weights_R if me else None)
             y_TH = self.dispatcher.combine(y_RH, handle, weighted=not me)
         y_TH = y_TH.to(x.dtype)
-        if self.shared_expert is not None:
+        if shared is not None:
+            y_TH = y_TH + shared.join().to(y_TH.dtype)
+        elif self.shared_expert is not None:
             y_TH = y_TH + self.shared_expert(x_TH).to(y_TH.dtype)
 
         self._record(routing, T)
@@ -192,6 +195,9 @@ class MoELayer(nn.Module):
         self.last_aux_losses = {k: v.detach() for k, v in losses.items()}
         return sum(losses.values()) if losses else None  # type: ignore[return-value]
 
+    def _overlap_shared(self, x_TH: torch.Tensor) -> bool:
+        return self.shared_expert is not None and self.config.shared_expert_overlap and x_TH.is_cuda
+
     def _global_counts(self, tokens_per_expert_E: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Counts summed over this step's micro-batches so far and over ``aux_loss_group``."""
         counts_E = tokens_per_expert_E.float()
@@ -213,3 +219,31 @@ class MoELayer(nn.Module):
 
     def extra_repr(self) -> str:
         return f"name={self.layer_name!r}, dispatcher={self.dispatcher!r}"
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+class _SharedOnSideStream:
+    """The shared expert launched on a side stream; :meth:`join` makes the caller's stream wait.
+
+    Autograd runs each node's backward on the stream its forward ran on, so the shared expert's
+    backward overlaps the routed path's backward too. Tensors crossing streams are recorded on the
+    stream that uses them last, so the caching allocator does not hand their memory out early.
+    """
+
+    def __init__(self, shared_expert: nn.Module, x_TH: torch.Tensor) -> None:
+        device = x_TH.device
+        if device not in _SIDE_STREAMS:
+            _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+        self.main = torch.cuda.current_stream(device)
+        self.side = _SIDE_STREAMS[device]
+        self.side.wait_stream(self.main)  # x_TH is ready
+        with torch.cuda.stream(self.side):
+            x_TH.record_stream(self.side)
+            self.out_TH = shared_expert(x_TH)
+
+    def join(self) -> torch.Tensor:
+        self.main.wait_stream(self.side)
+        self.out_TH.record_stream(self.main)
+        return self.out_TH

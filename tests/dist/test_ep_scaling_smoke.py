@@ -57,11 +57,13 @@ def test_ep_scaling_quick_skew_with_echo_flattens_rank_load_on_two_ranks(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "ep_scaling_echo.json"
-    args = ["--quick", "--skew", "4", "--echo-spare", "2", "--out", str(out)]
+    # with a shared expert on the side stream (inert on CPU: the flag must pass through and compose)
+    args = ["--quick", "--skew", "4", "--echo-spare", "2", "--shared-expert-ffn", "16", "--overlap-shared", "--out", str(out)]
     job = launch_torchrun(str(SCRIPT), 2, args, timeout=90.0)
     assert job.returncode == 0, job.failure()
     report = json.loads(out.read_text())
     assert report["skew"] == 4.0 and report["echo_spare"] == 2
+    assert report["shared_expert_ffn"] == 16 and report["overlap_shared"] is True
     layers = report["shape"]["layers"]
     assert report["echo_step_ms"] > 0 and len(report["echo_step_ms_all"]) == report["iters"]
     assert len(report["echo_clones_per_layer"]) == layers and all(c >= 1 for c in report["echo_clones_per_layer"])

@@ -57,3 +57,25 @@ def test_layer_with_capacity_and_padding_runs_on_cuda() -> None:
     x = torch.randn(4, 50, 64, device="cuda", requires_grad=True)
     layer(x).sum().backward()
     assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("gate", [False, True])
+def test_shared_expert_overlap_gives_the_same_numbers(gate: bool) -> None:
+    """The shared expert on a side stream (forward and backward) changes the schedule, not the math."""
+    torch.manual_seed(0)
+    cfg = dict(hidden_size=128, ffn_hidden_size=64, num_experts=16, top_k=4, shared_expert_ffn_size=96,
+               shared_expert_gate=gate)  # fmt: skip
+    plain = MoELayer(MoEConfig(**cfg)).cuda().to(torch.bfloat16)
+    overlapped = MoELayer(MoEConfig(**cfg, shared_expert_overlap=True)).cuda().to(torch.bfloat16)
+    overlapped.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 300, 128, device="cuda", dtype=torch.bfloat16)
+    go = torch.randn_like(x)
+    results = []
+    for layer in (plain, overlapped):
+        xi = x.clone().requires_grad_(True)
+        y = layer(xi)
+        y.backward(go)
+        results.append((y.detach(), xi.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}))
+    (y0, gx0, g0), (y1, gx1, g1) = results
+    assert torch.equal(y0, y1) and torch.equal(gx0, gx1)
+    assert all(torch.equal(g0[n], g1[n]) for n in g0)

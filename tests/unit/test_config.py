@@ -47,6 +47,7 @@ BAD_CONFIGS = {
     "negative_z_loss_coeff": (dict(z_loss_coeff=-1e-3), "z_loss_coeff=-0.001"),
     "shared_expert_ffn_size_zero": (dict(shared_expert_ffn_size=0), "shared_expert_ffn_size=0"),
     "shared_expert_gate_without_shared_expert": (dict(shared_expert_gate=True), "shared_expert_gate=True"),
+    "shared_expert_overlap_without_shared_expert": (dict(shared_expert_overlap=True), "shared_expert_overlap=True"),
     "negative_bias_update_rate": (dict(bias_update_rate=-0.5), "bias_update_rate=-0.5"),
 }
 
