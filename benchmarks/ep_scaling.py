@@ -224,6 +224,7 @@ def build_stack(
     seed: int,
     shared_ffn: int | None = None,
     overlap: bool = False,
+    dispatcher: str = "alltoall",
 ) -> ProxyStack:
     """Same full weights on every rank (one seed), then cut to the local experts layer by layer.
 
@@ -245,7 +246,7 @@ def build_stack(
             layer = MoELayer(cfg, layer_name=f"layers.{index}")
         layer = layer.to(dtype=dtype)
         # expert slices + AllToAllDispatcher over the EP group (no FSDP: nothing else is timed)
-        parallelize_moe_model(layer, mesh=mesh, fsdp=False)
+        parallelize_moe_model(layer, mesh=mesh, fsdp=False, dispatcher=dispatcher)  # type: ignore[arg-type]
         layers.append(layer)
     return ProxyStack(layers)
 
@@ -374,7 +375,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.overlap_shared and args.shared_expert_ffn is None:
         raise ValueError("ep_scaling: --overlap-shared needs --shared-expert-ffn N (there is no shared expert to overlap).")
     mesh = FoldedMesh.build(FoldedLayout(world_size=world, ep=ep), device_type=device.type)
-    stack = build_stack(shape, mesh, device, dtype, args.seed, args.shared_expert_ffn, args.overlap_shared)
+    stack = build_stack(
+        shape, mesh, device, dtype, args.seed, args.shared_expert_ffn, args.overlap_shared, args.dispatcher
+    )
     skew_routers(stack, args.skew)
 
     gen = torch.Generator(device=device).manual_seed(args.seed + 1000 + rank)
@@ -444,6 +447,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "echo_spare": args.echo_spare,
         "shared_expert_ffn": args.shared_expert_ffn,  # its FLOPs are not in the TFLOP/s figures
         "overlap_shared": args.overlap_shared,
+        "dispatcher": args.dispatcher,
         **echo_report,
         "command": " ".join([f"torchrun --nproc_per_node={world}", *sys.argv]),
     }
@@ -479,6 +483,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--overlap-shared",
         action="store_true",
         help="run the shared expert on a side stream, overlapping the exchange (needs --shared-expert-ffn)",
+    )
+    p.add_argument(
+        "--dispatcher",
+        default="alltoall",
+        choices=["alltoall", "allgather", "deepep"],
+        help="token exchange; the exposed-exchange share is timed around all_to_all_single only (0 for deepep)",
     )
     p.add_argument("--quick", action="store_true", help=f"tiny shapes, CPU smoke test: {QUICK}")
     p.add_argument("--out", type=Path, default=None, help="write rank 0's JSON report here")

@@ -45,7 +45,9 @@ from lightning_moe.parallel.layout import FoldedLayout
 from lightning_moe.parallel.mesh import FoldedMesh
 
 __all__ = [
+    "DISPATCHERS",
     "DispatcherKind",
+    "check_dispatcher",
     "check_model_for_layout",
     "init_experts_by_id",
     "parallelize_moe_model",
@@ -53,7 +55,14 @@ __all__ = [
     "unblock_w13",
 ]
 
-DispatcherKind = Literal["alltoall", "allgather"]
+DispatcherKind = Literal["alltoall", "allgather", "deepep"]
+DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather", "deepep")
+
+
+def check_dispatcher(dispatcher: str) -> None:
+    """An unknown token-exchange name is an error naming the choices (never a silent default)."""
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"dispatcher={dispatcher!r} is unknown; choose one of {DISPATCHERS}.")
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -205,16 +214,23 @@ def parallelize_moe_model(
     check_model_for_layout(module, lay)
     if lay.tp > 1:
         _apply_tp(module, mesh)
+    check_dispatcher(dispatcher)
     layers = [m for m in module.modules() if isinstance(m, MoELayer)]
     dp_cp_group = mesh.group("dp_cp") if lay.dp * lay.cp > 1 else None
+    deep_ep_buffer = None  # one DeepEP buffer for every layer of the EP group
     for layer in layers:
         layer.aux_loss_group = dp_cp_group
         if lay.ep > 1 or lay.etp > 1:
             _shard_experts(layer.experts, mesh)
-            kind = AllToAllDispatcher if dispatcher == "alltoall" else AllGatherDispatcher
-            layer.dispatcher = kind(
-                layer.config.num_experts, ep_group=mesh.group("ep"), etp_group=mesh.group("etp")
-            )
+            groups = dict(ep_group=mesh.group("ep"), etp_group=mesh.group("etp"))
+            if dispatcher == "deepep":
+                from lightning_moe.moe.dispatch_deepep import DeepEPDispatcher, make_deep_ep_buffer
+
+                deep_ep_buffer = deep_ep_buffer or make_deep_ep_buffer(mesh.group("ep"))
+                layer.dispatcher = DeepEPDispatcher(layer.config.num_experts, **groups, buffer=deep_ep_buffer)
+            else:
+                kind = AllToAllDispatcher if dispatcher == "alltoall" else AllGatherDispatcher
+                layer.dispatcher = kind(layer.config.num_experts, **groups)
     if not fsdp:
         return module
     scale = expert_grad_scale(lay)

@@ -28,7 +28,12 @@ from torch.optim import Optimizer
 from lightning_moe.parallel.grad import clip_grad_norm_, clip_grad_value_
 from lightning_moe.parallel.layout import FoldedLayout
 from lightning_moe.parallel.mesh import FoldedMesh
-from lightning_moe.parallel.parallelize import DispatcherKind, check_model_for_layout, parallelize_moe_model
+from lightning_moe.parallel.parallelize import (
+    DISPATCHERS,
+    DispatcherKind,
+    check_model_for_layout,
+    parallelize_moe_model,
+)
 
 __all__ = ["FabricFoldedMoEStrategy"]
 
@@ -111,6 +116,10 @@ class FabricFoldedMoEStrategy(FabricModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         _check_args(type(self).__name__, tp, cp, ep, etp, pp, dp, edp, order)
+        if dispatcher not in DISPATCHERS:
+            raise ValueError(
+                f"{type(self).__name__}: dispatcher={dispatcher!r} is unknown; choose one of {DISPATCHERS}."
+            )
         super().__init__(
             self._parallelize,
             data_parallel_size=dp,

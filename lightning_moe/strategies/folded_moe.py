@@ -53,6 +53,7 @@ from torch.optim import Optimizer
 from lightning_moe.parallel.grad import clip_grad_norm_, clip_grad_value_, set_gradient_sync
 from lightning_moe.parallel.mesh import FoldedMesh
 from lightning_moe.parallel.parallelize import (
+    DISPATCHERS,
     DispatcherKind,
     check_model_for_layout,
     init_experts_by_id,
@@ -75,7 +76,8 @@ class FoldedMoEStrategy(ModelParallelStrategy):
         dp: data-parallel degree of the dense layers, ``"auto"`` = ``W/(tp*cp*pp)``.
         edp: data-parallel degree of the experts, ``"auto"`` = ``W/(etp*ep*pp)``.
         order: rank order, fastest first (Megatron-Core's ``RankGenerator``), e.g. ``"tp-cp-ep-dp-pp"``.
-        dispatcher: ``"alltoall"`` or ``"allgather"`` token exchange over the EP group.
+        dispatcher: ``"alltoall"``, ``"allgather"`` or ``"deepep"`` (needs the optional ``deep_ep``
+            package and bf16) token exchange over the EP group.
         expert_init_seed: if set, experts are re-initialised per global expert id from this seed
             (layout-independent, every EP rank distinct); always done for meta-device init.
         save_distributed_checkpoint: DCP folder (sharded, reshardable) instead of one file.
@@ -100,6 +102,10 @@ class FoldedMoEStrategy(ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         _check_args(type(self).__name__, tp, cp, ep, etp, pp, dp, edp, order)
+        if dispatcher not in DISPATCHERS:
+            raise ValueError(
+                f"{type(self).__name__}: dispatcher={dispatcher!r} is unknown; choose one of {DISPATCHERS}."
+            )
         super().__init__(
             data_parallel_size=dp,
             tensor_parallel_size=tp,

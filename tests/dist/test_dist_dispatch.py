@@ -1,4 +1,4 @@
-"""AllToAll / AllGather dispatchers against LocalDispatcher on 4 gloo ranks (uneven, empty experts).
+"""AllToAll / AllGather / DeepEP (stand-in buffer) dispatchers against LocalDispatcher on 4 gloo ranks (uneven, empty experts).
 
 Every case runs in the session's shared 4-rank job (``conftest.py``); the worker compares outputs
 and gradients itself (fp64) and reports the case done.
@@ -12,7 +12,10 @@ from _harness import Suite
 
 pytestmark = pytest.mark.dist
 
-CASES = ["alltoall:1:4:1", "allgather:1:4:1", "alltoall:2:2:2", "allgather:2:2:2", "alltoall:2:4:1"]
+CASES = [
+    "alltoall:1:4:1", "allgather:1:4:1", "alltoall:2:2:2", "allgather:2:2:2", "alltoall:2:4:1",
+    "deepep:1:4:1", "deepep:2:4:1",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.suite4(f"dispatch:{c}")) for c in CASES])

@@ -1,4 +1,4 @@
-"""Worker: AllToAllDispatcher (and AllGatherDispatcher) against LocalDispatcher, on every rank.
+"""Worker: AllToAll, AllGather and DeepEP (over a gloo stand-in) dispatchers against LocalDispatcher.
 
 Run by ``test_dist_dispatch.py`` through ``worker_suite.py`` under torchrun (gloo). Every rank
 builds the same global inputs from one seed, routes its own tokens, and checks outputs, input
@@ -12,10 +12,12 @@ import sys
 
 import torch
 import torch.distributed as dist
+from _fake_deep_ep import FakeDeepEPBuffer
 
 from lightning_moe.moe.dispatch import LocalDispatcher
 from lightning_moe.moe.dispatch_allgather import AllGatherDispatcher
 from lightning_moe.moe.dispatch_alltoall import AllToAllDispatcher
+from lightning_moe.moe.dispatch_deepep import DeepEPDispatcher
 from lightning_moe.moe.experts import GroupedExperts
 from lightning_moe.parallel.layout import FoldedLayout
 from lightning_moe.parallel.mesh import FoldedMesh
@@ -82,7 +84,10 @@ def main(kind: str, tp: int, ep: int, etp: int) -> None:
                 part.w13.copy_(w13)
                 part.w2.copy_(w2)
             groups = dict(ep_group=mesh.group("ep"), etp_group=mesh.group("etp"))
-            disp = AllToAllDispatcher(E, **groups) if kind == "alltoall" else AllGatherDispatcher(E, **groups)
+            if kind == "deepep":  # the adapter over a gloo stand-in for deep_ep.Buffer
+                disp = DeepEPDispatcher(E, **groups, buffer=FakeDeepEPBuffer(mesh.group("ep")))
+            else:
+                disp = AllToAllDispatcher(E, **groups) if kind == "alltoall" else AllGatherDispatcher(E, **groups)
             y, gx, gw = run(disp, part, *inputs[data_rank], weighted=weighted)
             tag = f"{kind} skew={skew} weighted={weighted} rank={rank}"
             check(f"{tag} output", y, outs[data_rank][0])

@@ -1,0 +1,104 @@
+"""A stand-in for ``deep_ep.Buffer`` (normal mode, intranode) over torch.distributed, for CPU tests.
+
+It follows DeepEP's documented contract, not its kernels:
+
+* ``get_dispatch_layout(topk_idx, E)`` -> tokens per rank, ``None`` (no RDMA ranks), tokens per
+  expert, ``is_token_in_rank [T, P]``, event;
+* ``dispatch(x, topk_idx=..., topk_weights=..., ...)`` sends each token once to every rank that
+  owns one of its experts (tokens in order, source ranks in order) and returns the received
+  ``x``, their top-k ids made local to the receiving rank (``-1`` for slots owned elsewhere),
+  their weights, the per-local-expert counts (a list), a handle and an event;
+  ``dispatch(x, handle=h)`` repeats the exchange of ``h`` for new rows (the backward of combine);
+* ``combine(x, handle, topk_weights=None)`` sends every received row back and sums the rows of a
+  token over the ranks it went to (and the weights likewise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class _Layout:
+    send_index: torch.Tensor  # token of each sent row, destination ranks in order
+    send_splits: list[int]
+    recv_splits: list[int]
+    num_tokens: int
+
+
+class FakeDeepEPBuffer:
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.num_ranks = group.size()
+        self.rank = group.rank()
+        self.calls: dict[str, int] = {"layout": 0, "dispatch": 0, "cached_dispatch": 0, "combine": 0}
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> tuple[Any, ...]:
+        self.calls["layout"] += 1
+        e = num_experts // self.num_ranks
+        owner_TK = torch.where(topk_idx >= 0, topk_idx // e, -1)
+        in_rank_TP = torch.stack([(owner_TK == p).any(1) for p in range(self.num_ranks)], dim=1)
+        per_expert = torch.stack([(topk_idx == g).sum() for g in range(num_experts)]).int()
+        return in_rank_TP.sum(0).int(), None, per_expert, in_rank_TP, None
+
+    def _exchange(self, rows: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        rows = rows.contiguous()
+        out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows, out_splits, in_splits, group=self.group)
+        return out
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        handle: _Layout | None = None,
+        num_tokens_per_rank: torch.Tensor | None = None,
+        num_tokens_per_rdma_rank: torch.Tensor | None = None,
+        is_token_in_rank: torch.Tensor | None = None,
+        num_tokens_per_expert: torch.Tensor | None = None,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        **_: Any,
+    ) -> tuple[Any, ...]:
+        if handle is not None:  # cached layout: rows only
+            self.calls["cached_dispatch"] += 1
+            recv = self._exchange(x[handle.send_index], handle.recv_splits, handle.send_splits)
+            return recv, None, None, None, None, None
+        self.calls["dispatch"] += 1
+        assert is_token_in_rank is not None and topk_idx is not None and topk_weights is not None
+        assert topk_idx.dtype == torch.int64 and topk_weights.is_floating_point()
+        P, T = self.num_ranks, x.shape[0]
+        e = int(num_tokens_per_expert.numel()) // P  # type: ignore[union-attr]
+        index = [torch.nonzero(is_token_in_rank[:, p]).flatten() for p in range(P)]
+        send_index = torch.cat(index)
+        send_splits = [int(i.numel()) for i in index]
+        counts = torch.tensor(send_splits, dtype=torch.long)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.group)
+        recv_splits = recv_counts.tolist()
+        local_ids = torch.cat(
+            [torch.where(topk_idx[i] // e == p, topk_idx[i] - p * e, -1) for p, i in enumerate(index)]
+        )
+        local_ids = torch.where(topk_idx[send_index] >= 0, local_ids, -1)
+        recv_x = self._exchange(x[send_index], recv_splits, send_splits)
+        recv_ids = self._exchange(local_ids, recv_splits, send_splits)
+        recv_w = self._exchange(topk_weights[send_index], recv_splits, send_splits)
+        per_local_expert = [int((recv_ids == j).sum()) for j in range(e)]
+        layout = _Layout(send_index, send_splits, recv_splits, T)
+        return recv_x, recv_ids, recv_w, per_local_expert, layout, None
+
+    def combine(
+        self, x: torch.Tensor, handle: _Layout, topk_weights: torch.Tensor | None = None, **_: Any
+    ) -> tuple[Any, ...]:
+        self.calls["combine"] += 1
+        back = self._exchange(x, handle.send_splits, handle.recv_splits)
+        out = x.new_zeros((handle.num_tokens, *x.shape[1:])).index_add_(0, handle.send_index, back)
+        weights = None
+        if topk_weights is not None:
+            back_w = self._exchange(topk_weights, handle.send_splits, handle.recv_splits)
+            weights = topk_weights.new_zeros((handle.num_tokens, *topk_weights.shape[1:]))
+            weights.index_add_(0, handle.send_index, back_w)
+        return out, weights, None
