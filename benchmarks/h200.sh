@@ -5,6 +5,7 @@
 #   bash benchmarks/h200.sh final     # qwen3 vs torch/Liger, then mixtral + deepseek vs the peers
 #   bash benchmarks/h200.sh e2e       # end-to-end model race + callbacks / recompute figures
 #   bash benchmarks/h200.sh verify    # graph-capture tests, GPU tests, kernels last, layer figures (results.tgz)
+#   bash benchmarks/h200.sh multi     # issue 8 on a multi-GPU kind: NCCL parity, EP scaling, overlap, ECHO, DeepEP
 #   bash benchmarks/h200.sh all       # GPU tests, e2e with profile, callbacks, mixtral, Liger (results.tgz)
 # Results land in $OUT (JSON + logs); the last lines printed are the summary tables.
 # The kernel build (~1 min) is cached in .kcache/ (git-ignored) and also sent back as
@@ -76,5 +77,28 @@ case "${1:-layer}" in
     timeout 60 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --peers torch-grouped_mm-ref --no-breakdown \
       --json "$OUT/q.json" > "$OUT/q.log" 2>&1; grep -h '^{"peer' "$OUT/q.log" | cut -c1-160
     (cd "$OUT" && tar czf results.tgz *.log *.json 2>/dev/null && rm -f *.log *.json)
+    ;;
+  multi)  # issue 8 on nvidia-h200-x2/-x4/-x8 (one GPU per rank, NVLink multicast off)
+    N=$(nvidia-smi -L | wc -l)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    # NCCL parity: the Trainer.fit layouts of tests/dist on GPUs vs the one-process CPU reference
+    [ "$N" -ge 4 ] && LIGHTNING_MOE_TEST_ACCELERATOR=gpu LIGHTNING_MOE_PARITY_RTOL=1e-4 timeout 300 \
+      python3 -m pytest tests/dist/test_dist_fit.py -q -p no:cacheprovider -rf > "$OUT/nccl_parity.log" 2>&1
+    tail -3 "$OUT/nccl_parity.log" 2>/dev/null
+    for ep in 1 2 4 8; do
+      [ "$ep" -le "$N" ] || continue
+      timeout 120 torchrun --nproc_per_node="$ep" benchmarks/ep_scaling.py --ep "$ep" --out "$OUT/ep$ep.json" \
+        > "$OUT/ep$ep.log" 2>&1; grep -E "tflops_per_gpu|a2a_share\"" "$OUT/ep$ep.json"
+    done
+    for flag in "" "--overlap-shared"; do  # shared expert (Qwen3-style width 1536 is illustrative)
+      timeout 120 torchrun --nproc_per_node="$N" benchmarks/ep_scaling.py --shared-expert-ffn 1536 $flag \
+        --out "$OUT/shared${flag:+_overlap}.json" > /dev/null 2>&1; grep -E "\"step_ms\"" "$OUT/shared${flag:+_overlap}.json"
+    done
+    timeout 150 torchrun --nproc_per_node="$N" benchmarks/ep_scaling.py --skew 4 --echo-spare 2 --out "$OUT/echo.json" \
+      > /dev/null 2>&1; grep -E "rank_load_max_over_mean|echo_step_ms\"|\"step_ms\"" "$OUT/echo.json"
+    if python3 -c "import deep_ep" 2>/dev/null; then
+      timeout 120 torchrun --nproc_per_node="$N" benchmarks/ep_scaling.py --dispatcher deepep --out "$OUT/deepep.json" \
+        > "$OUT/deepep.log" 2>&1; grep -E "\"step_ms\"" "$OUT/deepep.json"
+    else echo "deep_ep not importable: build it from carried source first"; fi
     ;;
 esac

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
@@ -122,13 +123,18 @@ def _reference(dp: int, steps: int) -> tuple[list[list[float]], dict[str, torch.
 
 
 def compare_with_reference(result: dict, label: str, dp: int, steps: int | None = None) -> None:
-    """Every rank's micro-batch losses and the final parameters equal the one-process run (1e-5)."""
+    """Every rank's micro-batch losses and the final parameters equal the one-process run (1e-5).
+
+    ``LIGHTNING_MOE_PARITY_RTOL`` loosens the tolerance for GPU runs against the CPU reference.
+    """
+    rtol = float(os.environ.get("LIGHTNING_MOE_PARITY_RTOL", "1e-5"))
+    atol = rtol / 10
     ref_losses, ref_state = reference(dp) if steps is None else reference(dp, steps)
     for rank, (dp_rank, losses) in enumerate(result["losses"]):
         want = [row[dp_rank] for row in ref_losses]
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6,
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=rtol, atol=atol,
                                    msg=lambda m: f"{label} rank {rank} losses: {m}")  # fmt: skip
     assert set(result["state"]) == set(ref_state), label
     for name, want in ref_state.items():
-        torch.testing.assert_close(result["state"][name], want, rtol=1e-5, atol=1e-6,
+        torch.testing.assert_close(result["state"][name], want, rtol=rtol, atol=atol,
                                    msg=lambda m, n=name: f"{label} {n}: {m}")  # fmt: skip

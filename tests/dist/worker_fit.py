@@ -1,7 +1,7 @@
 """Worker: Trainer.fit with FoldedMoEStrategy for several layouts in one torchrun job.
 
 ``python worker_fit.py OUT_DIR tp=2,ep=4 tp=1,ep=4 ...`` (or ``fit_one`` from
-``worker_suite.py``): for each layout, 3 optimizer steps with gradient accumulation 2 and
+``worker_suite.py``; ``LIGHTNING_MOE_TEST_ACCELERATOR=gpu`` runs it on GPUs over NCCL): for each layout, 3 optimizer steps with gradient accumulation 2 and
 clipping; rank 0 writes ``OUT_DIR/<layout>.pt`` with every rank's micro-batch losses, the DP
 coordinate of each rank, the final full parameters and the ``train/loss`` value Lightning
 logged last (a mean over the ranks).
@@ -37,12 +37,12 @@ def fit_one(spec: str, out_dir: Path, world: int) -> None:
     model = RecordingLM()
     strategy = FoldedMoEStrategy(**parse(spec), timeout=timedelta(seconds=90))  # type: ignore[arg-type]
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=ACCUM,
+        accelerator=os.environ.get("LIGHTNING_MOE_TEST_ACCELERATOR", "cpu"), devices=world, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=ACCUM,
         gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
     )  # fmt: skip
     trainer.fit(model)
-    state = gather_full_state(model)
+    state = {name: value.cpu() for name, value in gather_full_state(model).items()}
     losses = [None] * world
     dist.all_gather_object(losses, (strategy.folded_mesh.rank("dp"), model.recorded))
     logged = float(trainer.callback_metrics["train/loss"])  # the last micro-batch's, as logged

@@ -68,7 +68,12 @@ def run_part(part: str, out: Path) -> None:
 
 def main(out: Path, parts: list[str]) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=int(os.environ.get("SUITE_PG_TIMEOUT", "120"))))
+    # LIGHTNING_MOE_TEST_ACCELERATOR=gpu: NCCL on one GPU per rank (the fit parts run there too).
+    backend = "nccl" if os.environ.get("LIGHTNING_MOE_TEST_ACCELERATOR") == "gpu" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    timeout = timedelta(seconds=int(os.environ.get("SUITE_PG_TIMEOUT", "120")))
+    dist.init_process_group(backend, timeout=timeout)
     for part in parts:
         start = time.perf_counter()
         run_part(part, out)
