@@ -76,6 +76,10 @@ case "${1:-layer}" in
       --json "$OUT/md.json" > "$OUT/md.log" 2>&1; grep -h '^{"peer\|^== ' "$OUT/md.log" | cut -c1-300
     timeout 60 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --peers torch-grouped_mm-ref --no-breakdown \
       --json "$OUT/q.json" > "$OUT/q.log" 2>&1; grep -h '^{"peer' "$OUT/q.log" | cut -c1-160
+    for gib in 5 7; do  # activation offload under a per-step budget (issue 6: <= +15 % step, >= -40 % peak)
+      timeout 90 python3 benchmarks/callbacks_bench.py --arms offload --offload-max-gib $gib \
+        --out "$OUT/offload_$gib.json" > "$OUT/offload_$gib.log" 2>&1; tail -5 "$OUT/offload_$gib.log"
+    done
     (cd "$OUT" && tar czf results.tgz *.log *.json 2>/dev/null && rm -f *.log *.json)
     ;;
   multi)  # issue 8 on nvidia-h200-x2/-x4/-x8 (one GPU per rank, NVLink multicast off)

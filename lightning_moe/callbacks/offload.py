@@ -120,6 +120,10 @@ class ActivationOffloader:
         prefetch: bring the previous group back while the current one runs backward.
         min_tensor_bytes: smaller saved tensors stay on the device.
         pin_memory: pinned host buffers (default: on CUDA).
+        max_bytes_per_step: offload at most this many bytes per step, in forward order; later
+            tensors stay on the device (``None``: no limit). Device-to-host copies only hide behind
+            the forward if they fit its duration at the link's bandwidth (H200 over PCIe 5:
+            ~50 GB/s), so a budget trades memory saved for step time.
     """
 
     def __init__(
@@ -129,8 +133,10 @@ class ActivationOffloader:
         prefetch: bool = True,
         min_tensor_bytes: int = 1 << 20,
         pin_memory: bool | None = None,
+        max_bytes_per_step: int | None = None,
     ) -> None:
         self.modules = list(modules)
+        self.max_bytes_per_step = max_bytes_per_step
         self.device = resolve_device(device)
         self.prefetch = prefetch
         self.min_tensor_bytes = min_tensor_bytes
@@ -212,11 +218,15 @@ class ActivationOffloader:
         ptr = storage.data_ptr()
         stored = group.by_ptr.get(ptr)
         if stored is None or stored.ref.expired() or stored.dtype != t.dtype:
-            stored = self._copy_out(t, group.keep)
+            stored = self._copy_out(t, group.keep or self._over_budget(storage.nbytes()))
             group.by_ptr[ptr] = stored
             group.stored.append(stored)
         stored.uses += 1
         return _Packed(group, stored, t.size(), t.stride(), t.storage_offset())
+
+    def _over_budget(self, nbytes: int) -> bool:
+        limit = self.max_bytes_per_step
+        return limit is not None and self.offloaded_bytes + nbytes > limit
 
     def _copy_out(self, t: torch.Tensor, keep: bool) -> _Stored:
         numel = t.untyped_storage().nbytes() // t.element_size()
@@ -282,7 +292,7 @@ class ActivationOffloader:
         if not self._cuda:
             if not group.loaded:
                 for stored in group.stored:
-                    if stored.uses > 0:
+                    if stored.uses > 0 and stored.value is None:  # kept ones never left
                         self._bring_back_one(stored, None)
                 group.loaded = True
             return
@@ -323,6 +333,9 @@ class CPUOffload(Callback):
         optimizer_states: keep optimizer state tensors in host memory between steps.
         prefetch: bring a module's activations back one module ahead in backward.
         min_tensor_bytes: saved tensors smaller than this stay on the device.
+        max_offload_gib: offload at most this much activation memory per step, the earliest
+            modules first (``None``: everything selected). Copies hide behind the forward only up
+            to its duration times the host link's bandwidth; past that they add to the step time.
 
     Example::
 
@@ -337,6 +350,7 @@ class CPUOffload(Callback):
         optimizer_states: bool = False,
         prefetch: bool = True,
         min_tensor_bytes: int = 1 << 20,
+        max_offload_gib: float | None = None,
     ) -> None:
         super().__init__()
         if isinstance(activations, str):
@@ -345,6 +359,12 @@ class CPUOffload(Callback):
             )
         if min_tensor_bytes < 0:
             raise ValueError(f"CPUOffload: min_tensor_bytes={min_tensor_bytes} must be >= 0.")
+        if max_offload_gib is not None and not max_offload_gib > 0:
+            raise ValueError(
+                f"CPUOffload: max_offload_gib={max_offload_gib} must be > 0 (or None for no limit); "
+                "use activations=[] to offload no activations."
+            )
+        self.max_offload_gib = max_offload_gib
         self.activations = list(DEFAULT_ACTIVATIONS if activations is None else activations)
         self.optimizer_states = optimizer_states
         self.prefetch = prefetch
@@ -370,7 +390,10 @@ class CPUOffload(Callback):
             return
         self._device = device
         if selected and self.activation_offloader is None:
-            self.activation_offloader = ActivationOffloader(selected, device, self.prefetch, self.min_tensor_bytes)
+            budget = None if self.max_offload_gib is None else int(self.max_offload_gib * 2**30)
+            self.activation_offloader = ActivationOffloader(
+                selected, device, self.prefetch, self.min_tensor_bytes, max_bytes_per_step=budget
+            )
             self.activation_offloader.attach()
         self.wrap_optimizers(optimizers)
 

@@ -71,6 +71,25 @@ def test_activation_offload_gives_identical_training(patterns: list[str]) -> Non
     offloader.detach()
 
 
+def test_offload_budget_keeps_the_rest_on_the_device_and_training_identical() -> None:
+    base = _train(_model())
+    model = _model()
+    unlimited = ActivationOffloader(select_modules("t", model, ["*layers.*.*"], "activations"), CPU, min_tensor_bytes=0)
+    unlimited.attach()
+    _train(model, steps=1)
+    everything = unlimited.offloaded_bytes
+    unlimited.detach()
+    budget = everything // 3
+    model = _model()
+    capped = ActivationOffloader(
+        select_modules("t", model, ["*layers.*.*"], "activations"), CPU, min_tensor_bytes=0, max_bytes_per_step=budget
+    )
+    capped.attach()
+    _assert_same(base, _train(model))
+    assert 0 < capped.offloaded_bytes <= budget < everything
+    capped.detach()
+
+
 def test_activation_offload_composes_with_recompute() -> None:
     """Rebuildable tensors go to the recompute scope, the rest is offloaded; results unchanged."""
     base = _train(_model())
@@ -185,6 +204,7 @@ def test_model_without_moe_layers_raises(tmp_path: Path) -> None:
     [
         (dict(activations="layers.*"), r"activations='layers.\*' must be a list; write activations=\['layers.\*'\]"),
         (dict(min_tensor_bytes=-1), r"min_tensor_bytes=-1 must be >= 0"),
+        (dict(max_offload_gib=0), r"max_offload_gib=0 must be > 0 \(or None for no limit\)"),
     ],
 )
 def test_bad_arguments_raise_at_construction(kwargs: dict[str, Any], match: str) -> None:
