@@ -5,6 +5,7 @@
 #   bash benchmarks/h200.sh final     # qwen3 vs torch/Liger, then mixtral + deepseek vs the peers
 #   bash benchmarks/h200.sh e2e       # end-to-end model race + callbacks / recompute figures
 #   bash benchmarks/h200.sh verify    # graph-capture tests, GPU tests, kernels last, layer figures (results.tgz)
+#   bash benchmarks/h200.sh liger     # Liger alone with a long timeout; carry .tcache/ (from tcache.tgz) afterwards
 #   bash benchmarks/h200.sh multi     # issue 8 on a multi-GPU kind: NCCL parity, EP scaling, overlap, ECHO, DeepEP
 #   bash benchmarks/h200.sh all       # GPU tests, e2e with profile, callbacks, mixtral, Liger (results.tgz)
 # Results land in $OUT (JSON + logs); the last lines printed are the summary tables.
@@ -21,6 +22,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader
 python3 -c "from lightning_moe.ops.build import load_extension; print(load_extension('csrc'))" 2>&1 | tail -2
+# Triton's compiled kernels and autotuning results (Liger's fused MoE autotunes for minutes):
+# kept in .tcache/ (git-ignored) like the kernel build; `liger` mode returns $OUT/tcache.tgz.
+export TRITON_CACHE_DIR="$PWD/.tcache" TRITON_CACHE_AUTOTUNING=1
 trap 'tar czf "$OUT/kcache.tgz" -C "$LIGHTNING_MOE_CACHE" . 2>/dev/null' EXIT
 case "${1:-layer}" in
   tests)
@@ -104,5 +108,11 @@ case "${1:-layer}" in
       timeout 120 torchrun --nproc_per_node="$N" benchmarks/ep_scaling.py --dispatcher deepep --out "$OUT/deepep.json" \
         > "$OUT/deepep.log" 2>&1; grep -E "\"step_ms\"" "$OUT/deepep.json"
     else echo "deep_ep not importable: build it from carried source first"; fi
+    ;;
+  liger)  # Liger's fused MoE alone, long enough for its autotuning; its Triton cache comes back
+    timeout "${LIGER_S:-420}" python3 benchmarks/moe_layer.py --shapes "${SHAPES:-qwen3-30b-a3b}" \
+      --peers liger-triton-fused --no-breakdown --json "$OUT/liger.json" > "$OUT/liger.log" 2>&1
+    grep -h '^{"peer\|^== ' "$OUT/liger.log" | cut -c1-160
+    tar czf "$OUT/tcache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
     ;;
 esac
