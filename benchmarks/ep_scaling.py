@@ -487,8 +487,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--dispatcher",
         default="alltoall",
-        choices=["alltoall", "allgather", "deepep"],
-        help="token exchange; the exposed-exchange share is timed around all_to_all_single only (0 for deepep)",
+        choices=["alltoall", "allgather", "deepep", "hybridep"],
+        help="token exchange; the exposed-exchange share is timed around all_to_all_single only (0 for the flex ones)",
     )
     p.add_argument("--quick", action="store_true", help=f"tiny shapes, CPU smoke test: {QUICK}")
     p.add_argument("--out", type=Path, default=None, help="write rank 0's JSON report here")

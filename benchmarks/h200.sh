@@ -105,8 +105,10 @@ case "${1:-layer}" in
     timeout 150 torchrun --nproc_per_node="$N" benchmarks/ep_scaling.py --skew 4 --echo-spare 2 --out "$OUT/echo.json" \
       > /dev/null 2>&1; grep -E "rank_load_max_over_mean|echo_step_ms\"|\"step_ms\"" "$OUT/echo.json"
     if python3 -c "import deep_ep" 2>/dev/null; then
-      timeout 120 torchrun --nproc_per_node="$N" benchmarks/ep_scaling.py --dispatcher deepep --out "$OUT/deepep.json" \
-        > "$OUT/deepep.log" 2>&1; grep -E "\"step_ms\"" "$OUT/deepep.json"
+      for d in deepep hybridep; do
+        timeout 120 torchrun --nproc_per_node="$N" benchmarks/ep_scaling.py --dispatcher $d --out "$OUT/$d.json" \
+          > "$OUT/$d.log" 2>&1; grep -E "\"step_ms\"" "$OUT/$d.json"
+      done
     else echo "deep_ep not importable: build it from carried source first"; fi
     ;;
   liger)  # Liger's fused MoE alone, long enough for its autotuning; its Triton cache comes back

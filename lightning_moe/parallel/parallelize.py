@@ -28,7 +28,7 @@ The ETP layout of ``w13`` in the DTensor is "blocked": global column block j hol
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from lightning_moe.moe.dispatch_allgather import AllGatherDispatcher
 from lightning_moe.moe.dispatch_alltoall import AllToAllDispatcher
+from lightning_moe.moe.dispatch_flex import FlexDispatcher
 from lightning_moe.moe.experts import GroupedExperts
 from lightning_moe.moe.layer import MoELayer
 from lightning_moe.parallel.grad import expert_grad_scale, install_expert_grad_scaling
@@ -55,8 +56,8 @@ __all__ = [
     "unblock_w13",
 ]
 
-DispatcherKind = Literal["alltoall", "allgather", "deepep"]
-DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather", "deepep")
+DispatcherKind = Literal["alltoall", "allgather", "deepep", "hybridep"]
+DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather", "deepep", "hybridep")
 
 
 def check_dispatcher(dispatcher: str) -> None:
@@ -217,17 +218,17 @@ def parallelize_moe_model(
     check_dispatcher(dispatcher)
     layers = [m for m in module.modules() if isinstance(m, MoELayer)]
     dp_cp_group = mesh.group("dp_cp") if lay.dp * lay.cp > 1 else None
-    deep_ep_buffer = None  # one DeepEP buffer for every layer of the EP group
+    exchanges: dict[int, Any] = {}  # one library buffer per expert count, shared by the layers
     for layer in layers:
         layer.aux_loss_group = dp_cp_group
         if lay.ep > 1 or lay.etp > 1:
             _shard_experts(layer.experts, mesh)
             groups = dict(ep_group=mesh.group("ep"), etp_group=mesh.group("etp"))
-            if dispatcher == "deepep":
-                from lightning_moe.moe.dispatch_deepep import DeepEPDispatcher, make_deep_ep_buffer
-
-                deep_ep_buffer = deep_ep_buffer or make_deep_ep_buffer(mesh.group("ep"))
-                layer.dispatcher = DeepEPDispatcher(layer.config.num_experts, **groups, buffer=deep_ep_buffer)
+            num_experts = layer.config.num_experts
+            if dispatcher in ("deepep", "hybridep"):
+                if num_experts not in exchanges:
+                    exchanges[num_experts] = _flex_exchange(dispatcher, mesh.group("ep"), num_experts)
+                layer.dispatcher = FlexDispatcher(num_experts, **groups, exchange=exchanges[num_experts])
             else:
                 kind = AllToAllDispatcher if dispatcher == "alltoall" else AllGatherDispatcher
                 layer.dispatcher = kind(layer.config.num_experts, **groups)
@@ -259,6 +260,17 @@ def parallelize_moe_model(
         if _has_unmanaged_params(child):
             fully_shard(child, mesh=dense_mesh, reshard_after_forward=reshard_after_forward)
     return module
+
+
+def _flex_exchange(dispatcher: str, ep_group: Any, num_experts: int) -> Any:
+    """The library adapter behind ``dispatcher`` (its optional package is imported here)."""
+    if dispatcher == "deepep":
+        from lightning_moe.moe.exchange_deepep import DeepEPExchange, make_deep_ep_buffer
+
+        return DeepEPExchange(make_deep_ep_buffer(ep_group))
+    from lightning_moe.moe.exchange_hybrid_ep import HybridEPExchange
+
+    return HybridEPExchange(ep_group, num_experts)
 
 
 def _has_unmanaged_params(module: nn.Module) -> bool:

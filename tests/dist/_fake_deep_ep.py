@@ -102,3 +102,58 @@ class FakeDeepEPBuffer:
             weights = topk_weights.new_zeros((handle.num_tokens, *topk_weights.shape[1:]))
             weights.index_add_(0, handle.send_index, back_w)
         return out, weights, None
+
+
+class FakeHybridEPBuffer:
+    """A stand-in for ``deep_ep.HybridEpBuffer`` built on :class:`FakeDeepEPBuffer`'s exchange.
+
+    ``dispatch(hidden=, routing_map=, probs=)`` (``[T, E]``) -> received tokens, their probabilities over
+    the local experts ``[M, e]``, ``None`` (no fp8 scales) and a handle whose fifth entry is the
+    local routing map ``[M, e]``; ``dispatch(hidden=, handle=)`` repeats the exchange;
+    ``combine(hidden=, probs=, handle=)`` -> summed tokens and probabilities dense over ``[T, E]``.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, hidden: int, max_tokens: int) -> None:
+        self.inner = FakeDeepEPBuffer(group)
+        self.num_experts = num_experts
+        self.local = num_experts // group.size()
+        self.rank = group.rank()
+        self.built_for = (hidden, max_tokens)
+
+    def dispatch(
+        self,
+        hidden: torch.Tensor,
+        routing_map: torch.Tensor | None = None,
+        probs: torch.Tensor | None = None,
+        handle: tuple | None = None,
+        **_: Any,
+    ) -> tuple[Any, ...]:
+        assert hidden.shape[0] <= self.built_for[1] and hidden.shape[1] == self.built_for[0]
+        if handle is not None:
+            return self.inner.dispatch(hidden, handle=handle[5])[0], None, None, handle
+        assert routing_map is not None and routing_map.dtype == torch.bool and probs is not None
+        experts = torch.arange(self.num_experts)
+        topk_idx = torch.where(routing_map, experts, -1)  # every expert a column: [T, E]
+        topk_weights = probs
+        per_rank, _, per_expert, in_rank, _ = self.inner.get_dispatch_layout(topk_idx, self.num_experts)
+        x, ids, w, _, layout, _ = self.inner.dispatch(
+            hidden, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights
+        )
+        local_map = torch.stack([(ids == j).any(1) for j in range(self.local)], dim=1)
+        probs = torch.zeros(ids.shape[0], self.local, dtype=w.dtype)
+        for k in range(ids.shape[1]):
+            slot = ids[:, k]
+            rows = torch.nonzero(slot >= 0).flatten()
+            probs[rows, slot[rows]] += w[rows, k]
+        num_tokens = torch.tensor(ids.shape[0])
+        return x, probs, None, (None, None, None, num_tokens, local_map, layout, hidden.shape[0])
+
+    def combine(self, hidden: torch.Tensor, probs: torch.Tensor | None = None, handle: tuple | None = None) -> tuple:
+        assert handle is not None
+        layout = handle[5]
+        out = self.inner.combine(hidden, layout)[0]
+        if probs is None:
+            return out, None
+        dense = probs.new_zeros((probs.shape[0], self.num_experts))
+        dense[:, self.rank * self.local : (self.rank + 1) * self.local] = probs
+        return out, self.inner.combine(dense, layout)[0]

@@ -1,4 +1,4 @@
-"""AllToAll / AllGather / DeepEP (stand-in buffer) dispatchers against LocalDispatcher on 4 gloo ranks (uneven, empty experts).
+"""AllToAll / AllGather / flex (DeepEP and Hybrid-EP stand-ins) dispatchers against LocalDispatcher on 4 gloo ranks (uneven, empty experts).
 
 Every case runs in the session's shared 4-rank job (``conftest.py``); the worker compares outputs
 and gradients itself (fp64) and reports the case done.
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.dist
 
 CASES = [
     "alltoall:1:4:1", "allgather:1:4:1", "alltoall:2:2:2", "allgather:2:2:2", "alltoall:2:4:1",
-    "deepep:1:4:1", "deepep:2:4:1",
+    "deepep:1:4:1", "deepep:2:4:1", "hybridep:1:4:1", "hybridep:2:4:1",
 ]  # fmt: skip
 
 

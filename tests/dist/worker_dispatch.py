@@ -1,4 +1,4 @@
-"""Worker: AllToAll, AllGather and DeepEP (over a gloo stand-in) dispatchers against LocalDispatcher.
+"""Worker: AllToAll, AllGather and flex (DeepEP, Hybrid-EP stand-ins) dispatchers against LocalDispatcher.
 
 Run by ``test_dist_dispatch.py`` through ``worker_suite.py`` under torchrun (gloo). Every rank
 builds the same global inputs from one seed, routes its own tokens, and checks outputs, input
@@ -12,12 +12,14 @@ import sys
 
 import torch
 import torch.distributed as dist
-from _fake_deep_ep import FakeDeepEPBuffer
+from _fake_deep_ep import FakeDeepEPBuffer, FakeHybridEPBuffer
 
 from lightning_moe.moe.dispatch import LocalDispatcher
 from lightning_moe.moe.dispatch_allgather import AllGatherDispatcher
 from lightning_moe.moe.dispatch_alltoall import AllToAllDispatcher
-from lightning_moe.moe.dispatch_deepep import DeepEPDispatcher
+from lightning_moe.moe.dispatch_flex import FlexDispatcher
+from lightning_moe.moe.exchange_deepep import DeepEPExchange
+from lightning_moe.moe.exchange_hybrid_ep import HybridEPExchange
 from lightning_moe.moe.experts import GroupedExperts
 from lightning_moe.parallel.layout import FoldedLayout
 from lightning_moe.parallel.mesh import FoldedMesh
@@ -84,8 +86,12 @@ def main(kind: str, tp: int, ep: int, etp: int) -> None:
                 part.w13.copy_(w13)
                 part.w2.copy_(w2)
             groups = dict(ep_group=mesh.group("ep"), etp_group=mesh.group("etp"))
-            if kind == "deepep":  # the adapter over a gloo stand-in for deep_ep.Buffer
-                disp = DeepEPDispatcher(E, **groups, buffer=FakeDeepEPBuffer(mesh.group("ep")))
+            ep_group = mesh.group("ep")
+            if kind == "deepep":  # the flex dispatcher over gloo stand-ins for the libraries
+                disp = FlexDispatcher(E, **groups, exchange=DeepEPExchange(FakeDeepEPBuffer(ep_group)))
+            elif kind == "hybridep":
+                fake = lambda h, t: FakeHybridEPBuffer(ep_group, E, h, t)  # noqa: E731
+                disp = FlexDispatcher(E, **groups, exchange=HybridEPExchange(ep_group, E, make_buffer=fake))
             else:
                 disp = AllToAllDispatcher(E, **groups) if kind == "alltoall" else AllGatherDispatcher(E, **groups)
             y, gx, gw = run(disp, part, *inputs[data_rank], weighted=weighted)

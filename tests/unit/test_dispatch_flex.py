@@ -1,4 +1,4 @@
-"""DeepEP adapter: bad input on one process (its parity with all-to-all runs in tests/dist)."""
+"""Flex dispatcher (DeepEP, Hybrid-EP): bad input on one process (parity runs in tests/dist)."""
 
 from __future__ import annotations
 
@@ -6,27 +6,35 @@ import importlib.util
 
 import pytest
 
-from lightning_moe.moe.dispatch_deepep import make_deep_ep_buffer
+from lightning_moe.moe.exchange_deepep import make_deep_ep_buffer
+from lightning_moe.moe.exchange_hybrid_ep import HybridEPExchange
 from lightning_moe.parallel.parallelize import check_dispatcher
 from lightning_moe.strategies.fabric import FabricFoldedMoEStrategy
 from lightning_moe.strategies.folded_moe import FoldedMoEStrategy
+
+
+class _Group:
+    def size(self) -> int:
+        return 2
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deep_ep") is not None, reason="deep_ep is installed here")
 def test_missing_deep_ep_names_the_package_and_the_alternative() -> None:
     with pytest.raises(ImportError, match=r"deep_ep is not importable.*dispatcher='alltoall'"):
         make_deep_ep_buffer(None)  # type: ignore[arg-type]
+    with pytest.raises(ImportError, match=r"HybridEpBuffer is not importable.*dispatcher='alltoall'"):
+        HybridEPExchange(_Group(), 8)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("strategy", [FoldedMoEStrategy, FabricFoldedMoEStrategy])
 def test_unknown_dispatcher_is_refused_at_construction(strategy: type) -> None:
-    with pytest.raises(ValueError, match=r"dispatcher='a2a' is unknown; choose one of \('alltoall', 'allgather', 'deepep'\)"):
+    with pytest.raises(ValueError, match=r"dispatcher='a2a' is unknown; choose one of \('alltoall', 'allgather', 'deepep', 'hybridep'\)"):
         strategy(dispatcher="a2a")
     assert strategy(dispatcher="deepep").dispatcher == "deepep"
 
 
-def test_check_dispatcher_accepts_the_three_kinds() -> None:
-    for kind in ("alltoall", "allgather", "deepep"):
+def test_check_dispatcher_accepts_the_four_kinds() -> None:
+    for kind in ("alltoall", "allgather", "deepep", "hybridep"):
         check_dispatcher(kind)
     with pytest.raises(ValueError, match="dispatcher='deep_ep' is unknown"):
         check_dispatcher("deep_ep")

@@ -1,0 +1,157 @@
+"""Flex dispatcher: token exchange by a fused communication library (DeepEP, Hybrid-EP).
+
+Legend: T tokens, H hidden, K slots per token, E experts in total, P ranks of the EP group,
+e = E/P local experts, M tokens this rank receives (each once, whatever the number of its slots
+that land here), J routing columns of a received token, R rows this rank's experts process.
+
+The libraries send each token once per destination *rank* (not once per slot) with their own
+NVLink/RDMA kernels, and hand back the received tokens with their routing made local. A
+:class:`TokenExchange` adapts one library to four calls; the dispatcher around it is the same:
+
+``dispatch``: 1. exchange (the library): ``x_MH``, local expert ids ``ids_MJ`` (``-1``: not on
+this rank) and their weights ``w_MJ``; autograd's backward is the library's combine of the
+gradient (and of the weights' gradient). 2. permute (local): the received slots sorted by local
+expert, ``-1`` slots dropped (``x_RH``).
+
+``combine``: gather-sum of the rows back to the received tokens over their slots (weighted unless
+the experts applied the weight), then the library's combine sums every rank's partial outputs into
+the source tokens (backward: a dispatch of the gradient with the cached layout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch.distributed import ProcessGroup
+
+from lightning_moe.moe.dispatch import DispatchedTokens, row_weights
+from lightning_moe.moe.dispatch_ep import ExpertParallelDispatcher
+from lightning_moe.ops.permute import Permutation, build_permutation, permute_rows, unpermute_sum
+
+__all__ = ["FlexDispatcher", "FlexHandle", "TokenExchange"]
+
+
+class TokenExchange(Protocol):
+    """One communication library's dispatch and combine, without autograd."""
+
+    name: str
+    needs_bf16: bool
+
+    def dispatch(
+        self, x_TH: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor, num_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+        """-> ``x_MH``, local ids ``ids_MJ`` (``-1`` elsewhere), weights ``w_MJ``, layout."""
+        ...
+
+    def combine(self, y_MH: torch.Tensor, layout: Any) -> torch.Tensor:
+        """Sum each received token's rows back into its source token: ``y_TH``."""
+        ...
+
+    def dispatch_again(self, grad_TH: torch.Tensor, layout: Any) -> torch.Tensor:
+        """The backward of ``combine``: ``grad_MH`` over the cached layout."""
+        ...
+
+    def combine_grads(
+        self, grad_x_MH: torch.Tensor, grad_w_MJ: torch.Tensor, layout: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The backward of ``dispatch``: ``grad_x_TH`` and ``grad_w_TK``."""
+        ...
+
+
+@dataclass(frozen=True)
+class FlexHandle:
+    perm: Permutation  # local sort of the received slots by local expert
+    weights_MJ: torch.Tensor  # routing weights of the received tokens' slots
+    layout: Any  # the library's handle
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x_TH: torch.Tensor,
+        ids_TK: torch.Tensor,
+        w_TK: torch.Tensor,
+        exchange: TokenExchange,
+        num_experts: int,
+        box: dict,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x_MH, ids_MJ, w_MJ, layout = exchange.dispatch(x_TH, ids_TK, w_TK, num_experts)
+        box["layout"] = layout
+        ctx.exchange, ctx.layout = exchange, layout
+        ctx.mark_non_differentiable(ids_MJ)
+        return x_MH, ids_MJ, w_MJ
+
+    @staticmethod
+    def backward(ctx: Any, grad_x_MH: torch.Tensor, _grad_ids: Any, grad_w_MJ: torch.Tensor):  # type: ignore[override]
+        grad_x_TH, grad_w_TK = ctx.exchange.combine_grads(grad_x_MH.contiguous(), grad_w_MJ.contiguous(), ctx.layout)
+        return grad_x_TH, None, grad_w_TK, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y_MH: torch.Tensor, exchange: TokenExchange, layout: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.exchange, ctx.layout = exchange, layout
+        return exchange.combine(y_MH.contiguous(), layout)
+
+    @staticmethod
+    def backward(ctx: Any, grad_TH: torch.Tensor):  # type: ignore[override]
+        return ctx.exchange.dispatch_again(grad_TH.contiguous(), ctx.layout), None, None
+
+
+class FlexDispatcher(ExpertParallelDispatcher):
+    """Experts sharded over ``ep_group``; tokens travel through ``exchange``.
+
+    Args:
+        num_experts: routed experts E in total (divisible by the EP group size).
+        ep_group: the expert-parallel group.
+        etp_group: must be ``None`` or of size 1 (the libraries exchange whole rows).
+        exchange: the library adapter (``moe.exchange_deepep``, ``moe.exchange_hybrid_ep``).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        *,
+        ep_group: ProcessGroup,
+        exchange: TokenExchange,
+        etp_group: ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(num_experts, ep_group=ep_group, etp_group=etp_group)
+        if self.etp_group is not None:
+            raise ValueError(
+                f"FlexDispatcher({exchange.name}): etp={self.etp_group.size()} is not supported (the library "
+                "exchanges whole rows); use etp=1 or dispatcher='alltoall'."
+            )
+        self.exchange = exchange
+
+    def dispatch(
+        self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, capacity: int | None
+    ) -> tuple[DispatchedTokens, FlexHandle]:
+        self._reject_padding(capacity)
+        if self.exchange.needs_bf16 and x_TH.dtype != torch.bfloat16:
+            raise ValueError(
+                f"FlexDispatcher({self.exchange.name}): activations are {x_TH.dtype}; the library moves bfloat16 "
+                "rows. Train in bf16 (precision='bf16-true' or 'bf16-mixed') or use dispatcher='alltoall'."
+            )
+        box: dict = {}
+        x_MH, ids_MJ, w_MJ = _Dispatch.apply(
+            x_TH, topk_ids_TK.long().contiguous(), topk_weights_TK.contiguous(), self.exchange, self.num_experts, box
+        )
+        perm = build_permutation(ids_MJ, self.num_local_experts, None)
+        x_RH = permute_rows(x_MH, perm)
+        w_R = row_weights(w_MJ, perm)
+        return DispatchedTokens(x_RH, perm.tokens_per_expert_E, w_R), FlexHandle(perm, w_MJ, box["layout"])
+
+    def combine(self, y_RH: torch.Tensor, handle: FlexHandle, weighted: bool) -> torch.Tensor:
+        weights_MJ = handle.weights_MJ if weighted else None
+        y_MH = unpermute_sum(y_RH, handle.perm, weights_MJ)
+        return _Combine.apply(y_MH, self.exchange, handle.layout)
+
+    def __repr__(self) -> str:
+        return (
+            f"FlexDispatcher(exchange={self.exchange.name}, num_experts={self.num_experts}, ep={self.ep_size}, "
+            f"local_experts={self.num_local_experts})"
+        )
