@@ -232,7 +232,9 @@ def parallelize_moe_model(
             else:
                 kind = AllToAllDispatcher if dispatcher == "alltoall" else AllGatherDispatcher
                 layer.dispatcher = kind(layer.config.num_experts, **groups)
-    if not fsdp:
+    if not fsdp or lay.world_size == 1:
+        # One rank: FSDP2 would shard nothing and only copy (every parameter all-gathered into a
+        # second buffer, every gradient packed for a reduce-scatter of one), so the model stays plain.
         return module
     scale = expert_grad_scale(lay)
     for layer in layers:

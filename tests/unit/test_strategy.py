@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
@@ -174,3 +176,24 @@ def test_fabric_twin_refuses_what_the_trainer_strategy_refuses(kwargs: dict) -> 
 
     with pytest.raises(ValueError, match="FabricFoldedMoEStrategy: (cp|pp)=2 is not supported"):
         FabricFoldedMoEStrategy(**kwargs)
+
+
+def test_one_rank_keeps_the_model_plain_and_trains_like_the_default_strategy(tmp_path: Path) -> None:
+    """World size 1: no FSDP wrapping (it would only copy), same parameters as strategy='auto'."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from _callback_models import tiny_config, tiny_trainer, token_loader
+
+    states = {}
+    for name, strategy in (("auto", "auto"), ("folded", FoldedMoEStrategy())):
+        torch.manual_seed(0)
+        module = MoELanguageModel(tiny_config(), learning_rate=1e-2, warmup_steps=1)
+        # the same batches in the same order (a distributed strategy would swap in its own sampler)
+        trainer = tiny_trainer(tmp_path / name, [], max_steps=3, strategy=strategy, use_distributed_sampler=False)
+        trainer.fit(module, token_loader())
+        assert not any(isinstance(m, FSDPModule) for m in module.modules())
+        assert not any(isinstance(p, DTensor) for p in module.parameters())
+        states[name] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    for key, value in states["auto"].items():
+        torch.testing.assert_close(states["folded"][key], value, rtol=1e-6, atol=1e-7, msg=key)
