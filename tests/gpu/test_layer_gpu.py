@@ -77,5 +77,8 @@ def test_shared_expert_overlap_gives_the_same_numbers(gate: bool) -> None:
         y.backward(go)
         results.append((y.detach(), xi.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}))
     (y0, gx0, g0), (y1, gx1, g1) = results
-    assert torch.equal(y0, y1) and torch.equal(gx0, gx1)
-    assert all(torch.equal(g0[n], g1[n]) for n in g0)
+    assert torch.equal(y0, y1)
+    assert all(torch.equal(g0[n], g1[n]) for n in g0)  # one contribution each: bitwise
+    # x's gradient sums three branches (router, experts, shared expert) in the order autograd
+    # meets them, which the second stream may change: equal up to bf16 rounding of that sum.
+    torch.testing.assert_close(gx1, gx0, rtol=1e-2, atol=1e-2)
