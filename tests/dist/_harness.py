@@ -45,8 +45,22 @@ class Launch:
         return f"{self.script} on {self.world_size} ranks {how}:\n{self.output[-tail:]}"
 
 
+_PORT_TAKEN = ("EADDRINUSE", "Address already in use")
+
+
 def launch_torchrun(script: str, world_size: int, args: list[str], timeout: float, cwd: Path | None = None) -> Launch:
-    """Run ``tests/dist/<script>`` on ``world_size`` CPU ranks; never raises for the job's outcome."""
+    """Run ``tests/dist/<script>`` on ``world_size`` CPU ranks; never raises for the job's outcome.
+
+    ``free_port`` releases its port before torchrun binds it; a job that lost that race (and only
+    that) runs once more on a new port.
+    """
+    job = _launch_once(script, world_size, args, timeout, cwd)
+    if job.returncode not in (0, None) and any(marker in job.output for marker in _PORT_TAKEN):
+        job = _launch_once(script, world_size, args, timeout, cwd)
+    return job
+
+
+def _launch_once(script: str, world_size: int, args: list[str], timeout: float, cwd: Path | None) -> Launch:
     cmd = [
         sys.executable,
         "-m",
