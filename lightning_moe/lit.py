@@ -27,6 +27,11 @@ __all__ = ["MoELanguageModel"]
 _OPTIMIZER_IMPLS = ("auto", "fused", "foreach")
 
 
+def check_optimizer_impl(impl: str, owner: str) -> None:
+    if impl not in _OPTIMIZER_IMPLS:
+        raise ValueError(f"{owner}: optimizer_impl={impl!r} is unknown; choose one of {_OPTIMIZER_IMPLS}.")
+
+
 def _adamw_kernels(impl: str, params: list[torch.Tensor]) -> dict[str, bool]:
     """AdamW keyword for ``impl``; ``auto`` fuses when every parameter lives on CUDA."""
     if impl == "auto":
@@ -59,10 +64,7 @@ class MoELanguageModel(L.LightningModule):
         optimizer_impl: str = "auto",
     ) -> None:
         super().__init__()
-        if optimizer_impl not in _OPTIMIZER_IMPLS:
-            raise ValueError(
-                f"MoELanguageModel: optimizer_impl={optimizer_impl!r} is unknown; choose one of {_OPTIMIZER_IMPLS}."
-            )
+        check_optimizer_impl(optimizer_impl, "MoELanguageModel")
         self.save_hyperparameters()
         self.config = model
         self.model = MoETransformer(model)

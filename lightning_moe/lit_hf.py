@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_moe.lit import _OPTIMIZER_IMPLS, MoELanguageModel
+from lightning_moe.lit import MoELanguageModel, check_optimizer_impl
 
 __all__ = ["HFMoELanguageModel", "build_hf_model", "hf_config_from"]
 
@@ -116,10 +116,7 @@ class HFMoELanguageModel(MoELanguageModel):
         optimizer_impl: str = "auto",
     ) -> None:
         hparams = {k: v for k, v in locals().items() if k != "self"}
-        if optimizer_impl not in _OPTIMIZER_IMPLS:
-            raise ValueError(
-                f"HFMoELanguageModel: optimizer_impl={optimizer_impl!r} is unknown; choose one of {_OPTIMIZER_IMPLS}."
-            )
+        check_optimizer_impl(optimizer_impl, "HFMoELanguageModel")
         # Skip MoELanguageModel.__init__ (it builds an MoETransformer); keep its state fields. Without
         # a zero-argument super() Lightning cannot find the init arguments, so they are passed.
         L.LightningModule.__init__(self)

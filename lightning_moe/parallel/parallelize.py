@@ -60,10 +60,12 @@ DispatcherKind = Literal["alltoall", "allgather", "deepep", "hybridep"]
 DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather", "deepep", "hybridep")
 
 
-def check_dispatcher(dispatcher: str) -> None:
+def check_dispatcher(dispatcher: str, owner: str = "parallelize_moe_model") -> None:
     """An unknown token-exchange name is an error naming the choices (never a silent default)."""
     if dispatcher not in DISPATCHERS:
-        raise ValueError(f"dispatcher={dispatcher!r} is unknown; choose one of {DISPATCHERS}.")
+        raise ValueError(f"{owner}: dispatcher={dispatcher!r} is unknown; choose one of {DISPATCHERS}.")
+
+
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 

@@ -29,8 +29,8 @@ from lightning_moe.parallel.grad import clip_grad_norm_, clip_grad_value_
 from lightning_moe.parallel.layout import FoldedLayout
 from lightning_moe.parallel.mesh import FoldedMesh
 from lightning_moe.parallel.parallelize import (
-    DISPATCHERS,
     DispatcherKind,
+    check_dispatcher,
     check_model_for_layout,
     parallelize_moe_model,
 )
@@ -50,8 +50,11 @@ def _check_namespace(obj: Any, owner: str) -> None:
             )
 
 
-def _check_args(owner: str, tp: int, cp: int, ep: int, etp: int, pp: int, dp: Degree, edp: Degree, order: str) -> None:
+def _check_args(
+    owner: str, tp: int, cp: int, ep: int, etp: int, pp: int, dp: Degree, edp: Degree, order: str, dispatcher: str
+) -> None:
     """Checks that need no world size (constructor time)."""
+    check_dispatcher(dispatcher, owner)
     if pp != 1 and isinstance(pp, int) and pp > 1:
         raise ValueError(f"{owner}: pp={pp} is not supported; pipeline parallel comes later; set pp=1.")
     if cp != 1 and isinstance(cp, int) and cp > 1:
@@ -115,11 +118,7 @@ class FabricFoldedMoEStrategy(FabricModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        _check_args(type(self).__name__, tp, cp, ep, etp, pp, dp, edp, order)
-        if dispatcher not in DISPATCHERS:
-            raise ValueError(
-                f"{type(self).__name__}: dispatcher={dispatcher!r} is unknown; choose one of {DISPATCHERS}."
-            )
+        _check_args(type(self).__name__, tp, cp, ep, etp, pp, dp, edp, order, dispatcher)
         super().__init__(
             self._parallelize,
             data_parallel_size=dp,

@@ -53,7 +53,6 @@ from torch.optim import Optimizer
 from lightning_moe.parallel.grad import clip_grad_norm_, clip_grad_value_, set_gradient_sync
 from lightning_moe.parallel.mesh import FoldedMesh
 from lightning_moe.parallel.parallelize import (
-    DISPATCHERS,
     DispatcherKind,
     check_model_for_layout,
     init_experts_by_id,
@@ -101,11 +100,7 @@ class FoldedMoEStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        _check_args(type(self).__name__, tp, cp, ep, etp, pp, dp, edp, order)
-        if dispatcher not in DISPATCHERS:
-            raise ValueError(
-                f"{type(self).__name__}: dispatcher={dispatcher!r} is unknown; choose one of {DISPATCHERS}."
-            )
+        _check_args(type(self).__name__, tp, cp, ep, etp, pp, dp, edp, order, dispatcher)
         super().__init__(
             data_parallel_size=dp,
             tensor_parallel_size=tp,
