@@ -158,40 +158,18 @@ class _FakeGraph:
         self.replay = fn
 
 
-def test_replay_keeps_static_gradient_buffers_out_of_accumulated_grads() -> None:
-    """The replay's backward returns one static buffer every time; accumulation must stay right."""
-    p = torch.nn.Parameter(torch.ones(4))
-    x_static, y_static, go_static, gp_static = torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(4)
-    graphs = _Graphs(
-        params=[p],
-        static_inputs=(x_static,),
-        static_outputs=[y_static],
-        output_spec=tree_flatten([y_static])[1],
-        differentiable=[True],
-        static_grad_outputs=[go_static],
-        static_grads=[gp_static],
-        forward_graph=_FakeGraph(lambda: y_static.copy_(x_static * p.detach())),  # type: ignore[arg-type]
-        backward_graph=_FakeGraph(lambda: gp_static.copy_(go_static * x_static)),  # type: ignore[arg-type]
-    )
-    for scale in (1.0, 3.0):
-        (y,) = _GraphReplay.apply(graphs, torch.full((4,), 2.0), p)
-        torch.testing.assert_close(y, torch.full((4,), 2.0))
-        (y.sum() * scale).backward()
-    # d/dp of sum(x * p) * scale is x * scale: 2 + 6. Without the copy, the second replay would
-    # overwrite p.grad (the static buffer) with 6 and autograd would add it to itself: 12.
-    assert torch.equal(p.grad, torch.full((4,), 8.0))
-    assert p.grad.untyped_storage().data_ptr() != gp_static.untyped_storage().data_ptr()
+def _scale_by_parameter(forward_temporaries_reuse_grad: bool) -> tuple[_Graphs, torch.nn.Parameter, torch.Tensor]:
+    """Graphs of ``y = x * p`` (four elements) whose replays are Python functions.
 
-
-def test_forward_replay_reusing_the_gradient_addresses_leaves_accumulated_grads_intact() -> None:
-    """A forward graph captured before the backward one may use the static gradient's addresses
-    for its temporaries: the ``.grad`` autograd kept from the last backward must be copied out
-    before the next forward replay, not only before the next backward replay."""
+    ``forward_temporaries_reuse_grad``: the forward "graph" first scribbles over the static
+    gradient buffer, as a forward captured before the backward may place temporaries there.
+    """
     p = torch.nn.Parameter(torch.ones(4))
     x_static, y_static, go_static, gp_static = torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(4)
 
     def forward() -> None:
-        gp_static.fill_(-100.0)  # a temporary of the forward graph at the gradient's address
+        if forward_temporaries_reuse_grad:
+            gp_static.fill_(-100.0)
         y_static.copy_(x_static * p.detach())
 
     graphs = _Graphs(
@@ -206,6 +184,28 @@ def test_forward_replay_reusing_the_gradient_addresses_leaves_accumulated_grads_
         backward_graph=_FakeGraph(lambda: gp_static.copy_(go_static * x_static)),  # type: ignore[arg-type]
     )
     graphs.group = _Group([graphs])
+    return graphs, p, gp_static
+
+
+def test_replay_keeps_static_gradient_buffers_out_of_accumulated_grads() -> None:
+    """The replay's backward returns one static buffer every time; accumulation must stay right."""
+    graphs, p, gp_static = _scale_by_parameter(forward_temporaries_reuse_grad=False)
+    graphs.group = None  # the backward's own check alone
+    for scale in (1.0, 3.0):
+        (y,) = _GraphReplay.apply(graphs, torch.full((4,), 2.0), p)
+        torch.testing.assert_close(y, torch.full((4,), 2.0))
+        (y.sum() * scale).backward()
+    # d/dp of sum(x * p) * scale is x * scale: 2 + 6. Without the copy, the second replay would
+    # overwrite p.grad (the static buffer) with 6 and autograd would add it to itself: 12.
+    assert torch.equal(p.grad, torch.full((4,), 8.0))
+    assert p.grad.untyped_storage().data_ptr() != gp_static.untyped_storage().data_ptr()
+
+
+def test_forward_replay_reusing_the_gradient_addresses_leaves_accumulated_grads_intact() -> None:
+    """A forward graph captured before the backward one may use the static gradient's addresses
+    for its temporaries: the ``.grad`` autograd kept from the last backward must be copied out
+    before the next forward replay, not only before the next backward replay."""
+    graphs, p, _ = _scale_by_parameter(forward_temporaries_reuse_grad=True)
     for scale in (1.0, 3.0):  # two micro-batches, no zero_grad in between
         (y,) = _GraphReplay.apply(graphs, torch.full((4,), 2.0), p)
         (y.sum() * scale).backward()
