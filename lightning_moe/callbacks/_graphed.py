@@ -175,7 +175,7 @@ def capture_modules(
         )
     for i in reversed(range(len(modules))):
         graphs = captured[i]
-        outputs = [o for o in graphs.static_outputs if o.requires_grad]
+        outputs = _differentiable(graphs.static_outputs)
         if not outputs:
             continue
         grad_outputs = [g for g in graphs.static_grad_outputs if g is not None]

@@ -315,8 +315,8 @@ class CUDAGraphCapture(Callback):
             with torch.no_grad():
                 for buffer, value in saved:
                     buffer.copy_(value)  # in place: the graphs hold these addresses
-        for (target, fn, _), graphed_fn in zip(kept, graphed):
-            self._install(target, fn, graphed_fn)
+        for (target, _, _), graphed_fn in zip(kept, graphed):
+            self._install(target, graphed_fn)
 
     def detach(self) -> None:
         """Stop recording and restore the eager forwards."""
@@ -420,7 +420,7 @@ class CUDAGraphCapture(Callback):
                 out.append(torch.zeros(shape, dtype=dtype, device=device))
         return tuple(out)
 
-    def _install(self, target: _Target, fn: nn.Module, graphed_forward: Callable[..., Any]) -> None:
+    def _install(self, target: _Target, graphed_forward: Callable[..., Any]) -> None:
         eager = target.original_forward
         assert eager is not None
         if isinstance(target.module, TopKRouter):

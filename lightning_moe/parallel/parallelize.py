@@ -233,7 +233,7 @@ def parallelize_moe_model(
                 layer.dispatcher = FlexDispatcher(num_experts, **groups, exchange=exchanges[num_experts])
             else:
                 kind = AllToAllDispatcher if dispatcher == "alltoall" else AllGatherDispatcher
-                layer.dispatcher = kind(layer.config.num_experts, **groups)
+                layer.dispatcher = kind(num_experts, **groups)
     if not fsdp or lay.world_size == 1:
         # One rank: FSDP2 would shard nothing and only copy (every parameter all-gathered into a
         # second buffer, every gradient packed for a reduce-scatter of one), so the model stays plain.
