@@ -49,14 +49,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset
+from profiling import device_kernels  # noqa: E402  (benchmarks/profiling.py)
 
 __all__ = ["CONTENDERS", "PEAK_FLOPS", "Shape", "active_params", "flops_per_token", "main", "run"]
 
@@ -159,14 +160,7 @@ class StepProfiler(Callback):
         """Every device event of the profiled steps by name: total ms and count, longest first."""
         if self.prof is None:
             raise RuntimeError(f"profiler never started (expected it at step {self.start})")
-        totals: dict[str, list[float]] = {}
-        for e in self.prof.events():
-            if e.device_type == DeviceType.CUDA:
-                t = totals.setdefault(e.name, [0.0, 0])
-                t[0] += e.time_range.elapsed_us() / 1e3
-                t[1] += 1
-        ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
-        return [{"name": name, "total_ms": ms, "count": int(n)} for name, (ms, n) in ranked]
+        return device_kernels(self.prof)
 
 
 def profile_report(kernels: list[dict[str, Any]], steps: int, step_ms_median: float) -> dict[str, Any]:

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import peers  # noqa: E402  (the peer implementations, benchmarks/peers.py)
+from profiling import device_kernels  # noqa: E402  (benchmarks/profiling.py)
 
 from lightning_moe import MoEConfig, MoELayer  # noqa: E402
 from lightning_moe.ops.grouped_gemm import offsets_from_counts  # noqa: E402
@@ -120,12 +121,7 @@ def breakdown(T: int, H: int, Fh: int, E: int, k: int, dev: str, skew: float) ->
             for _ in range(3):
                 layer(x).backward(go)
             torch.cuda.synchronize()
-        rows = []
-        for evt in prof.key_averages():
-            t = getattr(evt, "device_time_total", 0) or getattr(evt, "cuda_time_total", 0)
-            if t > 0:
-                rows.append((t / 3 / 1e3, evt.count // 3, evt.key[:70]))
-        rows.sort(reverse=True)
+        rows = [(k["total_ms"] / 3, k["count"] // 3, k["name"][:70]) for k in device_kernels(prof)]
         out["kernels_ms"] = [[round(ms, 3), n, name] for ms, n, name in rows[:22]]
         out["total_kernel_ms"] = round(sum(r[0] for r in rows), 3)
         out["host_syncs"] = _host_syncs(lambda: layer(x).backward(go))
