@@ -177,6 +177,26 @@ class EchoDispatcher:
             counts[peer] += 1
         return counts
 
+    def _exchange_pairs(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        rows: list[int],
+        sent: list[tuple[int, int, int]],
+        received: list[tuple[int, int, int]],
+    ) -> tuple[torch.Tensor, int]:
+        """All-to-all over EP of ``a[r]`` and ``b[r]`` for each ``r`` of ``rows`` (in ``sent``'s order),
+        packed as one row each in ``a``'s dtype; the received rows (in ``received``'s order) and
+        the column where ``b``'s part starts."""
+        n_a = a[0].numel()
+        send_RW = a.new_zeros(len(rows), n_a + b[0].numel())
+        for i, r in enumerate(rows):
+            send_RW[i, :n_a] = a[r].reshape(-1)
+            send_RW[i, n_a:] = b[r].reshape(-1).to(a.dtype)
+        recv_RW = a.new_empty(len(received), send_RW.shape[1])
+        dist.all_to_all_single(recv_RW, send_RW, self._splits(received), self._splits(sent), group=self.ep_group)
+        return recv_RW, n_a
+
     @torch.no_grad()
     def refresh_clones(self) -> None:
         """Copy every cloned expert's current weights from its home rank (A2A over EP)."""
@@ -184,14 +204,7 @@ class EchoDispatcher:
             return
         sends, recvs = self._routes()
         w13, w2 = _local(self.experts.w13), _local(self.experts.w2)
-        n13 = w13[0].numel()
-        width = n13 + w2[0].numel()
-        send_RW = w13.new_zeros(len(sends), width)
-        for i, (_, _, local) in enumerate(sends):
-            send_RW[i, :n13] = w13[local].reshape(-1)
-            send_RW[i, n13:] = w2[local].reshape(-1).to(w13.dtype)
-        recv_RW = w13.new_empty(len(recvs), width)
-        dist.all_to_all_single(recv_RW, send_RW, self._splits(recvs), self._splits(sends), group=self.ep_group)
+        recv_RW, n13 = self._exchange_pairs(w13, w2, [local for _, _, local in sends], sends, recvs)
         self.clone_w13.zero_()
         self.clone_w2.zero_()
         for i, (_, slot, _) in enumerate(recvs):
@@ -213,15 +226,8 @@ class EchoDispatcher:
         sends, recvs = self._routes()  # gradients travel the reverse way: recvs send, sends receive
         g13 = self.clone_w13.grad if self.clone_w13.grad is not None else torch.zeros_like(self.clone_w13)
         g2 = self.clone_w2.grad if self.clone_w2.grad is not None else torch.zeros_like(self.clone_w2)
-        n13 = g13[0].numel()
-        width = n13 + g2[0].numel()
-        send_RW = g13.new_zeros(len(recvs), width)
-        for i, (_, slot, _) in enumerate(recvs):
-            send_RW[i, :n13] = g13[slot].reshape(-1)
-            send_RW[i, n13:] = g2[slot].reshape(-1).to(g13.dtype)
-        recv_RW = g13.new_empty(len(sends), width)
-        dist.all_to_all_single(recv_RW, send_RW, self._splits(sends), self._splits(recvs), group=self.ep_group)
-        for name, part in (("w13", slice(0, n13)), ("w2", slice(n13, width))):
+        recv_RW, n13 = self._exchange_pairs(g13, g2, [slot for _, slot, _ in recvs], recvs, sends)
+        for name, part in (("w13", slice(0, n13)), ("w2", slice(n13, recv_RW.shape[1]))):
             param = getattr(self.experts, name)
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
