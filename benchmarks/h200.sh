@@ -4,7 +4,7 @@
 #   bash benchmarks/h200.sh layer     # GPU kernel/layer tests + the MoE-layer race vs peers
 #   bash benchmarks/h200.sh final     # qwen3 vs torch/Liger, then mixtral + deepseek vs the peers
 #   bash benchmarks/h200.sh e2e       # end-to-end model race + callbacks / recompute figures
-#   bash benchmarks/h200.sh verify    # graph-capture tests, GPU tests, kernels last, layer figures (results.tgz)
+#   bash benchmarks/h200.sh verify    # graph-capture tests, GPU tests, kernels last, offload budgets, e2e (results.tgz)
 #   bash benchmarks/h200.sh liger     # Liger alone with a long timeout; carry .tcache/ (from tcache.tgz) afterwards
 #   bash benchmarks/h200.sh multi     # issue 8 on a multi-GPU kind: NCCL parity, EP scaling, overlap, ECHO, DeepEP
 #   bash benchmarks/h200.sh all       # GPU tests, e2e with profile, callbacks, mixtral, Liger (results.tgz)
@@ -69,22 +69,20 @@ case "${1:-layer}" in
       --json "$OUT/liger.json" > "$OUT/liger.log" 2>&1; grep -h '^{"peer' "$OUT/liger.log" | cut -c1-160
     (cd "$OUT" && tar czf results.tgz *.log *.json 2>/dev/null && rm -f *.log *.json)
     ;;
-  verify)  # after a fix round: graph-capture tests alone, the other GPU tests, kernels last; layer figures
+  verify)  # after a fix round: graph-capture tests alone, other GPU tests, kernels last; offload budgets; e2e
+    pack() { (cd "$OUT" && tar czf results.tgz *.log *.json 2>/dev/null); }
     timeout 60 python3 -m pytest tests/gpu/test_callbacks_gpu.py -k "captured_module or failed_capture" -v --tb=long \
       -p no:cacheprovider > "$OUT/graph_tests.log" 2>&1; grep -E "PASSED|FAILED|^E " "$OUT/graph_tests.log" | head -30
     timeout 90 python3 -m pytest tests/gpu/test_callbacks_gpu.py tests/gpu/test_layer_gpu.py -v -p no:cacheprovider -rf \
       > "$OUT/gpu_tests.log" 2>&1; grep -E "FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" | tail -8; tail -1 "$OUT/gpu_tests.log"
     timeout 60 python3 -m pytest tests/gpu/test_kernels.py -v -p no:cacheprovider -rf > "$OUT/gpu_kernels.log" 2>&1
-    grep -E "FAILED|ERROR|Fatal" "$OUT/gpu_kernels.log" | tail -8; tail -1 "$OUT/gpu_kernels.log"
-    timeout 150 python3 benchmarks/moe_layer.py --shapes mixtral-8x7b,deepseek-v3 --peers torch-grouped_mm-ref \
-      --json "$OUT/md.json" > "$OUT/md.log" 2>&1; grep -h '^{"peer\|^== ' "$OUT/md.log" | cut -c1-300
-    timeout 60 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --peers torch-grouped_mm-ref --no-breakdown \
-      --json "$OUT/q.json" > "$OUT/q.log" 2>&1; grep -h '^{"peer' "$OUT/q.log" | cut -c1-160
-    for gib in 5 7; do  # activation offload under a per-step budget (issue 6: <= +15 % step, >= -40 % peak)
+    grep -E "FAILED|ERROR|Fatal" "$OUT/gpu_kernels.log" | tail -8; tail -1 "$OUT/gpu_kernels.log"; pack
+    for gib in ${OFFLOAD_GIB:-5 7}; do  # activation offload under a per-step budget (issue 6: <= +15 % step, >= -40 % peak)
       timeout 90 python3 benchmarks/callbacks_bench.py --arms offload --offload-max-gib $gib \
-        --out "$OUT/offload_$gib.json" > "$OUT/offload_$gib.log" 2>&1; tail -5 "$OUT/offload_$gib.log"
+        --out "$OUT/offload_$gib.json" > "$OUT/offload_$gib.log" 2>&1; tail -5 "$OUT/offload_$gib.log"; pack
     done
-    (cd "$OUT" && tar czf results.tgz *.log *.json 2>/dev/null && rm -f *.log *.json)
+    timeout 150 python3 benchmarks/e2e.py --out "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1; grep -E "^\[|^ratio" "$OUT/e2e.log"
+    pack; (cd "$OUT" && rm -f *.log *.json)
     ;;
   multi)  # issue 8 on nvidia-h200-x2/-x4/-x8 (one GPU per rank, NVLink multicast off)
     N=$(nvidia-smi -L | wc -l)
