@@ -17,7 +17,7 @@ Arms (baseline: no feature, same shapes):
 * ``recompute`` — ``TransformerConfig(recompute=["moe_act", "norm"])`` at micro-batch
   ``--batch`` x ``--seq`` (8 x 4096 = 32768 tokens: the activations, not the fixed gradient
   transients of the expert weights, dominate the peak). Aim: activation peak -30 %, step time +10 % at most.
-* ``offload`` — ``CPUOffload()`` (activations of every block child, prefetch one ahead).
+* ``offload`` — ``CPUOffload()`` (activations of every block child, the 4 modules ahead prefetched in backward).
   Aim: activation peak -40 %, step time +15 % at most, losses equal (see below).
 * ``optimizer`` — ``CPUOffload(activations=[], optimizer_states=True)``. Aim: device memory
   after the step lower by >= 2x the parameter bytes (AdamW's two states), losses equal.

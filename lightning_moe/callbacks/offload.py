@@ -12,8 +12,12 @@ fnmatch patterns on qualified names). Stages per step:
    The module's group of tensors is one unit. The last group of the previous step stays on the
    device: backward needs it first.
 2. backward, first time a group's tensor is needed: the group comes back (H2D) — already in
-   flight if it was prefetched — and the group before it in forward order is prefetched on a
-   second side stream: one module ahead.
+   flight if it was prefetched — and the ``prefetch`` offloaded groups before it in forward order
+   are brought back on a second side stream. A copy issued there starts once the compute queued
+   before the current group's backward is done (its destination may be a block that compute
+   freed), so it hides behind the backward of the groups in between: one group ahead is not
+   enough when a small module (a norm) precedes a large one (attention). The default, 4, is one
+   block of the default selection.
 
 Copies are exact, so losses and gradients are bitwise those without offload. Saved tensors that
 an enclosing hook pair wants (the block's recompute scope, a checkpoint) go to it first.
@@ -49,6 +53,15 @@ from lightning_moe.callbacks._patterns import select_modules
 __all__ = ["ActivationOffloader", "CPUOffload", "OptimizerStateOffloader"]
 
 DEFAULT_ACTIVATIONS = ("*layers.*.*",)  # every direct child of every block: norms, attention, FFN
+
+
+def check_prefetch(owner: str, prefetch: int) -> int:
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(
+            f"{owner}: prefetch={prefetch!r} must be an int >= 0: how many offloaded modules come back ahead "
+            "of the one running backward (0 turns prefetching off)."
+        )
+    return prefetch
 
 
 def _in_backward() -> bool:
@@ -117,7 +130,8 @@ class ActivationOffloader:
         modules: ``(name, module)`` pairs; each forward call of one is a group.
         device: the accelerator the activations live on (``cpu`` exercises the logic, copying
             host to host, for tests).
-        prefetch: bring the previous group back while the current one runs backward.
+        prefetch: how many offloaded groups, in backward order, are brought back ahead of the one
+            running backward (0: each group comes back when backward first needs it).
         min_tensor_bytes: smaller saved tensors stay on the device.
         pin_memory: pinned host buffers (default: on CUDA).
         max_bytes_per_step: offload at most this many bytes per step, in forward order; later
@@ -130,7 +144,7 @@ class ActivationOffloader:
         self,
         modules: Sequence[tuple[str, nn.Module]],
         device: torch.device,
-        prefetch: bool = True,
+        prefetch: int = 4,
         min_tensor_bytes: int = 1 << 20,
         pin_memory: bool | None = None,
         max_bytes_per_step: int | None = None,
@@ -138,7 +152,7 @@ class ActivationOffloader:
         self.modules = list(modules)
         self.max_bytes_per_step = max_bytes_per_step
         self.device = resolve_device(device)
-        self.prefetch = prefetch
+        self.prefetch = check_prefetch("ActivationOffloader", prefetch)
         self.min_tensor_bytes = min_tensor_bytes
         self._cuda = self.device.type == "cuda"
         self._host = PinnedAllocator("CPUOffload", self._cuda if pin_memory is None else pin_memory)
@@ -260,9 +274,9 @@ class ActivationOffloader:
         if not group.in_use:
             group.in_use = True
             self._bring_back(group, prefetch=False)
-            previous = self._previous(group)
-            if self.prefetch and previous is not None and not previous.loaded:
-                self._bring_back(previous, prefetch=True)
+            for earlier in self._earlier_offloaded(group, self.prefetch):
+                if not earlier.loaded:
+                    self._bring_back(earlier, prefetch=True)
         if stored.value is None:  # a second backward over a retained graph
             self._bring_back_one(stored, torch.cuda.current_stream(self.device) if self._cuda else None)
         out = stored.value.as_strided(packed.size, packed.stride, packed.offset)  # type: ignore[union-attr]
@@ -271,12 +285,16 @@ class ActivationOffloader:
             stored.value = None  # autograd owns it now; freed when its consumer is done
         return out
 
-    def _previous(self, group: _Group) -> _Group | None:
+    def _earlier_offloaded(self, group: _Group, count: int) -> list[_Group]:
+        """Up to ``count`` groups before ``group`` in forward order that have tensors on the host."""
+        found: list[_Group] = []
         for i in range(group.index - 1, -1, -1):
+            if len(found) >= count:
+                break
             earlier = group.siblings[i]()
-            if earlier is not None:
-                return earlier
-        return None
+            if earlier is not None and any(s.host is not None for s in earlier.stored):
+                found.append(earlier)
+        return found
 
     def _bring_back_one(self, stored: _Stored, stream: Any) -> None:
         assert stored.host is not None
@@ -331,7 +349,8 @@ class CPUOffload(Callback):
             ``["*layers.*.*"]``: every child (norms, attention, FFN) of every block. ``[]`` offloads
             no activations. A pattern that matches nothing raises, listing the names there are.
         optimizer_states: keep optimizer state tensors in host memory between steps.
-        prefetch: bring a module's activations back one module ahead in backward.
+        prefetch: how many offloaded modules, in backward order, come back ahead of the one running
+            backward (0: each when first needed). 4 is one block of the default selection.
         min_tensor_bytes: saved tensors smaller than this stay on the device.
         max_offload_gib: offload at most this much activation memory per step, the earliest
             modules first (``None``: everything selected). Copies hide behind the forward only up
@@ -348,7 +367,7 @@ class CPUOffload(Callback):
         self,
         activations: list[str] | None = None,
         optimizer_states: bool = False,
-        prefetch: bool = True,
+        prefetch: int = 4,
         min_tensor_bytes: int = 1 << 20,
         max_offload_gib: float | None = None,
     ) -> None:
@@ -367,7 +386,7 @@ class CPUOffload(Callback):
         self.max_offload_gib = max_offload_gib
         self.activations = list(DEFAULT_ACTIVATIONS if activations is None else activations)
         self.optimizer_states = optimizer_states
-        self.prefetch = prefetch
+        self.prefetch = check_prefetch("CPUOffload", prefetch)
         self.min_tensor_bytes = min_tensor_bytes
         self.activation_offloader: ActivationOffloader | None = None
         self.optimizer_offloaders: list[OptimizerStateOffloader] = []

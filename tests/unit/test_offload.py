@@ -106,14 +106,22 @@ def test_activation_offload_composes_with_recompute() -> None:
         offloader.detach()
 
 
-def test_prefetch_brings_back_the_previous_group(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = _model()
-    offloader = ActivationOffloader(select_modules("t", model, ["layers.*"], "activations"), CPU, min_tensor_bytes=0)
+def _fetch_order(
+    monkeypatch: pytest.MonkeyPatch, patterns: list[str], prefetch: int, with_needs: bool = False, **kw: Any
+) -> list:
+    """(group name, prefetched?) in the order groups are brought back during the second step's backward;
+    ``("needs", name)`` marks where backward first needs a group (fetched then unless already loaded)."""
+    model = _model(**kw)
+    offloader = ActivationOffloader(
+        select_modules("t", model, patterns, "activations"), CPU, prefetch=prefetch, min_tensor_bytes=0
+    )
     offloader.attach()
     order: list[tuple[str, bool]] = []
     original = ActivationOffloader._bring_back
 
     def spy(self: ActivationOffloader, group: Any, prefetch: bool) -> None:
+        if not prefetch and with_needs:
+            order.append(("needs", group.name))
         if not group.loaded:
             order.append((group.name, prefetch))
         original(self, group, prefetch)
@@ -123,7 +131,35 @@ def test_prefetch_brings_back_the_previous_group(monkeypatch: pytest.MonkeyPatch
     for _ in range(2):  # the second step keeps the last group on the device
         order.clear()
         model(ids).sum().backward()
+    return order
+
+
+def test_prefetch_brings_back_the_previous_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    order = _fetch_order(monkeypatch, ["layers.*"], prefetch=1)
     assert order == [("layers.0", True)]  # layers.1 stayed; layers.0 was prefetched during its backward
+
+
+def test_prefetch_depth_brings_back_that_many_groups_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    patterns = ["*layers.*.*"]  # every block child: the groups alternate small (norms) and large modules
+    names = [n for n, _ in select_modules("t", _model(num_layers=3), patterns, "activations")]
+    *offloaded, kept = names  # the last group of a step stays on the device
+    events = _fetch_order(monkeypatch, patterns, prefetch=3, with_needs=True, num_layers=3)
+    # when backward first needs the kept group, the 3 groups before it are already on their way back
+    assert events[:4] == [("needs", kept)] + [(n, True) for n in offloaded[-1:-4:-1]]
+    # afterwards each group's arrival prefetches the one 3 further back; none is fetched on demand
+    fetched = [e for e in events if e[0] != "needs"]
+    assert fetched == [(n, True) for n in reversed(offloaded)]
+    assert events.index((offloaded[-4], True)) == events.index(("needs", offloaded[-1])) + 1
+    on_demand = _fetch_order(monkeypatch, patterns, prefetch=0, num_layers=3)
+    assert on_demand == [(n, False) for n in reversed(offloaded)]
+
+
+@pytest.mark.parametrize("prefetch", [-1, True, 1.5])
+def test_bad_prefetch_is_refused_naming_the_value(prefetch: Any) -> None:
+    with pytest.raises(ValueError, match=f"prefetch={prefetch!r}"):
+        CPUOffload(prefetch=prefetch)
+    with pytest.raises(ValueError, match=f"prefetch={prefetch!r}"):
+        ActivationOffloader([], CPU, prefetch=prefetch)
 
 
 def test_pinned_allocation_failure_falls_back_with_one_warning() -> None:
