@@ -2,7 +2,7 @@
 # The H200 runs, batched (device time is scarce). On the device machine, in the repo root:
 #   bash benchmarks/h200.sh tests     # kernels built + every GPU test (-v, so a crash names its test)
 #   bash benchmarks/h200.sh layer     # GPU kernel/layer tests + the MoE-layer race vs peers
-#   bash benchmarks/h200.sh final     # qwen3 vs torch/Liger, then mixtral + deepseek vs the peers
+#   bash benchmarks/h200.sh final     # layer/callbacks GPU tests, the three shapes vs the peers (+ fused wgrad), offload
 #   bash benchmarks/h200.sh e2e       # end-to-end model race + callbacks / recompute figures
 #   bash benchmarks/h200.sh verify    # graph-capture tests, GPU tests, kernels last, offload budgets, e2e (results.tgz)
 #   bash benchmarks/h200.sh liger     # Liger alone with a long timeout; carry .tcache/ (from tcache.tgz) afterwards
@@ -39,12 +39,21 @@ case "${1:-layer}" in
       --no-breakdown --json "$OUT/moe_layer_skew.json" > "$OUT/moe_layer_skew.log" 2>&1
     grep -A60 "^device" "$OUT/moe_layer.log" | grep -v "^ \{20\}"; grep -A8 "^device" "$OUT/moe_layer_skew.log"
     ;;
-  final)
-    timeout 150 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --peers torch-grouped_mm-ref,liger-triton-fused \
-      --json "$OUT/q.json" > "$OUT/q.log" 2>&1
-    timeout 130 python3 benchmarks/moe_layer.py --shapes mixtral-8x7b,deepseek-v3 \
-      --peers torch-grouped_mm-ref,hf-grouped_mm,liger-triton-fused --json "$OUT/md.json" > "$OUT/md.log" 2>&1
-    grep -h '^{"peer\|^device\|^== ' "$OUT/q.log" "$OUT/md.log" | cut -c1-160
+  final)  # GPU layer/callbacks tests; mixtral + deepseek (also with fused wgrad accumulation) and qwen3 vs the peers; offload
+    pack() { (cd "$OUT" && tar czf results.tgz *.log *.json 2>/dev/null); }
+    timeout 120 python3 -m pytest tests/gpu/test_layer_gpu.py tests/gpu/test_callbacks_gpu.py -v -p no:cacheprovider -rf \
+      > "$OUT/gpu_tests.log" 2>&1; grep -E "FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" | tail -8; tail -1 "$OUT/gpu_tests.log"
+    timeout 200 python3 benchmarks/moe_layer.py --shapes mixtral-8x7b,deepseek-v3 --fuse-wgrad \
+      --peers torch-grouped_mm-ref,hf-grouped_mm,mcore-sequential --json "$OUT/md.json" > "$OUT/md.log" 2>&1
+    grep -h '^{"peer\|^== \|peer ms /\|GEMMs alone fwd+bwd' "$OUT/md.log" | cut -c1-200; pack
+    timeout 60 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --peers torch-grouped_mm-ref,hf-grouped_mm \
+      --json "$OUT/q.json" > "$OUT/q.log" 2>&1; grep -h '^{"peer\|GEMMs alone fwd+bwd' "$OUT/q.log" | cut -c1-200; pack
+    for gib in ${OFFLOAD_GIB:-none 7}; do  # activation offload: everything, and under a per-step budget
+      arg=""; [ "$gib" = none ] || arg="--offload-max-gib $gib"
+      timeout 90 python3 benchmarks/callbacks_bench.py --arms offload $arg \
+        --out "$OUT/offload_$gib.json" > "$OUT/offload_$gib.log" 2>&1; tail -5 "$OUT/offload_$gib.log"; pack
+    done
+    (cd "$OUT" && rm -f *.log *.json)
     ;;
   e2e)
     timeout 150 python3 -m pytest tests/gpu/test_callbacks_gpu.py -q -p no:cacheprovider -rf > "$OUT/gpu_cb_tests.log" 2>&1

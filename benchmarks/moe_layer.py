@@ -36,7 +36,7 @@ SHAPES = peers.SHAPES
 QUICK = {"tiny": (256, 64, 32, 8, 2)}
 
 
-def ours(H: int, Fh: int, E: int, k: int, dev: str, skew: float) -> MoELayer:
+def ours(H: int, Fh: int, E: int, k: int, dev: str, skew: float, fuse_wgrad: bool = False) -> MoELayer:
     cfg = MoEConfig(
         hidden_size=H,
         ffn_hidden_size=Fh,
@@ -46,6 +46,7 @@ def ours(H: int, Fh: int, E: int, k: int, dev: str, skew: float) -> MoELayer:
         pre_softmax=True,
         norm_topk_prob=True,
         aux_loss="none",
+        fuse_wgrad_accumulation=fuse_wgrad,
     )
     layer = MoELayer(cfg).to(device=dev, dtype=torch.bfloat16)
     _skew_router(layer.router.weight, skew)
@@ -226,6 +227,8 @@ def main() -> None:
     ap.add_argument("--skew", default="0", help="comma list of router skews (0 = balanced)")
     ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--json", default="")
+    ap.add_argument("--fuse-wgrad", action="store_true",
+                    help="also run lightning-moe with MoEConfig(fuse_wgrad_accumulation=True) (row lightning-moe-fused-wgrad)")
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = QUICK if a.quick else SHAPES
@@ -249,6 +252,10 @@ def main() -> None:
             r = bench("lightning-moe", lambda: ours(H, Fh, E, k, dev, skew), T, H, dev, flops, skew)
             r["shape"] = tag
             results.append(r)
+            if a.fuse_wgrad:
+                r = bench(FUSED, lambda: ours(H, Fh, E, k, dev, skew, fuse_wgrad=True), T, H, dev, flops, skew)
+                r["shape"] = tag
+                results.append(r)
             for pname, (make, call) in peer_makers(H, Fh, E, k, dev).items():
                 if (only and pname not in only) or (pname in ("mcore-sequential", "liger-triton-fused") and dev != "cuda"):
                     continue
@@ -294,6 +301,9 @@ def _with_skew(make, skew):  # noqa: ANN001, ANN202
     return built
 
 
+FUSED = "lightning-moe-fused-wgrad"
+
+
 def print_table(out: dict) -> None:
     print(f"\ndevice {out['device']}  torch {out['torch']}  dense bf16 {out['dense_bf16_tflops']} TFLOP/s")
     print(f"{'shape':24s} {'peer':22s} {'ms':>8s} {'TFLOP/s':>8s} {'act GiB':>8s} {'ours/peer':>9s}")
@@ -324,6 +334,12 @@ def print_table(out: dict) -> None:
             else:
                 ratio = r["ms"] / mine["ms"] if mine.get("ms") else float("nan")
                 print(f"{shape:24s} {name:22s} {r['ms']:8.2f} {r['tflops']:8.1f} {r['act_peak_gib']:8.2f} {ratio:9.2f}")
+        fused = rows.get(FUSED, {})
+        if fused.get("ms"):
+            ratios = ", ".join(
+                f"{n} {r['ms'] / fused['ms']:.2f}x" for n, r in rows.items() if r.get("ms") and n != FUSED
+            )
+            print(f"{shape:24s} peer ms / {FUSED} ms: {ratios}")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,12 @@ class MoEConfig:
         memory_efficient_permute: apply the routing weight inside the expert activation, so the
             combine is a plain sum and nothing extra is saved for the weight's gradient.
         experts_backend: grouped GEMM backend; ``auto`` picks the fastest importable one.
+        fuse_wgrad_accumulation: when an expert weight already holds a gradient (gradient
+            accumulation over micro-batches), add the new one into ``.grad`` inside the
+            weight-gradient GEMMs instead of through a separate addition (wide experts only:
+            DeepSeek-V3, Mixtral). Single-process and FSDP2 training; not under
+            ``DistributedDataParallel`` or FSDP1, whose hooks on the gradient accumulator would not
+            run (``ops/wgrad_accumulation.py``).
         check_finite: raise, naming the layer, when router logits are not finite.
         init_std: standard deviation of the normal initialisation of all weights.
     """
@@ -92,6 +98,7 @@ class MoEConfig:
     shared_expert_overlap: bool = False
     memory_efficient_permute: bool = True
     experts_backend: ExpertsBackend = "auto"
+    fuse_wgrad_accumulation: bool = False
     check_finite: bool = False
     init_std: float = 0.02
 

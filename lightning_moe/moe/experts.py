@@ -53,6 +53,8 @@ class GroupedExperts(nn.Module):
         # rebuild them there (True: lean; activation recompute sets it for its call), or None:
         # rebuild each one whose rebuild is cheap for this shape (ops.local_experts.rebuild_is_cheap).
         self.lean_backward: bool | None = None
+        # Add weight gradients into an existing .grad inside the wgrad GEMMs (ops/wgrad_accumulation.py).
+        self.fuse_wgrad_accumulation = False
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -97,7 +99,10 @@ class GroupedExperts(nn.Module):
         offs_e = offsets_from_counts(perm.tokens_per_expert_E)
         backend = self.gemm_backend(x_TH.device, dtype)
         with torch.autocast(device_type=device_type, enabled=False):
-            return local_experts(x_TH.to(dtype), w13, w2, weights_R, perm, offs_e, backend, self.lean_backward)
+            return local_experts(
+                x_TH.to(dtype), w13, w2, weights_R, perm, offs_e, backend, self.lean_backward,
+                self.fuse_wgrad_accumulation,
+            )
 
     def extra_repr(self) -> str:
         return (

@@ -94,6 +94,7 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(
             config.num_experts, config.hidden_size, config.ffn_hidden_size, config.experts_backend, config.init_std
         )
+        self.experts.fuse_wgrad_accumulation = config.fuse_wgrad_accumulation
         self.shared_expert = (
             SharedExpert(config.hidden_size, config.shared_expert_ffn_size, config.shared_expert_gate, config.init_std)
             if config.shared_expert_ffn_size is not None

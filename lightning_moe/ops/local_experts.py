@@ -20,6 +20,9 @@ weight gradients are the biggest transient buffers of the step:
         grad_w2 (with a) -> grad_h, grad_w_R = swiglu_bwd(h, w_R, grad_a)
     _PermuteUp (x_TH, w13 -> h)            backward: grad_w13 (with x_RH);
         grad_x_RH = gmm(grad_h, w13^T) -> grad_x_TH = gather-sum over the K slots
+
+With ``fuse_wgrad`` (and a shape where it pays), a weight that already has a ``.grad`` gets its
+gradient added there by the weight-gradient GEMMs themselves (``ops/wgrad_accumulation.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from lightning_moe.ops.grouped_gemm import GemmBackend, gmm, gmm_wgrad
 from lightning_moe.ops.permute import Permutation, _permute_rows_impl, _unpermute_sum_impl
 from lightning_moe.ops.swiglu import weighted_swiglu_backward, weighted_swiglu_forward
+from lightning_moe.ops.wgrad_accumulation import HostOffsets, accumulate_wgrad_, accumulation_target, fusion_pays
 
 __all__ = ["local_experts"]
 
@@ -43,10 +47,12 @@ class _PermuteUp(torch.autograd.Function):
         offs_E: torch.Tensor,
         backend: GemmBackend,
         keep_gathered: bool,
+        host_offs: HostOffsets | None,
     ) -> torch.Tensor:
         x_RH = _permute_rows_impl(x_TH, perm.src_token_R)
         h_R2F = gmm(x_RH, w13, offs_E, backend)
         ctx.perm, ctx.backend, ctx.keep_gathered = perm, backend, keep_gathered
+        ctx.host_offs, ctx.weight = host_offs, (w13 if host_offs is not None else None)
         ctx.save_for_backward(x_RH if keep_gathered else x_TH, w13, offs_E)
         return h_R2F
 
@@ -59,13 +65,13 @@ class _PermuteUp(torch.autograd.Function):
         grad_w13 = None
         if ctx.needs_input_grad[1]:
             x_RH = x_saved if ctx.keep_gathered else _permute_rows_impl(x_saved, perm.src_token_R)
-            grad_w13 = gmm_wgrad(x_RH, grad_h_R2F, offs_E, backend)
+            grad_w13 = _weight_grad(ctx, x_RH, grad_h_R2F, offs_E)
             del x_RH
         grad_x_TH = None
         if ctx.needs_input_grad[0]:
             grad_x_RH = gmm(grad_h_R2F, w13.transpose(1, 2), offs_E, backend)
             grad_x_TH = _unpermute_sum_impl(grad_x_RH, perm.slot_row_TK, None)
-        return grad_x_TH, grad_w13, None, None, None, None
+        return grad_x_TH, grad_w13, None, None, None, None, None
 
 
 class _DownCombine(torch.autograd.Function):
@@ -79,11 +85,13 @@ class _DownCombine(torch.autograd.Function):
         offs_E: torch.Tensor,
         backend: GemmBackend,
         keep_activation: bool,
+        host_offs: HostOffsets | None,
     ) -> torch.Tensor:
         a_RF = weighted_swiglu_forward(h_R2F, w_R)
         y_RH = gmm(a_RF, w2, offs_E, backend)
         y_TH = _unpermute_sum_impl(y_RH, perm.slot_row_TK, None)
         ctx.perm, ctx.backend = perm, backend
+        ctx.host_offs, ctx.weight = host_offs, (w2 if host_offs is not None else None)
         ctx.save_for_backward(h_R2F, w2, w_R, offs_E, a_RF if keep_activation else None)
         return y_TH
 
@@ -98,13 +106,22 @@ class _DownCombine(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             if a_RF is None:
                 a_RF = weighted_swiglu_forward(h_R2F, w_R)
-            grad_w2 = gmm_wgrad(a_RF, grad_y_RH, offs_E, backend)
+            grad_w2 = _weight_grad(ctx, a_RF, grad_y_RH, offs_E)
             del a_RF
         del grad_y_RH
         grad_h_R2F, grad_w_R = weighted_swiglu_backward(h_R2F, w_R, grad_a_RF, ctx.needs_input_grad[2])
         if grad_w_R is not None:
             grad_w_R = grad_w_R.to(w_R.dtype)
-        return grad_h_R2F, grad_w2, grad_w_R, None, None, None, None
+        return grad_h_R2F, grad_w2, grad_w_R, None, None, None, None, None
+
+
+def _weight_grad(ctx, x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor | None:  # noqa: ANN001
+    """The expert weight gradient to return, or ``None`` once it was added into ``.grad`` in place."""
+    target = accumulation_target(ctx.weight) if ctx.host_offs is not None else None
+    if target is None:
+        return gmm_wgrad(x_RD, dy_RO, offs_E, ctx.backend)
+    accumulate_wgrad_(target, x_RD, dy_RO, ctx.host_offs.bounds())
+    return None
 
 
 # The automatic keep-or-rebuild choice assumes a machine balance of about 200 bf16 tensor FLOPs
@@ -137,6 +154,7 @@ def local_experts(
     offs_E: torch.Tensor,
     backend: GemmBackend = "torch",
     lean: bool | None = False,
+    fuse_wgrad: bool = False,
 ) -> torch.Tensor:
     """``y_TH`` of all experts on this rank, routing weights applied inside the SwiGLU.
 
@@ -144,10 +162,26 @@ def local_experts(
     backward; ``lean=True`` keeps neither (one more gather and one more SwiGLU in backward, R*(H+F)
     fewer values held) — what activation recompute asks for; ``None`` rebuilds each one whose
     rebuild is cheap for the shape (:func:`rebuild_is_cheap`).
+
+    ``fuse_wgrad=True``: when ``w13``/``w2`` are leaves that already hold a ``.grad`` at backward
+    time and the shape is wide enough for it to pay (``ops.wgrad_accumulation.fusion_pays``), their
+    gradients are added into ``.grad`` by the weight-gradient GEMMs (see that module for when it is
+    safe); otherwise, and by default, they are returned to autograd.
     """
     if lean is None:
         rebuild_x, rebuild_a = rebuild_is_cheap(x_TH.shape[-1], w2.shape[-2])
     else:
         rebuild_x = rebuild_a = lean
-    h_R2F = _PermuteUp.apply(x_TH, w13, perm, offs_E, backend, not rebuild_x)
-    return _DownCombine.apply(h_R2F, w2, w_R, perm, offs_E, backend, not rebuild_a)
+    host_offs = None
+    if fuse_wgrad and _may_fuse(w13, w2):
+        host_offs = HostOffsets(offs_E)
+    h_R2F = _PermuteUp.apply(x_TH, w13, perm, offs_E, backend, not rebuild_x, host_offs)
+    return _DownCombine.apply(h_R2F, w2, w_R, perm, offs_E, backend, not rebuild_a, host_offs)
+
+
+def _may_fuse(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    if not (w13.is_leaf and w2.is_leaf and torch.is_grad_enabled() and (w13.requires_grad or w2.requires_grad)):
+        return False
+    if w13.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    return fusion_pays(w2.shape[-1], w2.shape[-2], w2.element_size())

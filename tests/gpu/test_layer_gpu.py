@@ -82,3 +82,28 @@ def test_shared_expert_overlap_gives_the_same_numbers(gate: bool) -> None:
     # x's gradient sums three branches (router, experts, shared expert) in the order autograd
     # meets them, which the second stream may change: equal up to bf16 rounding of that sum.
     torch.testing.assert_close(gx1, gx0, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_fused_wgrad_accumulation_matches_autograd_accumulation(dtype, tol, monkeypatch) -> None:  # noqa: ANN001
+    """Three accumulated backward passes: .grad += by the per-expert GEMMs equals autograd's addition."""
+    import lightning_moe.ops.local_experts as local_ops
+
+    monkeypatch.setattr(local_ops, "fusion_pays", lambda h, f, size: True)  # the test shape is narrow
+    taken: list[int] = []
+    original = local_ops.accumulate_wgrad_
+    monkeypatch.setattr(local_ops, "accumulate_wgrad_", lambda g, *a: (taken.append(1), original(g, *a))[1])
+    torch.manual_seed(0)
+    cfg = dict(hidden_size=256, ffn_hidden_size=128, num_experts=32, top_k=4, pre_softmax=True)
+    grads = []
+    for fuse in (False, True):
+        torch.manual_seed(1)
+        layer = MoELayer(MoEConfig(**cfg, fuse_wgrad_accumulation=fuse)).cuda().to(dtype)
+        g = torch.Generator(device="cuda").manual_seed(2)
+        for _ in range(3):
+            x = torch.randn(500, 256, device="cuda", dtype=dtype, generator=g)
+            layer(x).float().pow(2).sum().backward()
+        grads.append({n: p.grad.detach().clone() for n, p in layer.named_parameters()})
+    assert len(taken) == 4  # w2 and w13 of the second and third passes
+    for name in grads[0]:
+        assert _rel(grads[1][name], grads[0][name]) <= tol, name

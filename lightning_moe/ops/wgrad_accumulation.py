@@ -1,0 +1,98 @@
+"""Expert weight gradients added straight into an existing ``.grad`` (gradient-accumulation fusion).
+
+Legend: R rows grouped by expert, D input width, O output width, E experts.
+
+When a weight already has a gradient (gradient accumulation over micro-batches, or a loop that
+never zeroes), autograd computes the new gradient into a fresh ``[E, D, O]`` buffer and then adds
+it: write ``E*D*O`` values, read them and the old gradient, write the sum. For wide experts that
+is tens of GB of memory traffic per step (DeepSeek-V3: 22.5 GB of expert gradients). Here the
+weight-gradient GEMM of each expert runs with ``beta = 1`` into ``w.grad[e]`` itself
+(``addmm_``): the old gradient is read once and written once, inside the GEMM's epilogue.
+
+The backward then hands autograd no gradient for that weight, so this is only done when that is
+exactly what the engine would have done (:func:`accumulation_target`): ``w`` is a leaf whose
+``.grad`` is a plain tensor of its shape and dtype, the engine is running ``backward()`` (not
+``autograd.grad``, not ``create_graph``) and would accumulate into ``w``, no hook is registered on
+the tensor, and no CUDA graph is being captured. Hooks that others register on the gradient
+accumulator node itself (``DistributedDataParallel``'s reducer, FSDP1) cannot be seen from
+Python: that is why the feature is opt-in (``MoEConfig(fuse_wgrad_accumulation=True)``); FSDP2
+and one-process training read ``.grad`` after backward and work with it.
+
+The per-expert GEMMs need each expert's row range on the host: the offsets are copied to pinned
+memory without blocking during the forward (:class:`HostOffsets`), so the backward reads them
+without draining the device queue.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+__all__ = ["HostOffsets", "accumulate_wgrad_", "accumulation_target", "fusion_pays"]
+
+# Below this many bytes of one expert's weights (w13 + w2), one GEMM launch per expert costs more
+# host time than the device time it saves: the grouped GEMM and autograd's addition stay.
+_MIN_EXPERT_WEIGHT_BYTES = 32 << 20
+
+
+def fusion_pays(hidden_size: int, ffn_hidden_size: int, element_size: int) -> bool:
+    """Whether per-expert accumulating GEMMs beat one grouped GEMM plus an addition for this shape.
+
+    DeepSeek-V3 (88 MB per expert in bf16) and Mixtral (352 MB) do; Qwen3-30B-A3B (9.4 MB,
+    128 small GEMMs per projection) does not.
+    """
+    return 3 * hidden_size * ffn_hidden_size * element_size >= _MIN_EXPERT_WEIGHT_BYTES
+
+
+class HostOffsets:
+    """``offs_E`` (inclusive row counts, on the device) copied to the host behind the device queue."""
+
+    def __init__(self, offs_E: torch.Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        if offs_E.is_cuda:
+            self._host = torch.empty(offs_E.shape, dtype=offs_E.dtype, pin_memory=True)
+            self._host.copy_(offs_E, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = offs_E.clone()
+
+    def bounds(self) -> list[int]:
+        """``[0, end of expert 0, end of expert 1, ...]``; waits only for the forward's copy."""
+        if self._event is not None:
+            self._event.synchronize()
+        return [0] + self._host.tolist()
+
+
+def accumulation_target(w: torch.Tensor) -> torch.Tensor | None:
+    """``w.grad`` when the engine would add ``w``'s gradient into it in place and nothing else
+    would see the gradient on the way; else ``None`` (the caller returns the gradient instead)."""
+    if not (w.is_leaf and w.requires_grad) or torch.is_grad_enabled():  # grad mode: create_graph
+        return None
+    grad = w.grad
+    if (
+        type(grad) is not torch.Tensor
+        or grad.shape != w.shape
+        or grad.dtype != w.dtype
+        or grad.device != w.device
+        or grad.requires_grad
+        or not grad.is_contiguous()
+    ):
+        return None
+    if w._backward_hooks or getattr(w, "_post_accumulate_grad_hooks", None):
+        return None
+    if w.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    try:
+        will_accumulate = torch._C._will_engine_execute_node(get_gradient_edge(w).node)
+    except RuntimeError:  # autograd.grad() asked for this leaf: it is captured, not accumulated
+        return None
+    return grad if will_accumulate else None
+
+
+def accumulate_wgrad_(grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, bounds: list[int]) -> None:
+    """``grad_EDO[e] += x_e^T @ dy_e`` for every expert with rows, one GEMM with ``beta = 1`` each."""
+    for e in range(grad_EDO.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            grad_EDO[e].addmm_(x_RD[lo:hi].t(), dy_RO[lo:hi])

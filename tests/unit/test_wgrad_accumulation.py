@@ -1,0 +1,154 @@
+"""Gradient-accumulation fusion of the expert weight gradients (ops/wgrad_accumulation.py), on CPU.
+
+Every case compares against the same layer with the fusion off: equal gradients after several
+accumulated backward passes, and the in-place path taken exactly when the engine would have added
+into ``.grad`` itself (never for ``autograd.grad``, hooks, ``create_graph`` or partial ``inputs``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import lightning_moe.ops.local_experts as local_ops
+import lightning_moe.ops.wgrad_accumulation as wacc
+from lightning_moe import MoEConfig, MoELayer
+from lightning_moe.ops.wgrad_accumulation import HostOffsets, fusion_pays
+
+
+def _layer(fuse: bool, backend: str = "torch", num_experts: int = 8, **kw: Any) -> MoELayer:
+    torch.manual_seed(0)
+    cfg = MoEConfig(
+        hidden_size=16, ffn_hidden_size=8, num_experts=num_experts, top_k=2, pre_softmax=True,
+        aux_loss="none", experts_backend=backend, fuse_wgrad_accumulation=fuse, **kw,
+    )  # fmt: skip
+    return MoELayer(cfg)
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make the tiny test shapes count as wide, and count the in-place accumulations."""
+    monkeypatch.setattr(local_ops, "fusion_pays", lambda h, f, size: True)
+    calls: list[int] = []
+    original = wacc.accumulate_wgrad_
+
+    def spy(grad: torch.Tensor, *args: Any) -> None:
+        calls.append(grad.shape[0])
+        original(grad, *args)
+
+    monkeypatch.setattr(local_ops, "accumulate_wgrad_", spy)
+    return calls
+
+
+def _steps(layer: MoELayer, steps: int, tokens: int = 24, **backward: Any) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        x = torch.randn(tokens, 16, generator=g)
+        layer(x).pow(2).sum().backward(**backward)
+    return {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+
+
+def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["torch", "loop"])
+def test_accumulated_gradients_equal_the_unfused_layer(backend: str, fused_calls: list[int]) -> None:
+    reference = _steps(_layer(False, backend), steps=3)
+    assert fused_calls == []  # off by default: nothing fused
+    fused = _steps(_layer(True, backend), steps=3)
+    _assert_close(fused, reference)
+    # first backward: no .grad yet, autograd keeps the returned one; then w2 and w13 in place, twice
+    assert fused_calls == [8, 8, 8, 8]
+
+
+def test_experts_without_rows_keep_their_gradient(fused_calls: list[int]) -> None:
+    reference = _steps(_layer(False, num_experts=64), steps=2, tokens=5)  # 10 slots over 64 experts
+    fused = _steps(_layer(True, num_experts=64), steps=2, tokens=5)
+    _assert_close(fused, reference)
+    assert fused_calls == [64, 64]
+
+
+def test_autograd_grad_is_answered_and_leaves_dot_grad_alone(fused_calls: list[int]) -> None:
+    layer = _layer(True)
+    _steps(layer, steps=1)
+    before = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    x = torch.randn(24, 16, requires_grad=True)
+    w13 = layer.experts.w13
+    g_x, g_w13 = torch.autograd.grad(layer(x).pow(2).sum(), [x, w13])
+    reference_layer = _layer(False)
+    expected = torch.autograd.grad(reference_layer(x).pow(2).sum(), [x, reference_layer.experts.w13])
+    torch.testing.assert_close(g_x, expected[0])
+    torch.testing.assert_close(g_w13, expected[1])
+    _assert_close({n: p.grad for n, p in layer.named_parameters()}, before)
+    assert fused_calls == []
+
+
+def test_backward_with_inputs_that_exclude_the_experts_leaves_their_grad(fused_calls: list[int]) -> None:
+    layer = _layer(True)
+    _steps(layer, steps=1)
+    w13_grad = layer.experts.w13.grad.clone()
+    router = layer.router.weight
+    _steps(layer, steps=1, inputs=[router])
+    torch.testing.assert_close(layer.experts.w13.grad, w13_grad, rtol=0, atol=0)
+    assert fused_calls == []
+
+
+def test_hooks_on_the_weights_see_every_gradient(fused_calls: list[int]) -> None:
+    seen: list[str] = []
+
+    def run(fuse: bool) -> dict[str, torch.Tensor]:
+        layer = _layer(fuse)
+        layer.experts.w13.register_hook(lambda g: g * 2)  # a tensor hook changes the gradient
+        layer.experts.w2.register_post_accumulate_grad_hook(lambda p: seen.append("w2"))
+        return _steps(layer, steps=2)
+
+    _assert_close(run(True), run(False))
+    assert seen == ["w2"] * 4  # every backward, both runs
+    assert fused_calls == []  # hooks watch both weights: nothing fused
+
+
+def test_create_graph_is_not_fused(fused_calls: list[int]) -> None:
+    layer = _layer(True)
+    _steps(layer, steps=1)
+    for p in layer.parameters():
+        p.grad = p.grad.detach()
+    x = torch.randn(24, 16)
+    layer(x).pow(2).sum().backward(create_graph=True)
+    assert fused_calls == []
+    for p in layer.parameters():  # break the graph<->grad cycle create_graph makes
+        p.grad = None
+
+
+def test_a_strided_grad_is_added_by_autograd(fused_calls: list[int]) -> None:
+    reference = _steps(_layer(False), steps=2)
+    layer = _layer(True)
+    _steps(layer, steps=1)
+    grad = layer.experts.w13.grad
+    layer.experts.w13.grad = grad.transpose(1, 2).contiguous().transpose(1, 2)  # same values, not contiguous
+    g = torch.Generator().manual_seed(3)
+    torch.randn(24, 16, generator=g)  # the second step's input, as in _steps
+    layer(torch.randn(24, 16, generator=g)).pow(2).sum().backward()
+    _assert_close({n: p.grad for n, p in layer.named_parameters()}, reference)
+    assert fused_calls == [8]  # w2 only
+
+
+def test_fusion_pays_for_wide_experts_only() -> None:
+    assert fusion_pays(7168, 2048, 2)  # DeepSeek-V3
+    assert fusion_pays(4096, 14336, 2)  # Mixtral-8x7B
+    assert not fusion_pays(2048, 768, 2)  # Qwen3-30B-A3B
+    assert not _layer(True).experts.w13.shape[-1] > 1024  # the test shapes need the fixture to count
+
+
+def test_host_offsets_give_the_bounds() -> None:
+    offs = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    assert HostOffsets(offs).bounds() == [0, 0, 3, 3, 7]
+
+
+def test_config_flag_reaches_the_experts() -> None:
+    assert _layer(True).experts.fuse_wgrad_accumulation
+    assert not _layer(False).experts.fuse_wgrad_accumulation
