@@ -243,13 +243,15 @@ def _offload_setup(
     optimizer_states: bool,
     patterns: list[str] | None = None,
     max_gib: float | None = None,
+    prefetch: int = 4,
 ) -> Callable[..., Any]:
     """CUDA: the CPUOffload callback's plain-loop API. CPU: its engines, copying host to host."""
 
     def setup(model: ChunkedLM, opt: torch.optim.Optimizer) -> _Attached:
         if device.type == "cuda":
             cb = CPUOffload(
-                activations=patterns if activations else [], optimizer_states=optimizer_states, max_offload_gib=max_gib
+                activations=patterns if activations else [], optimizer_states=optimizer_states, max_offload_gib=max_gib,
+                prefetch=prefetch,
             )
             cb.attach(model, device, optimizers=[opt])
             engines = [cb.activation_offloader, *cb.optimizer_offloaders]
@@ -258,7 +260,9 @@ def _offload_setup(
         if activations:
             selected = select_modules("bench", model, patterns or list(DEFAULT_ACTIVATIONS), "activations")
             budget = None if max_gib is None else int(max_gib * 2**30)
-            engines.append(ActivationOffloader(selected, device, min_tensor_bytes=0, max_bytes_per_step=budget))
+            engines.append(
+                ActivationOffloader(selected, device, prefetch, min_tensor_bytes=0, max_bytes_per_step=budget)
+            )
         if optimizer_states:
             engines.append(OptimizerStateOffloader(opt, device, min_tensor_bytes=64))
         for e in engines:
@@ -298,13 +302,14 @@ def bench_memory_arms(
     recompute: list[str],
     patterns: list[str] | None,
     max_gib: float | None = None,
+    prefetch: int = 4,
 ) -> dict[str, Any]:
     batches = _batches(s, s.batch, s.seq, steps, device)
     runs: dict[str, Run] = {}
 
     def go(name: str, targets: list[str] | None = None, **offload: bool) -> None:
         model = build(model_config(s, s.seq, targets), s, device, dtype)
-        setup = _offload_setup(device, patterns=patterns, max_gib=max_gib, **offload) if offload else None  # type: ignore[arg-type]
+        setup = _offload_setup(device, patterns=patterns, max_gib=max_gib, prefetch=prefetch, **offload) if offload else None  # type: ignore[arg-type]
         runs[name] = train(name, model, batches, device, set_to_none=False, setup=setup)
         if name == "optimizer":
             runs[name].extra["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -502,6 +507,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--recompute", default="moe_act,norm", help="recompute targets of the recompute arm")
     parser.add_argument("--offload", default=None, help="CPUOffload activation patterns (default: the callback's)")
     parser.add_argument("--offload-max-gib", type=float, default=None, help="CPUOffload(max_offload_gib=...)")
+    parser.add_argument("--offload-prefetch", type=int, default=4, help="CPUOffload(prefetch=...)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
@@ -520,13 +526,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "recompute": args.recompute,
         "offload": args.offload or ",".join(DEFAULT_ACTIVATIONS),
         "offload_max_gib": args.offload_max_gib,
+        "offload_prefetch": args.offload_prefetch,
     }
     memory_arms = [a for a in arms if a != "graphs"]
     if memory_arms:
         recompute = [t for t in args.recompute.split(",") if t]
         patterns = None if args.offload is None else [p for p in args.offload.split(",") if p]
         results["memory"] = bench_memory_arms(
-            s, memory_arms, device, dtype, steps, args.warmup, recompute, patterns, args.offload_max_gib
+            s, memory_arms, device, dtype, steps, args.warmup, recompute, patterns, args.offload_max_gib,
+            args.offload_prefetch
         )
     if "graphs" in arms:
         results["graphs"] = bench_graphs(s, device, dtype, args.graph_steps)

@@ -2,12 +2,13 @@
 # The H200 runs, batched (device time is scarce). On the device machine, in the repo root:
 #   bash benchmarks/h200.sh tests     # kernels built + every GPU test (-v, so a crash names its test)
 #   bash benchmarks/h200.sh layer     # GPU kernel/layer tests + the MoE-layer race vs peers
-#   bash benchmarks/h200.sh final     # layer/callbacks GPU tests, the three shapes vs the peers (+ fused wgrad), offload
+#   bash benchmarks/h200.sh final     # layer GPU tests, the three shapes vs the peers (+ fused wgrad accumulation)
+#   bash benchmarks/h200.sh offload   # activation offload GPU tests and OFFLOAD_RUNS (budget:prefetch ...) figures
 #   bash benchmarks/h200.sh e2e       # end-to-end model race + callbacks / recompute figures
-#   bash benchmarks/h200.sh verify    # graph-capture tests, GPU tests, kernels last, offload budgets, e2e (results.tgz)
+#   bash benchmarks/h200.sh verify    # graph-capture tests, GPU tests, kernels last, offload budgets, e2e (results_MODE.tgz)
 #   bash benchmarks/h200.sh liger     # Liger alone with a long timeout; carry .tcache/ (from tcache.tgz) afterwards
 #   bash benchmarks/h200.sh multi     # issue 8 on a multi-GPU kind: NCCL parity, EP scaling, overlap, ECHO, DeepEP
-#   bash benchmarks/h200.sh all       # GPU tests, e2e with profile, callbacks, mixtral, Liger (results.tgz)
+#   bash benchmarks/h200.sh all       # GPU tests, e2e with profile, callbacks, mixtral, Liger (results_MODE.tgz)
 # Results land in $OUT (JSON + logs); the last lines printed are the summary tables.
 # The kernel build (~1 min) is cached in .kcache/ (git-ignored) and also sent back as
 # $OUT/kcache.tgz: unpack it into .kcache/ here and name .kcache in the next call's `carry`.
@@ -26,7 +27,9 @@ python3 -c "from lightning_moe.ops.build import load_extension; print(load_exten
 # kept in .tcache/ (git-ignored) like the kernel build; `liger` mode returns $OUT/tcache.tgz.
 export TRITON_CACHE_DIR="$PWD/.tcache" TRITON_CACHE_AUTOTUNING=1
 trap 'tar czf "$OUT/kcache.tgz" -C "$LIGHTNING_MOE_CACHE" . 2>/dev/null' EXIT
-case "${1:-layer}" in
+MODE=${1:-layer}
+pack() { (cd "$OUT" && tar czf "results_$MODE.tgz" *.log *.json 2>/dev/null); }  # what came back if a later step hangs
+case "$MODE" in
   tests)
     timeout 240 python3 -m pytest tests/gpu -v -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" | tail -15; tail -3 "$OUT/gpu_tests.log"
@@ -39,19 +42,29 @@ case "${1:-layer}" in
       --no-breakdown --json "$OUT/moe_layer_skew.json" > "$OUT/moe_layer_skew.log" 2>&1
     grep -A60 "^device" "$OUT/moe_layer.log" | grep -v "^ \{20\}"; grep -A8 "^device" "$OUT/moe_layer_skew.log"
     ;;
-  final)  # GPU layer/callbacks tests; mixtral + deepseek (also with fused wgrad accumulation) and qwen3 vs the peers; offload
-    pack() { (cd "$OUT" && tar czf results.tgz *.log *.json 2>/dev/null); }
-    timeout 120 python3 -m pytest tests/gpu/test_layer_gpu.py tests/gpu/test_callbacks_gpu.py -v -p no:cacheprovider -rf \
-      > "$OUT/gpu_tests.log" 2>&1; grep -E "FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" | tail -8; tail -1 "$OUT/gpu_tests.log"
-    timeout 200 python3 benchmarks/moe_layer.py --shapes mixtral-8x7b,deepseek-v3 --fuse-wgrad \
-      --peers torch-grouped_mm-ref,hf-grouped_mm,mcore-sequential --json "$OUT/md.json" > "$OUT/md.log" 2>&1
-    grep -h '^{"peer\|^== \|peer ms /\|GEMMs alone fwd+bwd' "$OUT/md.log" | cut -c1-200; pack
+  final)  # layer GPU tests; the three shapes vs the peers (deepseek/mixtral also with fused wgrad accumulation)
+    timeout 60 python3 -m pytest tests/gpu/test_layer_gpu.py -v -p no:cacheprovider -rf \
+      > "$OUT/gpu_layer_tests.log" 2>&1; grep -E "FAILED|ERROR|Fatal" "$OUT/gpu_layer_tests.log" | tail -8
+    tail -1 "$OUT/gpu_layer_tests.log"
+    timeout 120 python3 benchmarks/moe_layer.py --shapes deepseek-v3 --fuse-wgrad --fuse-wgrad-keep \
+      --peers torch-grouped_mm-ref,hf-grouped_mm --json "$OUT/deepseek.json" > "$OUT/deepseek.log" 2>&1
+    timeout 150 python3 benchmarks/moe_layer.py --shapes mixtral-8x7b --fuse-wgrad --fuse-wgrad-keep \
+      --peers torch-grouped_mm-ref,hf-grouped_mm,mcore-sequential --json "$OUT/mixtral.json" > "$OUT/mixtral.log" 2>&1
+    grep -h '^{"peer\|^== \|peer ms /\|GEMMs alone fwd+bwd' "$OUT/deepseek.log" "$OUT/mixtral.log" | cut -c1-200; pack
     timeout 60 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --peers torch-grouped_mm-ref,hf-grouped_mm \
       --json "$OUT/q.json" > "$OUT/q.log" 2>&1; grep -h '^{"peer\|GEMMs alone fwd+bwd' "$OUT/q.log" | cut -c1-200; pack
-    for gib in ${OFFLOAD_GIB:-none 7}; do  # activation offload: everything, and under a per-step budget
-      arg=""; [ "$gib" = none ] || arg="--offload-max-gib $gib"
+    (cd "$OUT" && rm -f *.log *.json)
+    ;;
+  offload)  # activation offload: callbacks GPU tests, then OFFLOAD_RUNS of budget:prefetch ("none" = no budget)
+    timeout 60 python3 -m pytest tests/gpu/test_callbacks_gpu.py -v -p no:cacheprovider -rf -k "offload or recompute" \
+      > "$OUT/gpu_cb_tests.log" 2>&1; grep -E "FAILED|ERROR|Fatal" "$OUT/gpu_cb_tests.log" | tail -8
+    tail -1 "$OUT/gpu_cb_tests.log"
+    for run in ${OFFLOAD_RUNS:-none:4 none:2 6:4}; do
+      gib=${run%%:*}; arg="--offload-prefetch ${run##*:}"; [ "$gib" = none ] || arg="$arg --offload-max-gib $gib"
+      echo "== offload budget $gib prefetch ${run##*:}"
       timeout 90 python3 benchmarks/callbacks_bench.py --arms offload $arg \
-        --out "$OUT/offload_$gib.json" > "$OUT/offload_$gib.log" 2>&1; tail -5 "$OUT/offload_$gib.log"; pack
+        --out "$OUT/offload_${gib}_${run##*:}.json" > "$OUT/offload_${gib}_${run##*:}.log" 2>&1
+      tail -5 "$OUT/offload_${gib}_${run##*:}.log"; pack
     done
     (cd "$OUT" && rm -f *.log *.json)
     ;;
@@ -73,13 +86,12 @@ case "${1:-layer}" in
       --out "$OUT/offload_ffn.json" > "$OUT/offload_ffn.log" 2>&1; tail -6 "$OUT/offload_ffn.log"
     timeout 80 python3 benchmarks/moe_layer.py --shapes mixtral-8x7b --peers torch-grouped_mm-ref,hf-grouped_mm \
       --json "$OUT/mixtral.json" > "$OUT/mixtral.log" 2>&1; grep -h '^{"peer\|^== ' "$OUT/mixtral.log" | cut -c1-160
-    (cd "$OUT" && tar czf results.tgz *.log *.json 2>/dev/null)
+    (cd "$OUT" && tar czf results_$MODE.tgz *.log *.json 2>/dev/null)
     timeout "${LIGER_S:-150}" python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --peers liger-triton-fused --no-breakdown \
       --json "$OUT/liger.json" > "$OUT/liger.log" 2>&1; grep -h '^{"peer' "$OUT/liger.log" | cut -c1-160
-    (cd "$OUT" && tar czf results.tgz *.log *.json 2>/dev/null && rm -f *.log *.json)
+    (cd "$OUT" && tar czf results_$MODE.tgz *.log *.json 2>/dev/null && rm -f *.log *.json)
     ;;
   verify)  # after a fix round: graph-capture tests alone, other GPU tests, kernels last; offload budgets; e2e
-    pack() { (cd "$OUT" && tar czf results.tgz *.log *.json 2>/dev/null); }
     timeout 60 python3 -m pytest tests/gpu/test_callbacks_gpu.py -k "captured_module or failed_capture" -v --tb=long \
       -p no:cacheprovider > "$OUT/graph_tests.log" 2>&1; grep -E "PASSED|FAILED|^E " "$OUT/graph_tests.log" | head -30
     timeout 90 python3 -m pytest tests/gpu/test_callbacks_gpu.py tests/gpu/test_layer_gpu.py -v -p no:cacheprovider -rf \

@@ -36,7 +36,12 @@ SHAPES = peers.SHAPES
 QUICK = {"tiny": (256, 64, 32, 8, 2)}
 
 
-def ours(H: int, Fh: int, E: int, k: int, dev: str, skew: float, fuse_wgrad: bool = False) -> MoELayer:
+FUSED = "lightning-moe-fused-wgrad"
+
+
+def ours(
+    H: int, Fh: int, E: int, k: int, dev: str, skew: float, fuse_wgrad: bool = False, keep: bool = False
+) -> MoELayer:
     cfg = MoEConfig(
         hidden_size=H,
         ffn_hidden_size=Fh,
@@ -49,6 +54,8 @@ def ours(H: int, Fh: int, E: int, k: int, dev: str, skew: float, fuse_wgrad: boo
         fuse_wgrad_accumulation=fuse_wgrad,
     )
     layer = MoELayer(cfg).to(device=dev, dtype=torch.bfloat16)
+    if keep:  # keep x_RH and a_RF for backward whatever the shape (default: rebuild the cheap ones)
+        layer.experts.lean_backward = False
     _skew_router(layer.router.weight, skew)
     return layer
 
@@ -106,9 +113,9 @@ def bench(name, make, T, H, dev, flops, skew, call=None) -> dict:  # noqa: ANN00
     return r
 
 
-def breakdown(T: int, H: int, Fh: int, E: int, k: int, dev: str, skew: float) -> dict:
+def breakdown(T: int, H: int, Fh: int, E: int, k: int, dev: str, skew: float, fuse_wgrad: bool = False) -> dict:
     """Where our layer's time goes: CUDA time per kernel over one fwd+bwd step (profiler)."""
-    layer = ours(H, Fh, E, k, dev, skew)
+    layer = ours(H, Fh, E, k, dev, skew, fuse_wgrad=fuse_wgrad)
     x = skewed_input(T, H, dev, skew).requires_grad_(True)
     go = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
     for _ in range(2):
@@ -229,6 +236,8 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--fuse-wgrad", action="store_true",
                     help="also run lightning-moe with MoEConfig(fuse_wgrad_accumulation=True) (row lightning-moe-fused-wgrad)")
+    ap.add_argument("--fuse-wgrad-keep", action="store_true",
+                    help=f"also run it keeping x_RH and a_RF for backward (row {FUSED}-keep)")
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = QUICK if a.quick else SHAPES
@@ -252,10 +261,12 @@ def main() -> None:
             r = bench("lightning-moe", lambda: ours(H, Fh, E, k, dev, skew), T, H, dev, flops, skew)
             r["shape"] = tag
             results.append(r)
-            if a.fuse_wgrad:
-                r = bench(FUSED, lambda: ours(H, Fh, E, k, dev, skew, fuse_wgrad=True), T, H, dev, flops, skew)
-                r["shape"] = tag
-                results.append(r)
+            for wanted, name, keep in ((a.fuse_wgrad, FUSED, False), (a.fuse_wgrad_keep, FUSED + "-keep", True)):
+                if wanted:
+                    make = lambda keep=keep: ours(H, Fh, E, k, dev, skew, fuse_wgrad=True, keep=keep)  # noqa: E731
+                    r = bench(name, make, T, H, dev, flops, skew)
+                    r["shape"] = tag
+                    results.append(r)
             for pname, (make, call) in peer_makers(H, Fh, E, k, dev).items():
                 if (only and pname not in only) or (pname in ("mcore-sequential", "liger-triton-fused") and dev != "cuda"):
                     continue
@@ -271,7 +282,7 @@ def main() -> None:
                 r["shape"] = tag
                 results.append(r)
             if not a.no_breakdown:
-                b = breakdown(T, H, Fh, E, k, dev, skew)
+                b = breakdown(T, H, Fh, E, k, dev, skew, fuse_wgrad=a.fuse_wgrad)
                 b.update(shape=tag, peer="breakdown")
                 print(json.dumps(b), flush=True)
                 results.append(b)
@@ -299,9 +310,6 @@ def _with_skew(make, skew):  # noqa: ANN001, ANN202
         return mod
 
     return built
-
-
-FUSED = "lightning-moe-fused-wgrad"
 
 
 def print_table(out: dict) -> None:

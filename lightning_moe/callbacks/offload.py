@@ -22,6 +22,13 @@ fnmatch patterns on qualified names). Stages per step:
 Copies are exact, so losses and gradients are bitwise those without offload. Saved tensors that
 an enclosing hook pair wants (the block's recompute scope, a checkpoint) go to it first.
 
+Routed experts inside a selected module (``rebuild_experts``, default on) keep only their input
+and first projection: the gathered rows ``x_RH`` and the activation ``a_RF`` are rebuilt in
+backward (``GroupedExperts.lean_backward``; the same gather and SwiGLU, so bitwise equal). The
+re-gather reads and writes device memory at ~4 TB/s; copying the same bytes out and back over the
+host link (~50 GB/s each way) costs about 100x more time, and on fine-grained MoE those two
+buffers are over half of what the layer saves.
+
 :class:`OptimizerStateOffloader` — ``optimizer_states=True``: between steps every state tensor
 of the optimizer (AdamW's ``exp_avg``/``exp_avg_sq``: 2x the parameter bytes) lives in pinned host
 memory. ``optimizer.step`` runs chunk by chunk (``chunk_bytes`` of parameters): the states of
@@ -49,6 +56,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from lightning_moe.callbacks._layers import require_moe_layers
 from lightning_moe.callbacks._optimizer_states import OptimizerStateOffloader, PinnedAllocator, resolve_device
 from lightning_moe.callbacks._patterns import select_modules
+from lightning_moe.moe.experts import GroupedExperts
 
 __all__ = ["ActivationOffloader", "CPUOffload", "OptimizerStateOffloader"]
 
@@ -138,6 +146,8 @@ class ActivationOffloader:
             tensors stay on the device (``None``: no limit). Device-to-host copies only hide behind
             the forward if they fit its duration at the link's bandwidth (H200 over PCIe 5:
             ~50 GB/s), so a budget trades memory saved for step time.
+        rebuild_experts: routed experts inside the modules rebuild their gathered rows and
+            activation in backward instead of saving them (see the module docstring).
     """
 
     def __init__(
@@ -148,8 +158,11 @@ class ActivationOffloader:
         min_tensor_bytes: int = 1 << 20,
         pin_memory: bool | None = None,
         max_bytes_per_step: int | None = None,
+        rebuild_experts: bool = True,
     ) -> None:
         self.modules = list(modules)
+        self.rebuild_experts = rebuild_experts
+        self._lean_before: list[tuple[nn.Module, Any]] = []
         self.max_bytes_per_step = max_bytes_per_step
         self.device = resolve_device(device)
         self.prefetch = check_prefetch("ActivationOffloader", prefetch)
@@ -169,11 +182,19 @@ class ActivationOffloader:
         for name, module in self.modules:
             self._handles.append(module.register_forward_pre_hook(partial(self._enter, name)))
             self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+            if self.rebuild_experts:
+                for sub in module.modules():
+                    if isinstance(sub, GroupedExperts):
+                        self._lean_before.append((sub, sub.lean_backward))
+                        sub.lean_backward = True
 
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for experts, lean in reversed(self._lean_before):
+            experts.lean_backward = lean
+        self._lean_before.clear()
 
     # --- forward -------------------------------------------------------------------------------
 
@@ -355,6 +376,8 @@ class CPUOffload(Callback):
         max_offload_gib: offload at most this much activation memory per step, the earliest
             modules first (``None``: everything selected). Copies hide behind the forward only up
             to its duration times the host link's bandwidth; past that they add to the step time.
+        rebuild_experts: routed experts inside the offloaded modules rebuild their gathered rows
+            and activation in backward instead of saving (and copying) them.
 
     Example::
 
@@ -370,8 +393,10 @@ class CPUOffload(Callback):
         prefetch: int = 4,
         min_tensor_bytes: int = 1 << 20,
         max_offload_gib: float | None = None,
+        rebuild_experts: bool = True,
     ) -> None:
         super().__init__()
+        self.rebuild_experts = rebuild_experts
         if isinstance(activations, str):
             raise ValueError(
                 f"CPUOffload: activations={activations!r} must be a list; write activations=[{activations!r}]."
@@ -411,7 +436,8 @@ class CPUOffload(Callback):
         if selected and self.activation_offloader is None:
             budget = None if self.max_offload_gib is None else int(self.max_offload_gib * 2**30)
             self.activation_offloader = ActivationOffloader(
-                selected, device, self.prefetch, self.min_tensor_bytes, max_bytes_per_step=budget
+                selected, device, self.prefetch, self.min_tensor_bytes, max_bytes_per_step=budget,
+                rebuild_experts=self.rebuild_experts,
             )
             self.activation_offloader.attach()
         self.wrap_optimizers(optimizers)

@@ -90,6 +90,26 @@ def test_offload_budget_keeps_the_rest_on_the_device_and_training_identical() ->
     capped.detach()
 
 
+def test_offloaded_experts_rebuild_instead_of_copying_and_are_restored_on_detach() -> None:
+    base = _train(_model())
+    copied = {}
+    for rebuild in (False, True):
+        model = _model()
+        experts = [m.ffn.experts for m in model.layers]
+        offloader = ActivationOffloader(
+            select_modules("t", model, ["layers.0.ffn", "layers.1.attn"], "activations"), CPU, min_tensor_bytes=0,
+            rebuild_experts=rebuild,
+        )
+        offloader.attach()
+        # only inside the selection; layers.1.attn, the last group, stays on the device: layers.0.ffn is copied
+        assert [e.lean_backward for e in experts] == [True if rebuild else None, None]
+        _assert_same(base, _train(model))
+        copied[rebuild] = offloader.offloaded_bytes
+        offloader.detach()
+        assert [e.lean_backward for e in experts] == [None, None]
+    assert copied[True] < copied[False]  # x_RH and a_RF no longer cross the host link
+
+
 def test_activation_offload_composes_with_recompute() -> None:
     """Rebuildable tensors go to the recompute scope, the rest is offloaded; results unchanged."""
     base = _train(_model())
