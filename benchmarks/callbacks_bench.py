@@ -17,7 +17,7 @@ Arms (baseline: no feature, same shapes):
 * ``recompute`` — ``TransformerConfig(recompute=["moe_act", "norm"])`` at micro-batch
   ``--batch`` x ``--seq`` (8 x 4096 = 32768 tokens: the activations, not the fixed gradient
   transients of the expert weights, dominate the peak). Aim: activation peak -30 %, step time +10 % at most.
-* ``offload`` — ``CPUOffload()`` (activations of every block child, the 4 modules ahead prefetched in backward).
+* ``offload`` — ``CPUOffload()`` (activations of every block child, the 2 modules ahead prefetched in backward).
   Aim: activation peak -40 %, step time +15 % at most, losses equal (see below).
 * ``optimizer`` — ``CPUOffload(activations=[], optimizer_states=True)``. Aim: device memory
   after the step lower by >= 2x the parameter bytes (AdamW's two states), losses equal.
@@ -243,7 +243,7 @@ def _offload_setup(
     optimizer_states: bool,
     patterns: list[str] | None = None,
     max_gib: float | None = None,
-    prefetch: int = 4,
+    prefetch: int = 2,
 ) -> Callable[..., Any]:
     """CUDA: the CPUOffload callback's plain-loop API. CPU: its engines, copying host to host."""
 
@@ -302,7 +302,7 @@ def bench_memory_arms(
     recompute: list[str],
     patterns: list[str] | None,
     max_gib: float | None = None,
-    prefetch: int = 4,
+    prefetch: int = 2,
 ) -> dict[str, Any]:
     batches = _batches(s, s.batch, s.seq, steps, device)
     runs: dict[str, Run] = {}
@@ -507,7 +507,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--recompute", default="moe_act,norm", help="recompute targets of the recompute arm")
     parser.add_argument("--offload", default=None, help="CPUOffload activation patterns (default: the callback's)")
     parser.add_argument("--offload-max-gib", type=float, default=None, help="CPUOffload(max_offload_gib=...)")
-    parser.add_argument("--offload-prefetch", type=int, default=4, help="CPUOffload(prefetch=...)")
+    parser.add_argument("--offload-prefetch", type=int, default=2, help="CPUOffload(prefetch=...)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]

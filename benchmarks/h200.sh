@@ -59,7 +59,7 @@ case "$MODE" in
     timeout 60 python3 -m pytest tests/gpu/test_callbacks_gpu.py -v -p no:cacheprovider -rf -k "offload or recompute" \
       > "$OUT/gpu_cb_tests.log" 2>&1; grep -E "FAILED|ERROR|Fatal" "$OUT/gpu_cb_tests.log" | tail -8
     tail -1 "$OUT/gpu_cb_tests.log"
-    for run in ${OFFLOAD_RUNS:-none:4 none:2 6:4}; do
+    for run in ${OFFLOAD_RUNS:-none:2 none:4}; do
       gib=${run%%:*}; arg="--offload-prefetch ${run##*:}"; [ "$gib" = none ] || arg="$arg --offload-max-gib $gib"
       echo "== offload budget $gib prefetch ${run##*:}"
       timeout 90 python3 benchmarks/callbacks_bench.py --arms offload $arg \

@@ -53,7 +53,8 @@ def ours(
         aux_loss="none",
         fuse_wgrad_accumulation=fuse_wgrad,
     )
-    layer = MoELayer(cfg).to(device=dev, dtype=torch.bfloat16)
+    with torch.device(dev):  # initialised where it runs: DeepSeek-V3's experts are 45 GB in fp32
+        layer = MoELayer(cfg).to(dtype=torch.bfloat16)
     if keep:  # keep x_RH and a_RF for backward whatever the shape (default: rebuild the cheap ones)
         layer.experts.lean_backward = False
     _skew_router(layer.router.weight, skew)
