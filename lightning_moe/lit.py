@@ -32,6 +32,24 @@ def check_optimizer_impl(impl: str, owner: str) -> None:
         raise ValueError(f"{owner}: optimizer_impl={impl!r} is unknown; choose one of {_OPTIMIZER_IMPLS}.")
 
 
+# Strategies whose gradient reduction hangs on hooks of the gradient accumulator nodes, which the
+# in-place expert gradient accumulation (MoEConfig.fuse_wgrad_accumulation) bypasses.
+_ACCUMULATOR_HOOK_STRATEGIES = ("DDPStrategy", "FSDPStrategy", "DeepSpeedStrategy")
+
+
+def check_wgrad_fusion(module: torch.nn.Module, strategy: Any) -> None:
+    """Refuse ``fuse_wgrad_accumulation`` under a strategy whose gradient hooks it would bypass."""
+    fused = [name for name, m in module.named_modules() if getattr(m, "fuse_wgrad_accumulation", False)]
+    hooked = [c.__name__ for c in type(strategy).__mro__ if c.__name__ in _ACCUMULATOR_HOOK_STRATEGIES]
+    if fused and hooked:
+        raise ValueError(
+            f"MoEConfig(fuse_wgrad_accumulation=True) (at {fused[0]!r}) cannot train under "
+            f"{type(strategy).__name__}: it reduces gradients from hooks on the gradient accumulators, which "
+            "in-place accumulation bypasses. Use strategy='folded_moe' (FSDP2) or one device, or set "
+            "fuse_wgrad_accumulation=False."
+        )
+
+
 def _adamw_kernels(impl: str, params: list[torch.Tensor]) -> dict[str, bool]:
     """AdamW keyword for ``impl``; ``auto`` fuses when every parameter lives on CUDA."""
     if impl == "auto":
@@ -72,6 +90,9 @@ class MoELanguageModel(L.LightningModule):
         self._val_sum = torch.zeros(2)
 
     # --- Lightning hooks ---------------------------------------------------------------------
+
+    def setup(self, stage: str) -> None:
+        check_wgrad_fusion(self, self.trainer.strategy)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)

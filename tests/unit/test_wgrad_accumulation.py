@@ -152,3 +152,46 @@ def test_host_offsets_give_the_bounds() -> None:
 def test_config_flag_reaches_the_experts() -> None:
     assert _layer(True).experts.fuse_wgrad_accumulation
     assert not _layer(False).experts.fuse_wgrad_accumulation
+
+
+@pytest.mark.parametrize("strategy", ["auto", "folded_moe"])
+def test_trainer_with_gradient_accumulation_trains_like_the_unfused_model(
+    strategy: str, fused_calls: list[int], tmp_path: Any
+) -> None:
+    """Lightning's accumulate_grad_batches: micro-batches 2..N add into .grad through the GEMMs."""
+    import lightning_moe  # noqa: F401  (registers folded_moe)
+    from _callback_models import tiny_config, tiny_trainer, token_loader
+    from lightning_moe.lit import MoELanguageModel
+
+    finals = []
+    for fuse in (False, True):
+        torch.manual_seed(0)
+        module = MoELanguageModel(tiny_config(fuse_wgrad_accumulation=fuse), log_layer_load=False)
+        trainer = tiny_trainer(tmp_path / str(fuse), [], max_steps=2, accumulate_grad_batches=3, strategy=strategy)
+        trainer.fit(module, token_loader())
+        finals.append({n: p.detach().clone() for n, p in module.named_parameters()})
+    for name in finals[0]:
+        torch.testing.assert_close(finals[1][name], finals[0][name], rtol=1e-4, atol=1e-6, msg=name)
+    # 2 optimizer steps x 2 accumulating micro-batches x 2 layers x (w2, w13)
+    assert len(fused_calls) == 2 * 2 * 2 * 2
+
+
+def test_strategies_that_reduce_from_accumulator_hooks_are_refused(tmp_path: Any) -> None:
+    from _callback_models import tiny_config, tiny_trainer, token_loader
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
+    from lightning_moe.lit import MoELanguageModel, check_wgrad_fusion
+
+    fused = MoELanguageModel(tiny_config(fuse_wgrad_accumulation=True), log_layer_load=False)
+    for strategy in (DDPStrategy, FSDPStrategy, DeepSpeedStrategy):
+        with pytest.raises(ValueError, match=f"fuse_wgrad_accumulation=True.*under {strategy.__name__}"):
+            check_wgrad_fusion(fused, strategy.__new__(strategy))
+    check_wgrad_fusion(fused, SingleDeviceStrategy.__new__(SingleDeviceStrategy))  # fine
+    plain = MoELanguageModel(tiny_config(), log_layer_load=False)
+    check_wgrad_fusion(plain, DDPStrategy.__new__(DDPStrategy))  # nothing fused: fine
+    trainer = tiny_trainer(tmp_path, [], max_steps=1, strategy="ddp")  # one CPU process: the hook runs at fit
+    try:
+        with pytest.raises(ValueError, match="under DDPStrategy"):
+            trainer.fit(fused, token_loader())
+    finally:  # the one-process gloo group DDP set up must not leak into later tests
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
