@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 
 #include <cuda_runtime_api.h>
 
@@ -333,6 +334,47 @@ cudaError_t dispatch_vec(int vec_bytes, Fn&& f) {
     case 4: return f(IntTag<(4 / kE > 0 ? 4 / kE : 1)>{});
     default: return f(IntTag<1>{});
   }
+}
+
+// Calls f(std::bool_constant<b>{}): a runtime flag becomes a kernel template argument, read
+// back as decltype(flag)::value.
+template <typename Fn>
+void dispatch_bool(bool b, Fn&& f) {
+  if (b) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
+// Launch shape of the row kernels (permute.cu, swiglu.cu): a block of kThreads is cut into
+// groups of 2^log2_threads_per_row threads, each owning one row per grid-stride step.
+struct RowLaunch {
+  int64_t vecs;              // kN-wide vectors per row
+  int log2_threads_per_row;  // threads_per_row_log2(vecs)
+  int grid;                  // blocks: one wave at most (grid_size)
+};
+
+inline RowLaunch row_launch(int64_t width, int kN, int64_t rows) {
+  RowLaunch p;
+  p.vecs = width / kN;
+  p.log2_threads_per_row = threads_per_row_log2(p.vecs);
+  const int64_t rows_per_block = kThreads >> p.log2_threads_per_row;
+  p.grid = grid_size((rows + rows_per_block - 1) / rows_per_block);
+  return p;
+}
+
+// The row launchers' common part: dispatches dtype and vector width, then calls
+// f(Tag{}, IntTag<kN>{}, row_launch(width, kN, rows)), which launches, and returns
+// cudaGetLastError(). `width` is the row length in elements, `rows` the number of rows.
+template <typename Fn>
+cudaError_t launch_rows(DType dt, int vec_bytes, int64_t width, int64_t rows, Fn&& f) {
+  return dispatch_dtype(dt, [&](auto tag) {
+    return dispatch_vec<decltype(tag)>(vec_bytes, [&](auto n) {
+      f(tag, n, row_launch(width, decltype(n)::value, rows));
+      return cudaGetLastError();
+    });
+  });
 }
 
 }  // namespace detail

@@ -139,6 +139,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 
 template <typename Tag>
 using St = typename Tag::storage;
+using detail::dispatch_bool;
+using detail::launch_rows;
+using detail::RowLaunch;
 
 }  // namespace
 
@@ -148,24 +151,13 @@ cudaError_t permute_rows(const void* x, const int32_t* src_idx, const float* row
   if (num_rows <= 0 || hidden <= 0) return cudaSuccess;
   const int eb = detail::elem_bytes(dtype);
   const int vb = detail::pick_vec_bytes(eb, {hidden * eb}, {x, out});
-  return detail::dispatch_dtype(dtype, [&](auto tag) {
+  return launch_rows(dtype, vb, hidden, num_rows, [&](auto tag, auto n, const RowLaunch& rl) {
     using Tag = decltype(tag);
-    return detail::dispatch_vec<Tag>(vb, [&](auto n) {
-      constexpr int kN = decltype(n)::value;
-      const int64_t vecs = hidden / kN;
-      const int l = detail::threads_per_row_log2(vecs);
-      const int64_t rows_per_block = kThreads >> l;
-      const int grid = detail::grid_size((num_rows + rows_per_block - 1) / rows_per_block);
-      const auto* xs = static_cast<const St<Tag>*>(x);
-      auto* os = static_cast<St<Tag>*>(out);
-      if (row_scale != nullptr) {
-        permute_rows_kernel<Tag, kN, true><<<grid, kThreads, 0, stream>>>(
-            xs, src_idx, row_scale, os, num_rows, num_src_rows, vecs, l);
-      } else {
-        permute_rows_kernel<Tag, kN, false><<<grid, kThreads, 0, stream>>>(
-            xs, src_idx, nullptr, os, num_rows, num_src_rows, vecs, l);
-      }
-      return cudaGetLastError();
+    constexpr int kN = decltype(n)::value;
+    dispatch_bool(row_scale != nullptr, [&](auto scale) {
+      permute_rows_kernel<Tag, kN, decltype(scale)::value><<<rl.grid, kThreads, 0, stream>>>(
+          static_cast<const St<Tag>*>(x), src_idx, row_scale, static_cast<St<Tag>*>(out), num_rows,
+          num_src_rows, rl.vecs, rl.log2_threads_per_row);
     });
   });
 }
@@ -176,24 +168,13 @@ cudaError_t unpermute_sum(const void* y, const int32_t* slot_row, const float* w
   if (num_tokens <= 0 || hidden <= 0) return cudaSuccess;
   const int eb = detail::elem_bytes(dtype);
   const int vb = detail::pick_vec_bytes(eb, {hidden * eb}, {y, out});
-  return detail::dispatch_dtype(dtype, [&](auto tag) {
+  return launch_rows(dtype, vb, hidden, num_tokens, [&](auto tag, auto n, const RowLaunch& rl) {
     using Tag = decltype(tag);
-    return detail::dispatch_vec<Tag>(vb, [&](auto n) {
-      constexpr int kN = decltype(n)::value;
-      const int64_t vecs = hidden / kN;
-      const int l = detail::threads_per_row_log2(vecs);
-      const int64_t rows_per_block = kThreads >> l;
-      const int grid = detail::grid_size((num_tokens + rows_per_block - 1) / rows_per_block);
-      const auto* ys = static_cast<const St<Tag>*>(y);
-      auto* os = static_cast<St<Tag>*>(out);
-      if (w != nullptr) {
-        unpermute_sum_kernel<Tag, kN, true><<<grid, kThreads, 0, stream>>>(
-            ys, slot_row, w, os, num_tokens, top_k, vecs, l);
-      } else {
-        unpermute_sum_kernel<Tag, kN, false><<<grid, kThreads, 0, stream>>>(
-            ys, slot_row, nullptr, os, num_tokens, top_k, vecs, l);
-      }
-      return cudaGetLastError();
+    constexpr int kN = decltype(n)::value;
+    dispatch_bool(w != nullptr, [&](auto weighted) {
+      unpermute_sum_kernel<Tag, kN, decltype(weighted)::value><<<rl.grid, kThreads, 0, stream>>>(
+          static_cast<const St<Tag>*>(y), slot_row, w, static_cast<St<Tag>*>(out), num_tokens,
+          top_k, rl.vecs, rl.log2_threads_per_row);
     });
   });
 }

@@ -17,8 +17,11 @@
 namespace lightning_moe {
 namespace {
 
+using detail::dispatch_bool;
 using detail::kMinBlocks;
 using detail::kThreads;
+using detail::launch_rows;
+using detail::RowLaunch;
 using detail::Vec;
 
 template <typename Tag>
@@ -130,22 +133,13 @@ cudaError_t weighted_swiglu_fwd(const void* h, const float* w, void* a, int64_t 
   const int eb = detail::elem_bytes(dtype);
   // gate and up start F elements apart inside a row: F's pitch bounds the width too.
   const int vb = detail::pick_vec_bytes(eb, {ffn * eb}, {h, a});
-  return detail::dispatch_dtype(dtype, [&](auto tag) {
+  return launch_rows(dtype, vb, ffn, num_rows, [&](auto tag, auto n, const RowLaunch& rl) {
     using Tag = decltype(tag);
-    return detail::dispatch_vec<Tag>(vb, [&](auto n) {
-      constexpr int kN = decltype(n)::value;
-      const int64_t vecs = ffn / kN;
-      const int l = detail::threads_per_row_log2(vecs);
-      const int64_t rows_per_block = kThreads >> l;
-      const int grid = detail::grid_size((num_rows + rows_per_block - 1) / rows_per_block);
-      const auto* hs = static_cast<const St<Tag>*>(h);
-      auto* as = static_cast<St<Tag>*>(a);
-      if (w != nullptr) {
-        swiglu_fwd_kernel<Tag, kN, true><<<grid, kThreads, 0, stream>>>(hs, w, as, num_rows, vecs, l);
-      } else {
-        swiglu_fwd_kernel<Tag, kN, false><<<grid, kThreads, 0, stream>>>(hs, nullptr, as, num_rows, vecs, l);
-      }
-      return cudaGetLastError();
+    constexpr int kN = decltype(n)::value;
+    dispatch_bool(w != nullptr, [&](auto weighted) {
+      swiglu_fwd_kernel<Tag, kN, decltype(weighted)::value><<<rl.grid, kThreads, 0, stream>>>(
+          static_cast<const St<Tag>*>(h), w, static_cast<St<Tag>*>(a), num_rows, rl.vecs,
+          rl.log2_threads_per_row);
     });
   });
 }
@@ -161,29 +155,16 @@ cudaError_t weighted_swiglu_bwd(const void* h, const float* w, const void* grad_
   }
   const int eb = detail::elem_bytes(dtype);
   const int vb = detail::pick_vec_bytes(eb, {ffn * eb}, {h, grad_a, grad_h});
-  return detail::dispatch_dtype(dtype, [&](auto tag) {
+  return launch_rows(dtype, vb, ffn, num_rows, [&](auto tag, auto n, const RowLaunch& rl) {
     using Tag = decltype(tag);
-    return detail::dispatch_vec<Tag>(vb, [&](auto n) {
-      constexpr int kN = decltype(n)::value;
-      const int64_t vecs = ffn / kN;
-      const int l = detail::threads_per_row_log2(vecs);
-      const int64_t rows_per_block = kThreads >> l;
-      const int grid = detail::grid_size((num_rows + rows_per_block - 1) / rows_per_block);
-      const auto* hs = static_cast<const St<Tag>*>(h);
-      const auto* gas = static_cast<const St<Tag>*>(grad_a);
-      auto* ghs = static_cast<St<Tag>*>(grad_h);
-      const bool weighted = w != nullptr;
-      const bool want_gw = grad_w != nullptr;
-      if (weighted && want_gw) {
-        swiglu_bwd_kernel<Tag, kN, true, true><<<grid, kThreads, 0, stream>>>(hs, w, gas, ghs, grad_w, num_rows, vecs, l);
-      } else if (weighted) {
-        swiglu_bwd_kernel<Tag, kN, true, false><<<grid, kThreads, 0, stream>>>(hs, w, gas, ghs, nullptr, num_rows, vecs, l);
-      } else if (want_gw) {
-        swiglu_bwd_kernel<Tag, kN, false, true><<<grid, kThreads, 0, stream>>>(hs, nullptr, gas, ghs, grad_w, num_rows, vecs, l);
-      } else {
-        swiglu_bwd_kernel<Tag, kN, false, false><<<grid, kThreads, 0, stream>>>(hs, nullptr, gas, ghs, nullptr, num_rows, vecs, l);
-      }
-      return cudaGetLastError();
+    constexpr int kN = decltype(n)::value;
+    dispatch_bool(w != nullptr, [&](auto weighted) {
+      dispatch_bool(grad_w != nullptr, [&](auto want_gw) {
+        swiglu_bwd_kernel<Tag, kN, decltype(weighted)::value, decltype(want_gw)::value>
+            <<<rl.grid, kThreads, 0, stream>>>(
+                static_cast<const St<Tag>*>(h), w, static_cast<const St<Tag>*>(grad_a),
+                static_cast<St<Tag>*>(grad_h), grad_w, num_rows, rl.vecs, rl.log2_threads_per_row);
+      });
     });
   });
 }
