@@ -32,7 +32,7 @@ import torch
 from lightning_moe.ops.grouped_gemm import GemmBackend, gmm, gmm_wgrad
 from lightning_moe.ops.permute import Permutation, _permute_rows_impl, _unpermute_sum_impl
 from lightning_moe.ops.swiglu import weighted_swiglu_backward, weighted_swiglu_forward
-from lightning_moe.ops.wgrad_accumulation import HostOffsets, accumulate_wgrad_, accumulation_target, fusion_pays
+from lightning_moe.ops.wgrad_accumulation import WgradFusion, accumulation_target, fusion_pays
 
 __all__ = ["local_experts"]
 
@@ -47,12 +47,12 @@ class _PermuteUp(torch.autograd.Function):
         offs_E: torch.Tensor,
         backend: GemmBackend,
         keep_gathered: bool,
-        host_offs: HostOffsets | None,
+        fusion: WgradFusion | None,
     ) -> torch.Tensor:
         x_RH = _permute_rows_impl(x_TH, perm.src_token_R)
         h_R2F = gmm(x_RH, w13, offs_E, backend)
         ctx.perm, ctx.backend, ctx.keep_gathered = perm, backend, keep_gathered
-        ctx.host_offs, ctx.weight = host_offs, (w13 if host_offs is not None else None)
+        ctx.fusion, ctx.weight = fusion, (w13 if fusion is not None else None)
         ctx.save_for_backward(x_RH if keep_gathered else x_TH, w13, offs_E)
         return h_R2F
 
@@ -85,13 +85,13 @@ class _DownCombine(torch.autograd.Function):
         offs_E: torch.Tensor,
         backend: GemmBackend,
         keep_activation: bool,
-        host_offs: HostOffsets | None,
+        fusion: WgradFusion | None,
     ) -> torch.Tensor:
         a_RF = weighted_swiglu_forward(h_R2F, w_R)
         y_RH = gmm(a_RF, w2, offs_E, backend)
         y_TH = _unpermute_sum_impl(y_RH, perm.slot_row_TK, None)
         ctx.perm, ctx.backend = perm, backend
-        ctx.host_offs, ctx.weight = host_offs, (w2 if host_offs is not None else None)
+        ctx.fusion, ctx.weight = fusion, (w2 if fusion is not None else None)
         ctx.save_for_backward(h_R2F, w2, w_R, offs_E, a_RF if keep_activation else None)
         return y_TH
 
@@ -117,10 +117,10 @@ class _DownCombine(torch.autograd.Function):
 
 def _weight_grad(ctx, x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor | None:  # noqa: ANN001
     """The expert weight gradient to return, or ``None`` once it was added into ``.grad`` in place."""
-    target = accumulation_target(ctx.weight) if ctx.host_offs is not None else None
+    target = accumulation_target(ctx.weight) if ctx.fusion is not None else None
     if target is None:
         return gmm_wgrad(x_RD, dy_RO, offs_E, ctx.backend)
-    accumulate_wgrad_(target, x_RD, dy_RO, ctx.host_offs.bounds())
+    ctx.fusion.accumulate_(target, x_RD, dy_RO)
     return None
 
 
@@ -172,11 +172,9 @@ def local_experts(
         rebuild_x, rebuild_a = rebuild_is_cheap(x_TH.shape[-1], w2.shape[-2])
     else:
         rebuild_x = rebuild_a = lean
-    host_offs = None
-    if fuse_wgrad and _may_fuse(w13, w2):
-        host_offs = HostOffsets(offs_E)
-    h_R2F = _PermuteUp.apply(x_TH, w13, perm, offs_E, backend, not rebuild_x, host_offs)
-    return _DownCombine.apply(h_R2F, w2, w_R, perm, offs_E, backend, not rebuild_a, host_offs)
+    fusion = WgradFusion(offs_E, x_TH) if fuse_wgrad and _may_fuse(w13, w2) else None
+    h_R2F = _PermuteUp.apply(x_TH, w13, perm, offs_E, backend, not rebuild_x, fusion)
+    return _DownCombine.apply(h_R2F, w2, w_R, perm, offs_E, backend, not rebuild_a, fusion)
 
 
 def _may_fuse(w13: torch.Tensor, w2: torch.Tensor) -> bool:

@@ -18,9 +18,11 @@ accumulator node itself (``DistributedDataParallel``'s reducer, FSDP1) cannot be
 Python: that is why the feature is opt-in (``MoEConfig(fuse_wgrad_accumulation=True)``); FSDP2
 and one-process training read ``.grad`` after backward and work with it.
 
-The per-expert GEMMs need each expert's row range on the host: the offsets are copied to pinned
-memory without blocking during the forward (:class:`HostOffsets`), so the backward reads them
-without draining the device queue.
+Two implementations (:class:`WgradFusion` picks one in the forward): on CUDA with Triton
+importable, one grouped Triton kernel reads the row ranges from the device offsets
+(``ops/wgrad_triton.py``); otherwise, and with ``LIGHTNING_MOE_KERNELS=torch``, one ``addmm_`` per
+expert, whose row ranges are copied to pinned host memory without blocking during the forward
+(:class:`HostOffsets`), so the backward reads them without draining the device queue.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-__all__ = ["HostOffsets", "accumulate_wgrad_", "accumulation_target", "fusion_pays"]
+__all__ = ["HostOffsets", "WgradFusion", "accumulate_wgrad_", "accumulation_target", "fusion_pays"]
 
 # Below this many bytes of one expert's weights (w13 + w2), one GEMM launch per expert costs more
 # host time than the device time it saves: the grouped GEMM and autograd's addition stay.
@@ -62,6 +64,27 @@ class HostOffsets:
         if self._event is not None:
             self._event.synchronize()
         return [0] + self._host.tolist()
+
+
+class WgradFusion:
+    """What one layer call needs to accumulate its weight gradients in place in backward."""
+
+    def __init__(self, offs_E: torch.Tensor, x: torch.Tensor) -> None:
+        from lightning_moe.ops import wgrad_triton
+        from lightning_moe.ops.backend import kernels_mode
+
+        self.offs_E = offs_E
+        self.triton = kernels_mode() != "torch" and wgrad_triton.supported(x)
+        self.host = None if self.triton else HostOffsets(offs_E)
+
+    def accumulate_(self, grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor) -> None:
+        if self.triton:
+            from lightning_moe.ops.wgrad_triton import grouped_wgrad_accumulate_
+
+            grouped_wgrad_accumulate_(grad_EDO, x_RD, dy_RO, self.offs_E)
+        else:
+            assert self.host is not None
+            accumulate_wgrad_(grad_EDO, x_RD, dy_RO, self.host.bounds())
 
 
 def accumulation_target(w: torch.Tensor) -> torch.Tensor | None:

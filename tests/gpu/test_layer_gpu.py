@@ -84,15 +84,22 @@ def test_shared_expert_overlap_gives_the_same_numbers(gate: bool) -> None:
     torch.testing.assert_close(gx1, gx0, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("kernels", ["auto", "torch"])  # Triton's grouped kernel, the per-expert addmm_ loop
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_fused_wgrad_accumulation_matches_autograd_accumulation(dtype, tol, monkeypatch) -> None:  # noqa: ANN001
-    """Three accumulated backward passes: .grad += by the per-expert GEMMs equals autograd's addition."""
-    import lightning_moe.ops.local_experts as local_ops
+def test_fused_wgrad_accumulation_matches_autograd_accumulation(dtype, tol, kernels, monkeypatch) -> None:  # noqa: ANN001
+    """Three accumulated backward passes: .grad += inside the wgrad GEMMs equals autograd's addition."""
+    import importlib.util
 
+    import lightning_moe.ops.local_experts as local_ops
+    import lightning_moe.ops.wgrad_accumulation as wacc
+
+    monkeypatch.setenv("LIGHTNING_MOE_KERNELS", kernels)
     monkeypatch.setattr(local_ops, "fusion_pays", lambda h, f, size: True)  # the test shape is narrow
-    taken: list[int] = []
-    original = local_ops.accumulate_wgrad_
-    monkeypatch.setattr(local_ops, "accumulate_wgrad_", lambda g, *a: (taken.append(1), original(g, *a))[1])
+    taken: list[bool] = []
+    original = wacc.WgradFusion.accumulate_
+    monkeypatch.setattr(
+        wacc.WgradFusion, "accumulate_", lambda self, g, *a: (taken.append(self.triton), original(self, g, *a))[1]
+    )
     torch.manual_seed(0)
     cfg = dict(hidden_size=256, ffn_hidden_size=128, num_experts=32, top_k=4, pre_softmax=True)
     grads = []
@@ -105,5 +112,7 @@ def test_fused_wgrad_accumulation_matches_autograd_accumulation(dtype, tol, monk
             layer(x).float().pow(2).sum().backward()
         grads.append({n: p.grad.detach().clone() for n, p in layer.named_parameters()})
     assert len(taken) == 4  # w2 and w13 of the second and third passes
+    uses_triton = kernels == "auto" and importlib.util.find_spec("triton") is not None
+    assert taken == [uses_triton] * 4
     for name in grads[0]:
         assert _rel(grads[1][name], grads[0][name]) <= tol, name
