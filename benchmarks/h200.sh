@@ -2,7 +2,7 @@
 # The H200 runs, batched (device time is scarce). On the device machine, in the repo root:
 #   bash benchmarks/h200.sh tests     # kernels built + every GPU test (-v, so a crash names its test)
 #   bash benchmarks/h200.sh layer     # GPU kernel/layer tests + the MoE-layer race vs peers
-#   bash benchmarks/h200.sh final     # layer GPU tests, the three shapes vs the peers (+ fused wgrad accumulation)
+#   bash benchmarks/h200.sh final     # kernel/layer GPU tests, deepseek + mixtral with fused wgrad accumulation (QWEN3=1: qwen3)
 #   bash benchmarks/h200.sh offload   # activation offload GPU tests and OFFLOAD_RUNS (budget:prefetch ...) figures
 #   bash benchmarks/h200.sh e2e       # end-to-end model race + callbacks / recompute figures
 #   bash benchmarks/h200.sh verify    # graph-capture tests, GPU tests, kernels last, offload budgets, e2e (results_MODE.tgz)
@@ -42,17 +42,18 @@ case "$MODE" in
       --no-breakdown --json "$OUT/moe_layer_skew.json" > "$OUT/moe_layer_skew.log" 2>&1
     grep -A60 "^device" "$OUT/moe_layer.log" | grep -v "^ \{20\}"; grep -A8 "^device" "$OUT/moe_layer_skew.log"
     ;;
-  final)  # layer GPU tests; the three shapes vs the peers (deepseek/mixtral also with fused wgrad accumulation)
-    timeout 60 python3 -m pytest tests/gpu/test_layer_gpu.py -v -p no:cacheprovider -rf \
+  final)  # kernel + layer GPU tests; deepseek (fused wgrad: Triton, + keep) with breakdown, mixtral fused; qwen3
+    timeout 150 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_layer_gpu.py -q -p no:cacheprovider -rf \
       > "$OUT/gpu_layer_tests.log" 2>&1; grep -E "FAILED|ERROR|Fatal" "$OUT/gpu_layer_tests.log" | tail -8
     tail -1 "$OUT/gpu_layer_tests.log"
-    timeout 120 python3 benchmarks/moe_layer.py --shapes deepseek-v3 --fuse-wgrad --fuse-wgrad-keep \
-      --peers torch-grouped_mm-ref,hf-grouped_mm --json "$OUT/deepseek.json" > "$OUT/deepseek.log" 2>&1
-    timeout 150 python3 benchmarks/moe_layer.py --shapes mixtral-8x7b --fuse-wgrad --fuse-wgrad-keep \
-      --peers torch-grouped_mm-ref,hf-grouped_mm,mcore-sequential --json "$OUT/mixtral.json" > "$OUT/mixtral.log" 2>&1
-    grep -h '^{"peer\|^== \|peer ms /\|GEMMs alone fwd+bwd' "$OUT/deepseek.log" "$OUT/mixtral.log" | cut -c1-200; pack
-    timeout 60 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --peers torch-grouped_mm-ref,hf-grouped_mm \
-      --json "$OUT/q.json" > "$OUT/q.log" 2>&1; grep -h '^{"peer\|GEMMs alone fwd+bwd' "$OUT/q.log" | cut -c1-200; pack
+    timeout 240 python3 benchmarks/moe_layer.py --shapes deepseek-v3 --fuse-wgrad --fuse-wgrad-keep \
+      --peers torch-grouped_mm-ref --json "$OUT/deepseek.json" > "$OUT/deepseek.log" 2>&1
+    grep -h '^{"peer\|^== \|peer ms /\|GEMMs alone fwd+bwd\|^ \{26\}' "$OUT/deepseek.log" | cut -c1-200; pack
+    timeout 120 python3 benchmarks/moe_layer.py --shapes mixtral-8x7b --fuse-wgrad --no-breakdown \
+      --peers "${MIXTRAL_PEERS:-torch-grouped_mm-ref}" --json "$OUT/mixtral.json" > "$OUT/mixtral.log" 2>&1
+    grep -h '^{"peer\|^== \|peer ms /' "$OUT/mixtral.log" | cut -c1-200; pack
+    [ -n "$QWEN3" ] && timeout 60 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --peers torch-grouped_mm-ref,hf-grouped_mm \
+      --json "$OUT/q.json" > "$OUT/q.log" 2>&1 && grep -h '^{"peer\|GEMMs alone fwd+bwd' "$OUT/q.log" | cut -c1-200; pack
     (cd "$OUT" && rm -f *.log *.json)
     ;;
   offload)  # activation offload: callbacks GPU tests, then OFFLOAD_RUNS of budget:prefetch ("none" = no budget)
