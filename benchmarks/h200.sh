@@ -43,15 +43,15 @@ case "$MODE" in
     grep -A60 "^device" "$OUT/moe_layer.log" | grep -v "^ \{20\}"; grep -A8 "^device" "$OUT/moe_layer_skew.log"
     ;;
   final)  # kernel + layer GPU tests; deepseek (fused wgrad: Triton, + keep) with breakdown, mixtral fused; qwen3
-    timeout 150 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_layer_gpu.py -q -p no:cacheprovider -rf \
-      > "$OUT/gpu_layer_tests.log" 2>&1; grep -E "FAILED|ERROR|Fatal" "$OUT/gpu_layer_tests.log" | tail -8
-    tail -1 "$OUT/gpu_layer_tests.log"
+    [ "${FINAL_TESTS:-1}" = 1 ] && timeout 150 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_layer_gpu.py \
+      -q -p no:cacheprovider -rf > "$OUT/gpu_layer_tests.log" 2>&1
+    grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_layer_tests.log" 2>/dev/null | tail -8; tail -1 "$OUT/gpu_layer_tests.log" 2>/dev/null
     timeout 240 python3 benchmarks/moe_layer.py --shapes deepseek-v3 --fuse-wgrad --fuse-wgrad-keep \
       --peers torch-grouped_mm-ref --json "$OUT/deepseek.json" > "$OUT/deepseek.log" 2>&1
     grep -h '^{"peer\|^== \|peer ms /\|GEMMs alone fwd+bwd\|^ \{26\}' "$OUT/deepseek.log" | cut -c1-200; pack
-    timeout 120 python3 benchmarks/moe_layer.py --shapes mixtral-8x7b --fuse-wgrad --no-breakdown \
+    [ "${FINAL_MIXTRAL:-1}" = 1 ] && timeout 120 python3 benchmarks/moe_layer.py --shapes mixtral-8x7b --fuse-wgrad --no-breakdown \
       --peers "${MIXTRAL_PEERS:-torch-grouped_mm-ref}" --json "$OUT/mixtral.json" > "$OUT/mixtral.log" 2>&1
-    grep -h '^{"peer\|^== \|peer ms /' "$OUT/mixtral.log" | cut -c1-200; pack
+    grep -h '^{"peer\|^== \|peer ms /' "$OUT/mixtral.log" 2>/dev/null | cut -c1-200; pack
     [ -n "$QWEN3" ] && timeout 60 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --peers torch-grouped_mm-ref,hf-grouped_mm \
       --json "$OUT/q.json" > "$OUT/q.log" 2>&1 && grep -h '^{"peer\|GEMMs alone fwd+bwd' "$OUT/q.log" | cut -c1-200; pack
     (cd "$OUT" && rm -f *.log *.json)

@@ -18,19 +18,23 @@ accumulator node itself (``DistributedDataParallel``'s reducer, FSDP1) cannot be
 Python: that is why the feature is opt-in (``MoEConfig(fuse_wgrad_accumulation=True)``); FSDP2
 and one-process training read ``.grad`` after backward and work with it.
 
-Two implementations (:class:`WgradFusion` picks one in the forward): on CUDA with Triton
-importable, one grouped Triton kernel reads the row ranges from the device offsets
-(``ops/wgrad_triton.py``); otherwise, and with ``LIGHTNING_MOE_KERNELS=torch``, one ``addmm_`` per
-expert, whose row ranges are copied to pinned host memory without blocking during the forward
-(:class:`HostOffsets`), so the backward reads them without draining the device queue.
+Two implementations (:class:`WgradFusion` picks one in the forward). The default: one cuBLAS
+``addmm_`` per expert, whose row ranges are copied to pinned host memory without blocking during
+the forward (:class:`HostOffsets`), so the backward reads them without draining the device queue.
+``LIGHTNING_MOE_WGRAD_KERNEL=triton`` (CUDA, Triton importable): one grouped Triton kernel that
+reads the row ranges from the device offsets (``ops/wgrad_triton.py``): no host sync, one launch,
+but on the H200 today slower than the cuBLAS loop (DeepSeek-V3 layer 56.7 vs 50.2 ms, Mixtral
+66.1 vs 56.6 ms), so not the default.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-__all__ = ["HostOffsets", "WgradFusion", "accumulate_wgrad_", "accumulation_target", "fusion_pays"]
+__all__ = ["WGRAD_KERNELS", "HostOffsets", "WgradFusion", "accumulate_wgrad_", "accumulation_target", "fusion_pays"]
 
 # Below this many bytes of one expert's weights (w13 + w2), one GEMM launch per expert costs more
 # host time than the device time it saves: the grouped GEMM and autograd's addition stay.
@@ -66,15 +70,24 @@ class HostOffsets:
         return [0] + self._host.tolist()
 
 
+WGRAD_KERNELS = ("loop", "triton")
+
+
+def wgrad_kernel() -> str:
+    kernel = os.environ.get("LIGHTNING_MOE_WGRAD_KERNEL", "loop").lower()
+    if kernel not in WGRAD_KERNELS:
+        raise ValueError(f"LIGHTNING_MOE_WGRAD_KERNEL={kernel!r} is unknown; choose one of {WGRAD_KERNELS}.")
+    return kernel
+
+
 class WgradFusion:
     """What one layer call needs to accumulate its weight gradients in place in backward."""
 
     def __init__(self, offs_E: torch.Tensor, x: torch.Tensor) -> None:
         from lightning_moe.ops import wgrad_triton
-        from lightning_moe.ops.backend import kernels_mode
 
         self.offs_E = offs_E
-        self.triton = kernels_mode() != "torch" and wgrad_triton.supported(x)
+        self.triton = wgrad_kernel() == "triton" and wgrad_triton.supported(x)
         self.host = None if self.triton else HostOffsets(offs_E)
 
     def accumulate_(self, grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor) -> None:

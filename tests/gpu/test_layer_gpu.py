@@ -84,16 +84,16 @@ def test_shared_expert_overlap_gives_the_same_numbers(gate: bool) -> None:
     torch.testing.assert_close(gx1, gx0, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("kernels", ["auto", "torch"])  # Triton's grouped kernel, the per-expert addmm_ loop
+@pytest.mark.parametrize("kernel", ["loop", "triton"])  # the per-expert addmm_ loop, Triton's grouped kernel
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_fused_wgrad_accumulation_matches_autograd_accumulation(dtype, tol, kernels, monkeypatch) -> None:  # noqa: ANN001
+def test_fused_wgrad_accumulation_matches_autograd_accumulation(dtype, tol, kernel, monkeypatch) -> None:  # noqa: ANN001
     """Three accumulated backward passes: .grad += inside the wgrad GEMMs equals autograd's addition."""
     import importlib.util
 
     import lightning_moe.ops.local_experts as local_ops
     import lightning_moe.ops.wgrad_accumulation as wacc
 
-    monkeypatch.setenv("LIGHTNING_MOE_KERNELS", kernels)
+    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", kernel)
     monkeypatch.setattr(local_ops, "fusion_pays", lambda h, f, size: True)  # the test shape is narrow
     taken: list[bool] = []
     original = wacc.WgradFusion.accumulate_
@@ -112,7 +112,7 @@ def test_fused_wgrad_accumulation_matches_autograd_accumulation(dtype, tol, kern
             layer(x).float().pow(2).sum().backward()
         grads.append({n: p.grad.detach().clone() for n, p in layer.named_parameters()})
     assert len(taken) == 4  # w2 and w13 of the second and third passes
-    uses_triton = kernels == "auto" and importlib.util.find_spec("triton") is not None
+    uses_triton = kernel == "triton" and importlib.util.find_spec("triton") is not None
     assert taken == [uses_triton] * 4
     for name in grads[0]:
         assert _rel(grads[1][name], grads[0][name]) <= tol, name

@@ -242,3 +242,11 @@ def test_triton_kernel_matches_the_per_expert_loop() -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("ok") == 4
+
+
+def test_unknown_wgrad_kernel_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", "cutlass")
+    with pytest.raises(ValueError, match="LIGHTNING_MOE_WGRAD_KERNEL='cutlass'"):
+        wacc.WgradFusion(torch.tensor([1, 2], dtype=torch.int32), torch.zeros(2, 4))
+    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", "triton")  # on CPU tensors: the loop, whatever is asked
+    assert not wacc.WgradFusion(torch.tensor([1, 2], dtype=torch.int32), torch.zeros(2, 4)).triton
