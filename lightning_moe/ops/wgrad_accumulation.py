@@ -127,8 +127,14 @@ def accumulation_target(w: torch.Tensor) -> torch.Tensor | None:
 
 
 def accumulate_wgrad_(grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, bounds: list[int]) -> None:
-    """``grad_EDO[e] += x_e^T @ dy_e`` for every expert with rows, one GEMM with ``beta = 1`` each."""
-    for e in range(grad_EDO.shape[0]):
-        lo, hi = bounds[e], bounds[e + 1]
-        if hi > lo:
-            grad_EDO[e].addmm_(x_RD[lo:hi].t(), dy_RO[lo:hi])
+    """``grad_EDO[e] += x_e^T @ dy_e`` for every expert with rows, one GEMM with ``beta = 1`` each.
+
+    The per-expert views come from one ``split`` / ``unbind`` each, so the host loop only launches
+    GEMMs: with hundreds of experts it is the host, not the device, that sets the pace otherwise.
+    """
+    counts = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+    xs_DR = x_RD[: bounds[-1]].t().split(counts, dim=1)
+    dys_RO = dy_RO[: bounds[-1]].split(counts, dim=0)
+    for grad_DO, x_DR, dy_RO_e, rows in zip(grad_EDO.unbind(0), xs_DR, dys_RO, counts):
+        if rows:
+            grad_DO.addmm_(x_DR, dy_RO_e)
