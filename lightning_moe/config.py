@@ -67,9 +67,9 @@ class MoEConfig:
         fuse_wgrad_accumulation: when an expert weight already holds a gradient (gradient
             accumulation over micro-batches), add the new one into ``.grad`` inside the
             weight-gradient GEMMs instead of through a separate addition (wide experts only:
-            DeepSeek-V3, Mixtral). Single-process and FSDP2 training; not under
-            ``DistributedDataParallel`` or FSDP1, whose hooks on the gradient accumulator would not
-            run (``ops/wgrad_accumulation.py``).
+            DeepSeek-V3, Mixtral; experts of this rank held as plain parameters, not expert-parallel
+            shards). Not under ``DistributedDataParallel``, FSDP1 or DeepSpeed, whose hooks on the
+            gradient accumulator would not run (``ops/wgrad_accumulation.py``).
         check_finite: raise, naming the layer, when router logits are not finite.
         init_std: standard deviation of the normal initialisation of all weights.
     """

@@ -15,8 +15,11 @@ exactly what the engine would have done (:func:`accumulation_target`): ``w`` is 
 ``autograd.grad``, not ``create_graph``) and would accumulate into ``w``, no hook is registered on
 the tensor, and no CUDA graph is being captured. Hooks that others register on the gradient
 accumulator node itself (``DistributedDataParallel``'s reducer, FSDP1) cannot be seen from
-Python: that is why the feature is opt-in (``MoEConfig(fuse_wgrad_accumulation=True)``); FSDP2
-and one-process training read ``.grad`` after backward and work with it.
+Python: that is why the feature is opt-in (``MoEConfig(fuse_wgrad_accumulation=True)``) and why
+``MoELanguageModel`` refuses it under those strategies. One-process training reads ``.grad`` after
+backward and works with it (tested, also under Lightning's gradient accumulation); FSDP2 reads
+its unsharded parameters' ``.grad`` the same way, but multi-rank runs with the option are not
+tested yet.
 
 Two implementations (:class:`WgradFusion` picks one in the forward). The default: one cuBLAS
 ``addmm_`` per expert, whose row ranges are copied to pinned host memory without blocking during
