@@ -16,10 +16,10 @@ exactly what the engine would have done (:func:`accumulation_target`): ``w`` is 
 the tensor, and no CUDA graph is being captured. Hooks that others register on the gradient
 accumulator node itself (``DistributedDataParallel``'s reducer, FSDP1) cannot be seen from
 Python: that is why the feature is opt-in (``MoEConfig(fuse_wgrad_accumulation=True)``) and why
-``MoELanguageModel`` refuses it under those strategies. One-process training reads ``.grad`` after
-backward and works with it (tested, also under Lightning's gradient accumulation); FSDP2 reads
-its unsharded parameters' ``.grad`` the same way, but multi-rank runs with the option are not
-tested yet.
+``MoELanguageModel`` refuses it under those strategies. One-process training and FSDP2 (which
+keeps its unsharded parameters' ``.grad`` across accumulating micro-batches and reads it after
+backward) work with it: ``tests/unit/test_wgrad_accumulation.py`` and, on 4 ranks,
+``tests/dist/test_dist_fit.py::test_fused_expert_wgrad_accumulation_under_fsdp2_matches_one_process``.
 
 Two implementations (:class:`WgradFusion` picks one in the forward). The default: one cuBLAS
 ``addmm_`` per expert, whose row ranges are copied to pinned host memory without blocking during

@@ -19,8 +19,9 @@ VOCAB, SEQ, BATCH, NUM_SAMPLES = 64, 8, 2, 48
 ACCUM, STEPS, CLIP, LR = 2, 3, 0.05, 0.5
 
 
-def model_config() -> TransformerConfig:
+def model_config(fuse_wgrad_accumulation: bool = False) -> TransformerConfig:
     moe = MoEConfig(
+        fuse_wgrad_accumulation=fuse_wgrad_accumulation,
         hidden_size=32,
         ffn_hidden_size=16,
         num_experts=8,

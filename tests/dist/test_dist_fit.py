@@ -36,6 +36,15 @@ def test_folded_layout_on_4_ranks_matches_one_process(suite4: Suite, spec: str) 
     _check(suite4, spec, 4)
 
 
+@pytest.mark.suite4("fit:ep=1,fuse=1")
+def test_fused_expert_wgrad_accumulation_under_fsdp2_matches_one_process(suite4: Suite) -> None:
+    """DP4 with the experts FSDP2-sharded (EP1): MoEConfig(fuse_wgrad_accumulation=True) adds the
+    second micro-batch's expert gradients into the unsharded .grad inside the GEMMs."""
+    _check(suite4, "ep=1,fuse=1", 4)
+    fused = torch.load(suite4.out / "ep=1,fuse=1.pt")["fused_calls"]
+    assert fused > 0, "the in-place accumulation never ran: FSDP2 held no unsharded .grad to add into"
+
+
 @pytest.mark.parametrize("spec", _W8_PARAMS)
 def test_folded_layout_on_8_ranks_matches_one_process(suite8: Suite, spec: str) -> None:
     _check(suite8, spec, 8)

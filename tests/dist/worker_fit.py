@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import lightning_moe  # noqa: F401 - registers "folded_moe"
-from _models import ACCUM, CLIP, STEPS, RecordingLM
+from _models import ACCUM, CLIP, STEPS, RecordingLM, model_config
 from lightning_moe.parallel.checkpoint import gather_full_state
 from lightning_moe.strategies import FoldedMoEStrategy
 
@@ -32,10 +32,30 @@ def parse(spec: str) -> dict[str, object]:
     return out
 
 
+def _count_fused_accumulations() -> list[int]:
+    """``fuse=1`` layouts: the tiny experts count as wide, and every in-place accumulation is counted."""
+    import lightning_moe.ops.local_experts as local_ops
+    import lightning_moe.ops.wgrad_accumulation as wacc
+
+    calls: list[int] = []
+    original = wacc.WgradFusion.accumulate_
+    local_ops.fusion_pays = lambda h, f, size: True  # type: ignore[assignment]
+
+    def counted(self: wacc.WgradFusion, *args: torch.Tensor) -> None:
+        calls.append(1)
+        original(self, *args)
+
+    wacc.WgradFusion.accumulate_ = counted  # type: ignore[method-assign]
+    return calls
+
+
 def fit_one(spec: str, out_dir: Path, world: int) -> None:
     torch.manual_seed(0)
-    model = RecordingLM()
-    strategy = FoldedMoEStrategy(**parse(spec), timeout=timedelta(seconds=90))  # type: ignore[arg-type]
+    layout = parse(spec)
+    fuse = bool(layout.pop("fuse", 0))  # MoEConfig(fuse_wgrad_accumulation=True)
+    model = RecordingLM(model_config(fuse_wgrad_accumulation=True)) if fuse else RecordingLM()
+    fused_calls = _count_fused_accumulations() if fuse else []
+    strategy = FoldedMoEStrategy(**layout, timeout=timedelta(seconds=90))  # type: ignore[arg-type]
     trainer = pl.Trainer(
         accelerator=os.environ.get("LIGHTNING_MOE_TEST_ACCELERATOR", "cpu"), devices=world, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=ACCUM,
         gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -47,7 +67,8 @@ def fit_one(spec: str, out_dir: Path, world: int) -> None:
     dist.all_gather_object(losses, (strategy.folded_mesh.rank("dp"), model.recorded))
     logged = float(trainer.callback_metrics["train/loss"])  # the last micro-batch's, as logged
     if dist.get_rank() == 0:
-        torch.save({"losses": losses, "state": state, "logged_loss": logged}, out_dir / f"{spec}.pt")
+        result = {"losses": losses, "state": state, "logged_loss": logged, "fused_calls": len(fused_calls)}
+        torch.save(result, out_dir / f"{spec}.pt")
         print(f"DONE {spec}", flush=True)
 
 
