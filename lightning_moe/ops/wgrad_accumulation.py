@@ -69,7 +69,7 @@ class HostOffsets:
     def bounds(self) -> list[int]:
         """``[0, end of expert 0, end of expert 1, ...]``; waits only for the forward's copy."""
         if self._event is not None:
-            self._event.synchronize()
+            self._event.synchronize()  # SYNC: on the forward's copy only, long done by backward
         return [0] + self._host.tolist()
 
 
@@ -91,16 +91,15 @@ class WgradFusion:
 
         self.offs_E = offs_E
         self.triton = wgrad_kernel() == "triton" and wgrad_triton.supported(x)
-        self.host = None if self.triton else HostOffsets(offs_E)
+        self.host: HostOffsets | None = None if self.triton else HostOffsets(offs_E)
 
     def accumulate_(self, grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor) -> None:
-        if self.triton:
+        if self.host is not None:
+            accumulate_wgrad_(grad_EDO, x_RD, dy_RO, self.host.bounds())
+        else:
             from lightning_moe.ops.wgrad_triton import grouped_wgrad_accumulate_
 
             grouped_wgrad_accumulate_(grad_EDO, x_RD, dy_RO, self.offs_E)
-        else:
-            assert self.host is not None
-            accumulate_wgrad_(grad_EDO, x_RD, dy_RO, self.host.bounds())
 
 
 def accumulation_target(w: torch.Tensor) -> torch.Tensor | None:
