@@ -42,7 +42,7 @@ case "$MODE" in
       --no-breakdown --json "$OUT/moe_layer_skew.json" > "$OUT/moe_layer_skew.log" 2>&1
     grep -A60 "^device" "$OUT/moe_layer.log" | grep -v "^ \{20\}"; grep -A8 "^device" "$OUT/moe_layer_skew.log"
     ;;
-  final)  # kernel + layer GPU tests; deepseek (fused wgrad: Triton, + keep) with breakdown, mixtral fused; qwen3
+  final)  # kernel + layer GPU tests; deepseek (+ fused wgrad, + keep) with breakdown; mixtral fused; QWEN3=1: qwen3
     [ "${FINAL_TESTS:-1}" = 1 ] && timeout 150 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_layer_gpu.py \
       -q -p no:cacheprovider -rf > "$OUT/gpu_layer_tests.log" 2>&1
     grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_layer_tests.log" 2>/dev/null | tail -8; tail -1 "$OUT/gpu_layer_tests.log" 2>/dev/null

@@ -18,6 +18,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 
 from lightning_moe.models.transformer import MoETransformer, TransformerConfig
 from lightning_moe.moe.utils import find_moe_layers, reset_global_aux_counts, set_aux_loss_scale, update_expert_biases
@@ -34,14 +35,13 @@ def check_optimizer_impl(impl: str, owner: str) -> None:
 
 # Strategies whose gradient reduction hangs on hooks of the gradient accumulator nodes, which the
 # in-place expert gradient accumulation (MoEConfig.fuse_wgrad_accumulation) bypasses.
-_ACCUMULATOR_HOOK_STRATEGIES = ("DDPStrategy", "FSDPStrategy", "DeepSpeedStrategy")
+_ACCUMULATOR_HOOK_STRATEGIES = (DDPStrategy, FSDPStrategy, DeepSpeedStrategy)
 
 
 def check_wgrad_fusion(module: torch.nn.Module, strategy: Any) -> None:
     """Refuse ``fuse_wgrad_accumulation`` under a strategy whose gradient hooks it would bypass."""
     fused = [name for name, m in module.named_modules() if getattr(m, "fuse_wgrad_accumulation", False)]
-    hooked = [c.__name__ for c in type(strategy).__mro__ if c.__name__ in _ACCUMULATOR_HOOK_STRATEGIES]
-    if fused and hooked:
+    if fused and isinstance(strategy, _ACCUMULATOR_HOOK_STRATEGIES):
         raise ValueError(
             f"MoEConfig(fuse_wgrad_accumulation=True) (at {fused[0]!r}) cannot train under "
             f"{type(strategy).__name__}: it reduces gradients from hooks on the gradient accumulators, which "

@@ -52,6 +52,8 @@ class _PermuteUp(torch.autograd.Function):
         x_RH = _permute_rows_impl(x_TH, perm.src_token_R)
         h_R2F = gmm(x_RH, w13, offs_E, backend)
         ctx.perm, ctx.backend, ctx.keep_gathered = perm, backend, keep_gathered
+        # The weight itself, not its saved copy: saved-tensor hooks (offload, checkpoints) may unpack
+        # another tensor, and the in-place accumulation needs the leaf whose .grad autograd would fill.
         ctx.fusion, ctx.weight = fusion, (w13 if fusion is not None else None)
         ctx.save_for_backward(x_RH if keep_gathered else x_TH, w13, offs_E)
         return h_R2F

@@ -37,6 +37,8 @@ import os
 import torch
 from torch.autograd.graph import get_gradient_edge
 
+from lightning_moe.ops import wgrad_triton
+
 __all__ = ["WGRAD_KERNELS", "HostOffsets", "WgradFusion", "accumulate_wgrad_", "accumulation_target", "fusion_pays"]
 
 # Below this many bytes of one expert's weights (w13 + w2), one GEMM launch per expert costs more
@@ -87,8 +89,6 @@ class WgradFusion:
     """What one layer call needs to accumulate its weight gradients in place in backward."""
 
     def __init__(self, offs_E: torch.Tensor, x: torch.Tensor) -> None:
-        from lightning_moe.ops import wgrad_triton
-
         self.offs_E = offs_E
         self.triton = wgrad_kernel() == "triton" and wgrad_triton.supported(x)
         self.host: HostOffsets | None = None if self.triton else HostOffsets(offs_E)
@@ -97,9 +97,7 @@ class WgradFusion:
         if self.host is not None:
             accumulate_wgrad_(grad_EDO, x_RD, dy_RO, self.host.bounds())
         else:
-            from lightning_moe.ops.wgrad_triton import grouped_wgrad_accumulate_
-
-            grouped_wgrad_accumulate_(grad_EDO, x_RD, dy_RO, self.offs_E)
+            wgrad_triton.grouped_wgrad_accumulate_(grad_EDO, x_RD, dy_RO, self.offs_E)
 
 
 def accumulation_target(w: torch.Tensor) -> torch.Tensor | None:
