@@ -6,6 +6,7 @@
 #   bash benchmarks/h200.sh offload   # activation offload GPU tests and OFFLOAD_RUNS (budget:prefetch ...) figures
 #   bash benchmarks/h200.sh e2e       # end-to-end model race + callbacks / recompute figures
 #   bash benchmarks/h200.sh verify    # graph-capture tests, GPU tests, kernels last, offload budgets, e2e (results_MODE.tgz)
+#   bash benchmarks/h200.sh wgrad     # weight-gradient kernel tests + tile sweep, deepseek layer with the best Triton tile
 #   bash benchmarks/h200.sh liger     # Liger alone with a long timeout; carry .tcache/ (from tcache.tgz) afterwards
 #   bash benchmarks/h200.sh multi     # issue 8 on a multi-GPU kind: NCCL parity, EP scaling, overlap, ECHO, DeepEP
 #   bash benchmarks/h200.sh all       # GPU tests, e2e with profile, callbacks, mixtral, Liger (results_MODE.tgz)
@@ -130,6 +131,26 @@ case "$MODE" in
           > "$OUT/$d.log" 2>&1; grep -E "\"step_ms\"" "$OUT/$d.json"
       done
     else echo "deep_ep not importable: build it from carried source first"; fi
+    ;;
+  wgrad)  # weight-gradient kernels (tests, every tile vs the cuBLAS loop), then deepseek with the best tile
+    timeout 150 python3 -m pytest tests/gpu/test_layer_gpu.py -q -p no:cacheprovider -rf -k wgrad \
+      > "$OUT/gpu_wgrad_tests.log" 2>&1; grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_wgrad_tests.log" | tail -8
+    tail -1 "$OUT/gpu_wgrad_tests.log"
+    timeout 240 python3 benchmarks/wgrad_kernels.py --shapes ${WGRAD_SHAPES:-deepseek-v3 mixtral-8x7b} \
+      --json "$OUT/wgrad.json" > "$OUT/wgrad.log" 2>&1; grep -v '"triton' "$OUT/wgrad.log" | cut -c1-200
+    python3 - "$OUT/wgrad.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))
+for r in sorted((r for r in rows if r["arm"].startswith("triton")), key=lambda r: (r["weight"], r["ms"])):
+    print(f'{r["weight"]:18s} {r["arm"]:34s} {r["ms"]:8.3f} ms {r["grad_rw_tb_s"]:5.2f} TB/s err {r["max_rel_err"]:.1e}')
+PY
+    pack
+    tile=$(grep -h "^best deepseek-v3" "$OUT/wgrad.log" | sed 's/.*tile=//')
+    [ -n "$tile" ] && LIGHTNING_MOE_WGRAD_KERNEL=triton LIGHTNING_MOE_WGRAD_TILE="$tile" timeout 200 \
+      python3 benchmarks/moe_layer.py --shapes deepseek-v3 --fuse-wgrad --fuse-wgrad-keep --peers torch-grouped_mm-ref \
+      --json "$OUT/deepseek_triton.json" > "$OUT/deepseek_triton.log" 2>&1
+    grep -h '^{"peer\|^== \|peer ms /\|GEMMs alone fwd+bwd\|^ \{26\}' "$OUT/deepseek_triton.log" | cut -c1-200; pack
+    (cd "$OUT" && rm -f *.log *.json)
     ;;
   liger)  # Liger's fused MoE alone, long enough for its autotuning; its Triton cache comes back
     timeout "${LIGER_S:-420}" python3 benchmarks/moe_layer.py --shapes "${SHAPES:-qwen3-30b-a3b}" \

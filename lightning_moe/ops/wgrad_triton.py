@@ -5,16 +5,18 @@ Legend: R rows grouped by expert, D input width, O output width, E experts.
     dw_EDO[e] += x_RD[rows of e]^T @ dy_RO[rows of e]        (fp32 accumulation, one rounding)
 
 One program per ``(expert, D tile, O tile)``, experts outermost so that an expert's rows (a few
-MB) stay in L2 while all its tiles read them; the old gradient tile is read and the sum written
-once. Row ranges come from the device offsets: no host sync, one launch instead of one GEMM per
-expert. Experts without rows return at once and leave their gradient untouched.
+MB) stay in L2 while all its tiles read them. The old gradient tile is requested before the
+reduction over rows starts (``c_load``): with a few hundred rows per expert the reduction is a
+handful of MMA steps, and a tile that first reduces and then reads its old gradient leaves the
+memory system idle half the time. Row ranges come from the device offsets: no host sync, one
+launch instead of one GEMM per expert. Experts without rows return at once and leave their
+gradient untouched.
 
 Opt-in (``LIGHTNING_MOE_WGRAD_KERNEL=triton``) and Triton optional: :func:`supported` says when
 this path can run (CUDA tensors and an importable Triton; ``TRITON_INTERPRET=1`` runs it on CPU
-tensors for tests). On the H200 it is correct but slower than the default, one cuBLAS ``addmm_``
-per expert (``ops/wgrad_accumulation.py``): 27.5 ms for DeepSeek-V3's two weights, where the
-memory traffic of reading and writing the 22.5 GB gradient once bounds it near 10 ms. A starting
-point for a tuned kernel (TMA loads, a persistent schedule), not the default.
+tensors for tests). The tile is fixed per call (:class:`WgradTile`), not autotuned: autotuning a
+kernel that adds in place must save and restore the whole gradient (15 GB for one DeepSeek-V3
+weight) on its first step. ``benchmarks/wgrad_kernels.py`` times tiles against the cuBLAS loop.
 """
 
 from __future__ import annotations
@@ -22,14 +24,63 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["grouped_wgrad_accumulate_", "supported"]
+__all__ = ["WgradTile", "grouped_wgrad_accumulate_", "supported", "tile_for", "tile_from_env"]
 
-# (BLOCK_D, BLOCK_O, BLOCK_R, num_warps, num_stages) tried once per (D, O) on the GPU.
-_CONFIGS = ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (64, 128, 64, 4, 4))
+
+class WgradTile(NamedTuple):
+    """One launch configuration of the grouped kernel."""
+
+    block_d: int = 128
+    block_o: int = 128
+    block_r: int = 64
+    warps: int = 4
+    stages: int = 3
+    # When the old gradient tile is read: "init" (the reduction starts from it), "early" (before the
+    # reduction, added after it) or "late" (after the reduction).
+    c_load: str = "init"
+    # Programs per SM of a persistent grid; 0: one program per tile.
+    programs_per_sm: int = 0
+
+    def label(self) -> str:
+        grid = f" p{self.programs_per_sm}" if self.programs_per_sm else ""
+        return f"{self.block_d}x{self.block_o}x{self.block_r} w{self.warps} s{self.stages} {self.c_load}{grid}"
+
+
+_C_LOADS = ("init", "early", "late")
+
+
+def tile_from_env() -> WgradTile | None:
+    """``LIGHTNING_MOE_WGRAD_TILE="block_d,block_o,block_r,warps,stages,c_load[,programs_per_sm]"``
+    (for tuning), else ``None``."""
+    text = os.environ.get("LIGHTNING_MOE_WGRAD_TILE", "").strip()
+    if not text:
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    numbers = parts[:5] + parts[6:]
+    if len(parts) not in (6, 7) or not all(p.isdigit() for p in numbers) or parts[5] not in _C_LOADS:
+        raise ValueError(
+            f"LIGHTNING_MOE_WGRAD_TILE={text!r} is not 'block_d,block_o,block_r,warps,stages,c_load[,programs_per_sm]' "
+            f"(five positive integers, one of {_C_LOADS}, optionally an integer), e.g. '128,128,64,4,3,init'."
+        )
+    d, o, r, warps, stages = map(int, parts[:5])
+    if min(d, o, r, warps, stages) <= 0:
+        raise ValueError(f"LIGHTNING_MOE_WGRAD_TILE={text!r}: the five sizes must be positive.")
+    return WgradTile(d, o, r, warps, stages, parts[5], int(parts[6]) if len(parts) == 7 else 0)
+
+
+def tile_for(D: int, O: int, dtype: torch.dtype) -> WgradTile:
+    """The tile used when the caller names none: ``LIGHTNING_MOE_WGRAD_TILE``, else by dtype."""
+    del D, O
+    chosen = tile_from_env()
+    if chosen is not None:
+        return chosen
+    if dtype == torch.float32:
+        return WgradTile(64, 64, 32, 4, 2)
+    return WgradTile()
 
 
 def _interpreting() -> bool:
@@ -44,76 +95,106 @@ def supported(x: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _kernel(interpret: bool) -> Any:
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; 1 for the CPU (the interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+@functools.cache
+def _kernel() -> Any:
     import triton
     import triton.language as tl
 
     @triton.jit
     def wgrad_accumulate(
-        x_ptr, dy_ptr, dw_ptr, offs_ptr, D, O, stride_x, stride_dy,
-        BLOCK_D: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
+        x_ptr, dy_ptr, dw_ptr, offs_ptr, E, D, O, stride_x, stride_dy,
+        BLOCK_D: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
+        C_LOAD: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
-        pid = tl.program_id(0)
-        tiles_o = (O + BLOCK_O - 1) // BLOCK_O
-        per_expert = (D + BLOCK_D - 1) // BLOCK_D * tiles_o
-        e = pid // per_expert
-        td = (pid % per_expert) // tiles_o
-        to = pid % tiles_o
-        end = tl.load(offs_ptr + e).to(tl.int64)
-        start = tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)), 0).to(tl.int64)
-        if end > start:
-            rd = td * BLOCK_D + tl.arange(0, BLOCK_D)
-            ro = to * BLOCK_O + tl.arange(0, BLOCK_O)
-            acc = tl.zeros((BLOCK_D, BLOCK_O), dtype=tl.float32)
-            for r0 in range(start, end, BLOCK_R):
-                rr = r0 + tl.arange(0, BLOCK_R)
-                xt = tl.load(  # [BLOCK_D, BLOCK_R]: x's rows of this expert, transposed
-                    x_ptr + rr[None, :] * stride_x + rd[:, None],
-                    mask=(rr[None, :] < end) & (rd[:, None] < D), other=0.0,
-                )  # fmt: skip
-                g = tl.load(
-                    dy_ptr + rr[:, None] * stride_dy + ro[None, :],
-                    mask=(rr[:, None] < end) & (ro[None, :] < O), other=0.0,
-                )  # fmt: skip
-                if IEEE:
-                    acc += tl.dot(xt, g, input_precision="ieee")
+        tiles_o = tl.cdiv(O, BLOCK_O)
+        per_expert = tl.cdiv(D, BLOCK_D) * tiles_o
+        # One tile per program, or (a persistent grid) every num_programs-th tile.
+        for t in range(tl.program_id(0), E * per_expert, tl.num_programs(0)):
+            e = t // per_expert
+            td = (t % per_expert) // tiles_o
+            to = t % tiles_o
+            end = tl.load(offs_ptr + e).to(tl.int64)
+            start = tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)), 0).to(tl.int64)
+            if end > start:
+                rd = td * BLOCK_D + tl.arange(0, BLOCK_D)
+                ro = to * BLOCK_O + tl.arange(0, BLOCK_O)
+                tile = dw_ptr + e.to(tl.int64) * D * O + rd[:, None] * O + ro[None, :]
+                inside = (rd[:, None] < D) & (ro[None, :] < O)
+                if C_LOAD != "late":  # in flight while the rows are reduced
+                    if EVEN:
+                        old = tl.load(tile)
+                    else:
+                        old = tl.load(tile, mask=inside, other=0.0)
+                if C_LOAD == "init":
+                    acc = old.to(tl.float32)
                 else:
-                    acc += tl.dot(xt, g)
-            tile = dw_ptr + e.to(tl.int64) * D * O + rd[:, None] * O + ro[None, :]
-            inside = (rd[:, None] < D) & (ro[None, :] < O)
-            old = tl.load(tile, mask=inside, other=0.0).to(tl.float32)
-            tl.store(tile, (old + acc).to(dw_ptr.dtype.element_ty), mask=inside)
+                    acc = tl.zeros((BLOCK_D, BLOCK_O), dtype=tl.float32)
+                for r0 in range(start, end, BLOCK_R):
+                    rr = r0 + tl.arange(0, BLOCK_R)
+                    row_ok = rr[:, None] < end
+                    if EVEN:
+                        x = tl.load(x_ptr + rr[:, None] * stride_x + rd[None, :], mask=row_ok, other=0.0)
+                        g = tl.load(dy_ptr + rr[:, None] * stride_dy + ro[None, :], mask=row_ok, other=0.0)
+                    else:
+                        x_ok = row_ok & (rd[None, :] < D)
+                        g_ok = row_ok & (ro[None, :] < O)
+                        x = tl.load(x_ptr + rr[:, None] * stride_x + rd[None, :], mask=x_ok, other=0.0)
+                        g = tl.load(dy_ptr + rr[:, None] * stride_dy + ro[None, :], mask=g_ok, other=0.0)
+                    if IEEE:
+                        acc = tl.dot(tl.trans(x), g, acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(tl.trans(x), g, acc)
+                if C_LOAD == "late":
+                    if EVEN:
+                        old = tl.load(tile)
+                    else:
+                        old = tl.load(tile, mask=inside, other=0.0)
+                if C_LOAD != "init":
+                    acc += old.to(tl.float32)
+                total = acc.to(dw_ptr.dtype.element_ty)
+                if EVEN:
+                    tl.store(tile, total)
+                else:
+                    tl.store(tile, total, mask=inside)
 
-    if interpret:
-        return wgrad_accumulate, None
-    configs = [
-        triton.Config({"BLOCK_D": d, "BLOCK_O": o, "BLOCK_R": r}, num_warps=w, num_stages=s)
-        for d, o, r, w, s in _CONFIGS
-    ]
-    # Each candidate adds into dw while being timed: autotuning restores it before every run.
-    tuned = triton.autotune(configs, key=["D", "O"], restore_value=["dw_ptr"])(wgrad_accumulate)
-    return wgrad_accumulate, tuned
+    return wgrad_accumulate
 
 
 def grouped_wgrad_accumulate_(
-    dw_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor
+    dw_EDO: torch.Tensor,
+    x_RD: torch.Tensor,
+    dy_RO: torch.Tensor,
+    offs_E: torch.Tensor,
+    tile: WgradTile | None = None,
 ) -> None:
     """``dw_EDO[e] += x_e^T @ dy_e`` for every expert; ``offs_E`` inclusive row ends (device)."""
     E, D, O = dw_EDO.shape
     if x_RD.shape[0] == 0 or E == 0:
         return
+    if not dw_EDO.is_contiguous():
+        raise ValueError(f"grouped_wgrad_accumulate_ adds into a contiguous gradient; got strides {dw_EDO.stride()}.")
     x_RD = x_RD.contiguous()
     dy_RO = dy_RO.contiguous()
     offs = offs_E.to(torch.int32).contiguous()
-    interpret = _interpreting() and not x_RD.is_cuda
-    plain, tuned = _kernel(interpret)
-    ieee = x_RD.dtype == torch.float32
-    args = (x_RD, dy_RO, dw_EDO, offs, D, O, x_RD.stride(0), dy_RO.stride(0))
-
-    def grid(meta: dict[str, int]) -> tuple[int]:
-        return (E * -(-D // meta["BLOCK_D"]) * -(-O // meta["BLOCK_O"]),)
-
-    if tuned is None:  # the interpreter: one configuration, small blocks
-        plain[grid](*args, BLOCK_D=32, BLOCK_O=32, BLOCK_R=16, IEEE=ieee)
-    else:
-        tuned[grid](*args, IEEE=ieee)
+    if _interpreting() and not x_RD.is_cuda:  # the interpreter: small blocks, quick on CPU
+        asked = tile if tile is not None else WgradTile()
+        tile = WgradTile(32, 32, 16, 4, 1, asked.c_load, asked.programs_per_sm)
+    elif tile is None:
+        tile = tile_for(D, O, x_RD.dtype)
+    if tile.c_load not in _C_LOADS:
+        raise ValueError(f"WgradTile.c_load={tile.c_load!r} is not one of {_C_LOADS}.")
+    even = D % tile.block_d == 0 and O % tile.block_o == 0
+    tiles = E * -(-D // tile.block_d) * -(-O // tile.block_o)
+    if tile.programs_per_sm:
+        tiles = min(tiles, tile.programs_per_sm * _sm_count(x_RD.device))
+    _kernel()[(tiles,)](
+        x_RD, dy_RO, dw_EDO, offs, E, D, O, x_RD.stride(0), dy_RO.stride(0),
+        BLOCK_D=tile.block_d, BLOCK_O=tile.block_o, BLOCK_R=tile.block_r,
+        C_LOAD=tile.c_load, EVEN=even, IEEE=x_RD.dtype == torch.float32,
+        num_warps=tile.warps, num_stages=tile.stages,
+    )  # fmt: skip

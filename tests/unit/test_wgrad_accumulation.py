@@ -212,9 +212,11 @@ def patched(tensor):  # the interpreter's scalars are 1-element arrays, which Nu
 
 interp._patch_lang_tensor = patched
 from lightning_moe.ops.grouped_gemm import _wgrad_reference
-from lightning_moe.ops.wgrad_triton import grouped_wgrad_accumulate_, supported
+from lightning_moe.ops.wgrad_triton import WgradTile, grouped_wgrad_accumulate_, supported
 
-for rows, D, O, E in [(50, 40, 24, 5), (37, 64, 96, 7), (0, 8, 8, 2), (9, 16, 16, 12)]:
+cases = [(50, 40, 24, 5, "init"), (37, 64, 96, 7, "init"), (0, 8, 8, 2, "init"), (9, 16, 16, 12, "init"),
+         (50, 40, 24, 5, "early"), (70, 64, 32, 3, "late"), (61, 40, 72, 6, "persistent")]
+for rows, D, O, E, c_load in cases:  # persistent: 2 programs walk every tile  # 64x96 and 64x32 are whole 32-wide tiles: the unmasked path
     g = torch.Generator().manual_seed(rows + E)
     counts = torch.zeros(E, dtype=torch.long)
     if rows:
@@ -225,9 +227,10 @@ for rows, D, O, E in [(50, 40, 24, 5), (37, 64, 96, 7), (0, 8, 8, 2), (9, 16, 16
     dw = torch.randn(E, D, O, generator=g)
     expected = dw + (_wgrad_reference(x[:rows], dy[:rows], offs) if rows else 0)
     assert supported(x)
-    grouped_wgrad_accumulate_(dw, x, dy, offs)
+    tile = WgradTile(programs_per_sm=2) if c_load == "persistent" else WgradTile(c_load=c_load)
+    grouped_wgrad_accumulate_(dw, x, dy, offs, tile)
     torch.testing.assert_close(dw, expected, rtol=1e-5, atol=1e-5)
-    print("ok", rows, D, O, E, flush=True)
+    print("ok", rows, D, O, E, c_load, flush=True)
 """
 
 
@@ -241,7 +244,7 @@ def test_triton_kernel_matches_the_per_expert_loop() -> None:
         [sys.executable, "-c", _INTERPRETED_CHECK], capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("ok") == 4
+    assert done.stdout.count("ok") == 7
 
 
 def test_unknown_wgrad_kernel_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:

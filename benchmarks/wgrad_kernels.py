@@ -1,0 +1,159 @@
+"""Expert weight-gradient GEMMs that add into an existing gradient: every implementation, one process.
+
+Per shape (one expert weight of a BENCHMARKS.md layer: ``dw[e] += x_e^T @ dy_e`` over all experts):
+
+* ``grouped fresh``  — ``F.grouped_mm`` into a new buffer (what autograd computes; adds nothing)
+* ``grouped + add``  — the same, then ``dw.add_`` (autograd's accumulation into an existing ``.grad``)
+* ``cuBLAS loop``    — one ``addmm_`` with beta = 1 per expert (``ops/wgrad_accumulation.py``)
+* ``triton <tile>``  — the grouped Triton kernel (``ops/wgrad_triton.py``) with each tile tried
+
+Prints ms (median of 10 after warm-up, CUDA events), TFLOP/s, the bandwidth of reading and writing
+the gradient once, and each Triton tile's largest relative error against an fp32 reference on a few
+experts. ``--json`` writes the rows.
+
+    python benchmarks/wgrad_kernels.py --shapes deepseek-v3 mixtral-8x7b --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from lightning_moe.ops.wgrad_accumulation import accumulate_wgrad_
+from lightning_moe.ops.wgrad_triton import WgradTile, grouped_wgrad_accumulate_
+
+# name: (tokens, hidden, ffn, experts, top_k)
+SHAPES = {
+    "qwen3-30b-a3b": (16384, 2048, 768, 128, 8),
+    "deepseek-v3": (8192, 7168, 2048, 256, 8),
+    "mixtral-8x7b": (16384, 4096, 14336, 8, 2),
+}
+
+TILES = (
+    WgradTile(128, 128, 64, 4, 3, "init"),
+    WgradTile(128, 128, 64, 4, 3, "early"),
+    WgradTile(128, 128, 64, 4, 3, "late"),
+    WgradTile(128, 128, 64, 8, 3, "init"),
+    WgradTile(128, 128, 64, 8, 4, "init"),
+    WgradTile(128, 128, 32, 4, 4, "init"),
+    WgradTile(128, 128, 128, 8, 2, "init"),
+    WgradTile(128, 256, 64, 8, 3, "init"),
+    WgradTile(128, 256, 64, 8, 3, "late"),
+    WgradTile(256, 128, 64, 8, 3, "init"),
+    WgradTile(256, 128, 64, 8, 3, "late"),
+    WgradTile(64, 256, 64, 4, 3, "init"),
+    WgradTile(64, 128, 64, 4, 4, "init"),
+    WgradTile(128, 64, 64, 4, 4, "init"),
+    WgradTile(128, 128, 64, 4, 3, "init", 2),
+    WgradTile(128, 128, 64, 4, 3, "init", 3),
+    WgradTile(128, 128, 64, 8, 3, "init", 2),
+    WgradTile(128, 256, 64, 8, 3, "init", 1),
+)
+
+
+def _time_ms(fn: Callable[[], None], steps: int = 10) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(steps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def _routed_offsets(tokens: int, experts: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
+    """Inclusive row ends of a random router's top-k choices (balanced in expectation)."""
+    choice = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=1).indices
+    return torch.bincount(choice.flatten(), minlength=experts).cumsum(0).to(torch.int32)
+
+
+def _max_rel_err(tile: WgradTile, x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, dw: torch.Tensor) -> float:
+    """Largest |error| / max |expected| over the first few experts, against fp32."""
+    few = min(4, offs.numel())
+    probe = dw[:few].clone()
+    grouped_wgrad_accumulate_(probe, x, dy, offs[:few], tile)
+    bounds = [0] + offs[:few].tolist()
+    worst = 0.0
+    for e in range(few):
+        xe, ge = x[bounds[e] : bounds[e + 1]].float(), dy[bounds[e] : bounds[e + 1]].float()
+        want = dw[e].float() + xe.t() @ ge
+        worst = max(worst, ((probe[e].float() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
+    return worst
+
+
+def run_weight(label: str, rows_offs: torch.Tensor, D: int, O: int, tiles: tuple[WgradTile, ...]) -> list[dict]:
+    E, R = rows_offs.numel(), int(rows_offs[-1])
+    dev = torch.device("cuda")
+    x = torch.randn(R, D, device=dev, dtype=torch.bfloat16)
+    dy = torch.randn(R, O, device=dev, dtype=torch.bfloat16) * 0.05
+    dw = torch.randn(E, D, O, device=dev, dtype=torch.bfloat16) * 0.01
+    offs = rows_offs.to(dev)
+    bounds = [0] + rows_offs.tolist()
+    flop = 2.0 * R * D * O
+    grad_bytes = 2.0 * dw.numel() * dw.element_size()  # the gradient read once and written once
+    rows = []
+
+    def record(arm: str, ms: float, err: float | None = None) -> None:
+        row = {"weight": label, "arm": arm, "ms": round(ms, 3), "tflops": round(flop / ms / 1e9, 1)}
+        row["grad_rw_tb_s"] = round(grad_bytes / ms / 1e9, 2)
+        if err is not None:
+            row["max_rel_err"] = err
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    record("grouped fresh", _time_ms(lambda: F.grouped_mm(x.t(), dy, offs=offs)))
+    record("grouped + add", _time_ms(lambda: dw.add_(F.grouped_mm(x.t(), dy, offs=offs))))
+    record("cuBLAS loop", _time_ms(lambda: accumulate_wgrad_(dw, x, dy, bounds)))
+    for tile in tiles:
+        try:
+            err = _max_rel_err(tile, x, dy, offs, dw)
+            record(f"triton {tile.label()}", _time_ms(lambda t=tile: grouped_wgrad_accumulate_(dw, x, dy, offs, t)), err)
+        except Exception as exc:  # a tile that does not compile or fit: say so, keep going
+            print(json.dumps({"weight": label, "arm": f"triton {tile.label()}", "error": str(exc)[:300]}), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["deepseek-v3", "mixtral-8x7b"], choices=sorted(SHAPES))
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("wgrad_kernels.py times CUDA kernels; no GPU is visible.")
+    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for name in args.shapes:
+        tokens, hidden, ffn, experts, top_k = SHAPES[name]
+        offs = _routed_offsets(tokens, experts, top_k, gen)
+        results += run_weight(f"{name} w13", offs, hidden, 2 * ffn, TILES)
+        torch.cuda.empty_cache()
+        results += run_weight(f"{name} w2", offs, ffn, hidden, TILES)
+        torch.cuda.empty_cache()
+    for name in args.shapes:  # the tile with the least time over both weights, as LIGHTNING_MOE_WGRAD_TILE
+        per_tile: dict[str, list[float]] = {}
+        for row in results:
+            if row["weight"].startswith(name + " ") and row["arm"].startswith("triton "):
+                per_tile.setdefault(row["arm"], []).append(row["ms"])
+        loop = sum(r["ms"] for r in results if r["weight"].startswith(name + " ") and r["arm"] == "cuBLAS loop")
+        both = {arm: sum(ms) for arm, ms in per_tile.items() if len(ms) == 2}
+        if both:
+            arm = min(both, key=both.__getitem__)
+            tile = next(t for t in TILES if f"triton {t.label()}" == arm)
+            print(f"best {name}: {both[arm]:.2f} ms (cuBLAS loop {loop:.2f}) tile={','.join(map(str, tile))}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
