@@ -137,7 +137,7 @@ case "$MODE" in
       > "$OUT/gpu_wgrad_tests.log" 2>&1; grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_wgrad_tests.log" | tail -8
     tail -1 "$OUT/gpu_wgrad_tests.log"
     timeout 240 python3 benchmarks/wgrad_kernels.py --shapes ${WGRAD_SHAPES:-deepseek-v3 mixtral-8x7b} \
-      --json "$OUT/wgrad.json" > "$OUT/wgrad.log" 2>&1; grep -v '"triton' "$OUT/wgrad.log" | cut -c1-200
+      --tiles "${WGRAD_TILES:-all}" --json "$OUT/wgrad.json" > "$OUT/wgrad.log" 2>&1; grep -v '"triton' "$OUT/wgrad.log" | cut -c1-200
     python3 - "$OUT/wgrad.json" <<'PY'
 import json, sys
 rows = json.load(open(sys.argv[1]))
@@ -146,7 +146,8 @@ for r in sorted((r for r in rows if r["arm"].startswith("triton")), key=lambda r
 PY
     pack
     tile=$(grep -h "^best deepseek-v3" "$OUT/wgrad.log" | sed 's/.*tile=//')
-    [ -n "$tile" ] && LIGHTNING_MOE_WGRAD_KERNEL=triton LIGHTNING_MOE_WGRAD_TILE="$tile" timeout 200 \
+    wins=$(grep -h "^best deepseek-v3" "$OUT/wgrad.log" | awk '{print ($3+0 < $6+0) ? 1 : 0}')  # Triton under the loop
+    [ -n "$tile" ] && [ "${wins:-0}" = 1 ] && LIGHTNING_MOE_WGRAD_KERNEL=triton LIGHTNING_MOE_WGRAD_TILE="$tile" timeout 200 \
       python3 benchmarks/moe_layer.py --shapes deepseek-v3 --fuse-wgrad --fuse-wgrad-keep --peers torch-grouped_mm-ref \
       --json "$OUT/deepseek_triton.json" > "$OUT/deepseek_triton.log" 2>&1
     grep -h '^{"peer\|^== \|peer ms /\|GEMMs alone fwd+bwd\|^ \{26\}' "$OUT/deepseek_triton.log" | cut -c1-200; pack

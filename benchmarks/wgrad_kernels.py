@@ -56,6 +56,61 @@ TILES = (
 )
 
 
+# The tiles worth trying again after the first full sweep (commit 2f0e3f0's run), and TMA variants.
+SHORT_TILES = (
+    WgradTile(128, 128, 32, 4, 4, "init"),
+    WgradTile(128, 128, 64, 4, 3, "early"),
+    WgradTile(128, 128, 32, 4, 4, "tma"),
+    WgradTile(128, 128, 64, 4, 3, "tma"),
+    WgradTile(128, 128, 64, 8, 3, "tma"),
+    WgradTile(128, 256, 64, 8, 3, "tma"),
+    WgradTile(128, 256, 32, 8, 4, "tma"),
+    WgradTile(256, 128, 64, 8, 3, "tma"),
+    WgradTile(128, 128, 64, 4, 3, "tma", 2),
+    WgradTile(128, 256, 64, 8, 3, "tma", 1),
+)
+
+
+def _loop_transposed(dw: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, bounds: list[int]) -> None:
+    """The cuBLAS loop computing each gradient's transpose (``dw[e]^T += dy_e^T x_e``): another kernel choice."""
+    counts = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+    for grad_DO, x_RD, dy_RO, rows in zip(dw.unbind(0), x[: bounds[-1]].split(counts), dy[: bounds[-1]].split(counts), counts):
+        if rows:
+            grad_DO.t().addmm_(dy_RO.t(), x_RD)
+
+
+def _loop_two_streams(dw: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, bounds: list[int], side: torch.cuda.Stream) -> None:
+    """The cuBLAS loop with experts alternating between two streams (one's epilogue beside the other's GEMM)."""
+    main = torch.cuda.current_stream()
+    side.wait_stream(main)
+    counts = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+    views = zip(dw.unbind(0), x[: bounds[-1]].t().split(counts, dim=1), dy[: bounds[-1]].split(counts), counts)
+    for e, (grad_DO, x_DR, dy_RO, rows) in enumerate(views):
+        if rows:
+            with torch.cuda.stream(side if e % 2 else main):
+                grad_DO.addmm_(x_DR, dy_RO)
+    main.wait_stream(side)
+
+
+def _padded_batched(dw: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, bounds: list[int]) -> Callable[[], None]:
+    """One strided-batched cuBLAS GEMM with beta = 1 over rows padded with zeros to the largest expert."""
+    E = dw.shape[0]
+    counts = torch.tensor([hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])])
+    most = int(counts.max())
+    starts = torch.tensor(bounds[:-1])
+    expert = torch.repeat_interleave(torch.arange(E), counts)
+    slot = (expert * most + torch.arange(bounds[-1]) - starts[expert]).to(x.device)
+    x_pad = x.new_zeros(E * most, x.shape[1])
+    dy_pad = dy.new_zeros(E * most, dy.shape[1])
+
+    def run() -> None:
+        x_pad.index_copy_(0, slot, x[: bounds[-1]])
+        dy_pad.index_copy_(0, slot, dy[: bounds[-1]])
+        dw.baddbmm_(x_pad.view(E, most, -1).transpose(1, 2), dy_pad.view(E, most, -1))
+
+    return run
+
+
 def _time_ms(fn: Callable[[], None], steps: int = 10) -> float:
     for _ in range(2):
         fn()
@@ -113,6 +168,10 @@ def run_weight(label: str, rows_offs: torch.Tensor, D: int, O: int, tiles: tuple
     record("grouped fresh", _time_ms(lambda: F.grouped_mm(x.t(), dy, offs=offs)))
     record("grouped + add", _time_ms(lambda: dw.add_(F.grouped_mm(x.t(), dy, offs=offs))))
     record("cuBLAS loop", _time_ms(lambda: accumulate_wgrad_(dw, x, dy, bounds)))
+    record("cuBLAS loop transposed", _time_ms(lambda: _loop_transposed(dw, x, dy, bounds)))
+    side = torch.cuda.Stream()
+    record("cuBLAS loop 2 streams", _time_ms(lambda: _loop_two_streams(dw, x, dy, bounds, side)))
+    record("cuBLAS padded batched", _time_ms(_padded_batched(dw, x, dy, bounds)))
     for tile in tiles:
         try:
             err = _max_rel_err(tile, x, dy, offs, dw)
@@ -125,19 +184,23 @@ def run_weight(label: str, rows_offs: torch.Tensor, D: int, O: int, tiles: tuple
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["deepseek-v3", "mixtral-8x7b"], choices=sorted(SHAPES))
+    parser.add_argument("--tiles", choices=("all", "short"), default="all", help="Triton tiles to try")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("wgrad_kernels.py times CUDA kernels; no GPU is visible.")
-    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
+    import triton
+
+    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
     gen = torch.Generator().manual_seed(0)
+    tiles = TILES if args.tiles == "all" else SHORT_TILES
     results = []
     for name in args.shapes:
         tokens, hidden, ffn, experts, top_k = SHAPES[name]
         offs = _routed_offsets(tokens, experts, top_k, gen)
-        results += run_weight(f"{name} w13", offs, hidden, 2 * ffn, TILES)
+        results += run_weight(f"{name} w13", offs, hidden, 2 * ffn, tiles)
         torch.cuda.empty_cache()
-        results += run_weight(f"{name} w2", offs, ffn, hidden, TILES)
+        results += run_weight(f"{name} w2", offs, ffn, hidden, tiles)
         torch.cuda.empty_cache()
     for name in args.shapes:  # the tile with the least time over both weights, as LIGHTNING_MOE_WGRAD_TILE
         per_tile: dict[str, list[float]] = {}
@@ -148,7 +211,7 @@ def main() -> None:
         both = {arm: sum(ms) for arm, ms in per_tile.items() if len(ms) == 2}
         if both:
             arm = min(both, key=both.__getitem__)
-            tile = next(t for t in TILES if f"triton {t.label()}" == arm)
+            tile = next(t for t in tiles if f"triton {t.label()}" == arm)
             print(f"best {name}: {both[arm]:.2f} ms (cuBLAS loop {loop:.2f}) tile={','.join(map(str, tile))}")
     if args.json:
         with open(args.json, "w") as f:

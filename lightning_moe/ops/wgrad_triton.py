@@ -40,7 +40,9 @@ class WgradTile(NamedTuple):
     warps: int = 4
     stages: int = 3
     # When the old gradient tile is read: "init" (the reduction starts from it), "early" (before the
-    # reduction, added after it) or "late" (after the reduction).
+    # reduction, added after it), "late" (after the reduction) or "tma" (like "early", but read and
+    # written by the tensor-memory accelerator through shared memory, no registers held while in
+    # flight; needs D divisible by block_d, else "early").
     c_load: str = "init"
     # Programs per SM of a persistent grid; 0: one program per tile.
     programs_per_sm: int = 0
@@ -50,7 +52,7 @@ class WgradTile(NamedTuple):
         return f"{self.block_d}x{self.block_o}x{self.block_r} w{self.warps} s{self.stages} {self.c_load}{grid}"
 
 
-_C_LOADS = ("init", "early", "late")
+_C_LOADS = ("init", "early", "late", "tma")
 
 
 def tile_from_env() -> WgradTile | None:
@@ -107,7 +109,7 @@ def _kernel() -> Any:
 
     @triton.jit
     def wgrad_accumulate(
-        x_ptr, dy_ptr, dw_ptr, offs_ptr, E, D, O, stride_x, stride_dy,
+        x_ptr, dy_ptr, dw_ptr, dw_desc, offs_ptr, E, D, O, stride_x, stride_dy,
         BLOCK_D: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
         C_LOAD: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
@@ -125,7 +127,9 @@ def _kernel() -> Any:
                 ro = to * BLOCK_O + tl.arange(0, BLOCK_O)
                 tile = dw_ptr + e.to(tl.int64) * D * O + rd[:, None] * O + ro[None, :]
                 inside = (rd[:, None] < D) & (ro[None, :] < O)
-                if C_LOAD != "late":  # in flight while the rows are reduced
+                if C_LOAD == "tma":
+                    old = dw_desc.load([e * D + td * BLOCK_D, to * BLOCK_O])
+                elif C_LOAD != "late":  # in flight while the rows are reduced
                     if EVEN:
                         old = tl.load(tile)
                     else:
@@ -157,7 +161,9 @@ def _kernel() -> Any:
                 if C_LOAD != "init":
                     acc += old.to(tl.float32)
                 total = acc.to(dw_ptr.dtype.element_ty)
-                if EVEN:
+                if C_LOAD == "tma":
+                    dw_desc.store([e * D + td * BLOCK_D, to * BLOCK_O], total)
+                elif EVEN:
                     tl.store(tile, total)
                 else:
                     tl.store(tile, total, mask=inside)
@@ -189,11 +195,19 @@ def grouped_wgrad_accumulate_(
     if tile.c_load not in _C_LOADS:
         raise ValueError(f"WgradTile.c_load={tile.c_load!r} is not one of {_C_LOADS}.")
     even = D % tile.block_d == 0 and O % tile.block_o == 0
+    dw_desc = None
+    if tile.c_load == "tma":
+        if D % tile.block_d or (O * dw_EDO.element_size()) % 16:
+            tile = tile._replace(c_load="early")  # a tile would cross into the next expert's rows
+        else:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            dw_desc = TensorDescriptor.from_tensor(dw_EDO.view(E * D, O), [tile.block_d, tile.block_o])
     tiles = E * -(-D // tile.block_d) * -(-O // tile.block_o)
     if tile.programs_per_sm:
         tiles = min(tiles, tile.programs_per_sm * _sm_count(x_RD.device))
     _kernel()[(tiles,)](
-        x_RD, dy_RO, dw_EDO, offs, E, D, O, x_RD.stride(0), dy_RO.stride(0),
+        x_RD, dy_RO, dw_EDO, dw_desc, offs, E, D, O, x_RD.stride(0), dy_RO.stride(0),
         BLOCK_D=tile.block_d, BLOCK_O=tile.block_o, BLOCK_R=tile.block_r,
         C_LOAD=tile.c_load, EVEN=even, IEEE=x_RD.dtype == torch.float32,
         num_warps=tile.warps, num_stages=tile.stages,

@@ -215,7 +215,8 @@ from lightning_moe.ops.grouped_gemm import _wgrad_reference
 from lightning_moe.ops.wgrad_triton import WgradTile, grouped_wgrad_accumulate_, supported
 
 cases = [(50, 40, 24, 5, "init"), (37, 64, 96, 7, "init"), (0, 8, 8, 2, "init"), (9, 16, 16, 12, "init"),
-         (50, 40, 24, 5, "early"), (70, 64, 32, 3, "late"), (61, 40, 72, 6, "persistent")]
+         (50, 40, 24, 5, "early"), (70, 64, 32, 3, "late"), (61, 40, 72, 6, "persistent"),
+         (90, 64, 48, 4, "tma"), (33, 40, 24, 3, "tma")]  # 40 rows: not whole tiles, "early" instead
 for rows, D, O, E, c_load in cases:  # persistent: 2 programs walk every tile  # 64x96 and 64x32 are whole 32-wide tiles: the unmasked path
     g = torch.Generator().manual_seed(rows + E)
     counts = torch.zeros(E, dtype=torch.long)
@@ -244,7 +245,7 @@ def test_triton_kernel_matches_the_per_expert_loop() -> None:
         [sys.executable, "-c", _INTERPRETED_CHECK], capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("ok") == 7
+    assert done.stdout.count("ok") == 9
 
 
 def test_unknown_wgrad_kernel_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
