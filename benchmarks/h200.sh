@@ -146,7 +146,7 @@ for r in sorted((r for r in rows if r["arm"].startswith("triton")), key=lambda r
 PY
     pack
     tile=$(grep -h "^best deepseek-v3" "$OUT/wgrad.log" | sed 's/.*tile=//')
-    wins=$(grep -h "^best deepseek-v3" "$OUT/wgrad.log" | awk '{print ($3+0 < $6+0) ? 1 : 0}')  # Triton under the loop
+    wins=$(grep -h "^best deepseek-v3" "$OUT/wgrad.log" | awk '{print ($3+0 < $7+0) ? 1 : 0}')  # Triton under the loop
     [ -n "$tile" ] && [ "${wins:-0}" = 1 ] && LIGHTNING_MOE_WGRAD_KERNEL=triton LIGHTNING_MOE_WGRAD_TILE="$tile" timeout 200 \
       python3 benchmarks/moe_layer.py --shapes deepseek-v3 --fuse-wgrad --fuse-wgrad-keep --peers torch-grouped_mm-ref \
       --json "$OUT/deepseek_triton.json" > "$OUT/deepseek_triton.log" 2>&1
