@@ -133,9 +133,9 @@ case "$MODE" in
     else echo "deep_ep not importable: build it from carried source first"; fi
     ;;
   wgrad)  # weight-gradient kernels (tests, every tile vs the cuBLAS loop), then deepseek with the best tile
-    timeout 150 python3 -m pytest tests/gpu/test_layer_gpu.py -q -p no:cacheprovider -rf -k wgrad \
+    [ "${WGRAD_TESTS:-1}" = 1 ] && timeout 150 python3 -m pytest tests/gpu/test_layer_gpu.py -q -p no:cacheprovider -rf -k wgrad \
       > "$OUT/gpu_wgrad_tests.log" 2>&1; grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_wgrad_tests.log" | tail -8
-    tail -1 "$OUT/gpu_wgrad_tests.log"
+    tail -1 "$OUT/gpu_wgrad_tests.log" 2>/dev/null
     timeout 240 python3 benchmarks/wgrad_kernels.py --shapes ${WGRAD_SHAPES:-deepseek-v3 mixtral-8x7b} \
       --tiles "${WGRAD_TILES:-all}" --json "$OUT/wgrad.json" > "$OUT/wgrad.log" 2>&1; grep -v '"triton' "$OUT/wgrad.log" | cut -c1-200
     python3 - "$OUT/wgrad.json" <<'PY'

@@ -124,6 +124,8 @@ _TILES = [  # (block_d, block_o, block_r, warps, stages, c_load, programs_per_sm
     (64, 128, 32, 4, 4, "late", 0),
     (128, 256, 64, 8, 3, "init", 0),
     (128, 128, 64, 4, 3, "init", 2),
+    (128, 128, 64, 4, 3, "tma", 0),  # the 72-wide case falls back to "early"
+    (128, 256, 64, 8, 3, "tma", 1),
 ]
 
 
