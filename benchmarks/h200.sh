@@ -150,7 +150,13 @@ PY
     [ -n "$tile" ] && [ "${wins:-0}" = 1 ] && LIGHTNING_MOE_WGRAD_KERNEL=triton LIGHTNING_MOE_WGRAD_TILE="$tile" timeout 200 \
       python3 benchmarks/moe_layer.py --shapes deepseek-v3 --fuse-wgrad --fuse-wgrad-keep --peers torch-grouped_mm-ref \
       --json "$OUT/deepseek_triton.json" > "$OUT/deepseek_triton.log" 2>&1
-    grep -h '^{"peer\|^== \|peer ms /\|GEMMs alone fwd+bwd\|^ \{26\}' "$OUT/deepseek_triton.log" | cut -c1-200; pack
+    grep -h '^{"peer\|^== \|peer ms /\|GEMMs alone fwd+bwd\|^ \{26\}' "$OUT/deepseek_triton.log" 2>/dev/null | cut -c1-200; pack
+    for k in ${WGRAD_LAYER_KERNELS:-}; do  # the deepseek layer with each accumulation kernel
+      echo "== LIGHTNING_MOE_WGRAD_KERNEL=$k"
+      LIGHTNING_MOE_WGRAD_KERNEL=$k timeout 150 python3 benchmarks/moe_layer.py --shapes deepseek-v3 --fuse-wgrad \
+        --fuse-wgrad-keep --no-breakdown --peers torch-grouped_mm-ref --json "$OUT/deepseek_$k.json" > "$OUT/deepseek_$k.log" 2>&1
+      grep -h '^{"peer\|peer ms /' "$OUT/deepseek_$k.log" | cut -c1-200; pack
+    done
     (cd "$OUT" && rm -f *.log *.json)
     ;;
   liger)  # Liger's fused MoE alone, long enough for its autotuning; its Triton cache comes back

@@ -24,7 +24,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from lightning_moe.ops.wgrad_accumulation import accumulate_wgrad_
+from lightning_moe.ops.wgrad_accumulation import (
+    PaddedRows,
+    accumulate_wgrad_,
+    accumulate_wgrad_batched_,
+    accumulate_wgrad_two_streams_,
+)
 from lightning_moe.ops.wgrad_triton import WgradTile, grouped_wgrad_accumulate_
 
 # name: (tokens, hidden, ffn, experts, top_k)
@@ -77,38 +82,6 @@ def _loop_transposed(dw: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, bounds
     for grad_DO, x_RD, dy_RO, rows in zip(dw.unbind(0), x[: bounds[-1]].split(counts), dy[: bounds[-1]].split(counts), counts):
         if rows:
             grad_DO.t().addmm_(dy_RO.t(), x_RD)
-
-
-def _loop_two_streams(dw: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, bounds: list[int], side: torch.cuda.Stream) -> None:
-    """The cuBLAS loop with experts alternating between two streams (one's epilogue beside the other's GEMM)."""
-    main = torch.cuda.current_stream()
-    side.wait_stream(main)
-    counts = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
-    views = zip(dw.unbind(0), x[: bounds[-1]].t().split(counts, dim=1), dy[: bounds[-1]].split(counts), counts)
-    for e, (grad_DO, x_DR, dy_RO, rows) in enumerate(views):
-        if rows:
-            with torch.cuda.stream(side if e % 2 else main):
-                grad_DO.addmm_(x_DR, dy_RO)
-    main.wait_stream(side)
-
-
-def _padded_batched(dw: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, bounds: list[int]) -> Callable[[], None]:
-    """One strided-batched cuBLAS GEMM with beta = 1 over rows padded with zeros to the largest expert."""
-    E = dw.shape[0]
-    counts = torch.tensor([hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])])
-    most = int(counts.max())
-    starts = torch.tensor(bounds[:-1])
-    expert = torch.repeat_interleave(torch.arange(E), counts)
-    slot = (expert * most + torch.arange(bounds[-1]) - starts[expert]).to(x.device)
-    x_pad = x.new_zeros(E * most, x.shape[1])
-    dy_pad = dy.new_zeros(E * most, dy.shape[1])
-
-    def run() -> None:
-        x_pad.index_copy_(0, slot, x[: bounds[-1]])
-        dy_pad.index_copy_(0, slot, dy[: bounds[-1]])
-        dw.baddbmm_(x_pad.view(E, most, -1).transpose(1, 2), dy_pad.view(E, most, -1))
-
-    return run
 
 
 def _time_ms(fn: Callable[[], None], steps: int = 10) -> float:
@@ -169,9 +142,11 @@ def run_weight(label: str, rows_offs: torch.Tensor, D: int, O: int, tiles: tuple
     record("grouped + add", _time_ms(lambda: dw.add_(F.grouped_mm(x.t(), dy, offs=offs))))
     record("cuBLAS loop", _time_ms(lambda: accumulate_wgrad_(dw, x, dy, bounds)))
     record("cuBLAS loop transposed", _time_ms(lambda: _loop_transposed(dw, x, dy, bounds)))
-    side = torch.cuda.Stream()
-    record("cuBLAS loop 2 streams", _time_ms(lambda: _loop_two_streams(dw, x, dy, bounds, side)))
-    record("cuBLAS padded batched", _time_ms(_padded_batched(dw, x, dy, bounds)))
+    record("cuBLAS loop 2 streams", _time_ms(lambda: accumulate_wgrad_two_streams_(dw, x, dy, bounds)))
+    record(  # the padding's indices are built once per layer call, for both weights: timed here too
+        "cuBLAS padded batched",
+        _time_ms(lambda: accumulate_wgrad_batched_(dw, x, dy, PaddedRows(offs, bounds))),
+    )
     for tile in tiles:
         try:
             err = _max_rel_err(tile, x, dy, offs, dw)
@@ -184,7 +159,7 @@ def run_weight(label: str, rows_offs: torch.Tensor, D: int, O: int, tiles: tuple
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["deepseek-v3", "mixtral-8x7b"], choices=sorted(SHAPES))
-    parser.add_argument("--tiles", choices=("all", "short"), default="all", help="Triton tiles to try")
+    parser.add_argument("--tiles", choices=("all", "short", "none"), default="all", help="Triton tiles to try")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -193,7 +168,7 @@ def main() -> None:
 
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
     gen = torch.Generator().manual_seed(0)
-    tiles = TILES if args.tiles == "all" else SHORT_TILES
+    tiles = {"all": TILES, "short": SHORT_TILES, "none": ()}[args.tiles]
     results = []
     for name in args.shapes:
         tokens, hidden, ffn, experts, top_k = SHAPES[name]

@@ -39,7 +39,17 @@ from torch.autograd.graph import get_gradient_edge
 
 from lightning_moe.ops import wgrad_triton
 
-__all__ = ["WGRAD_KERNELS", "HostOffsets", "WgradFusion", "accumulate_wgrad_", "accumulation_target", "fusion_pays"]
+__all__ = [
+    "WGRAD_KERNELS",
+    "HostOffsets",
+    "PaddedRows",
+    "WgradFusion",
+    "accumulate_wgrad_",
+    "accumulate_wgrad_batched_",
+    "accumulate_wgrad_two_streams_",
+    "accumulation_target",
+    "fusion_pays",
+]
 
 # Below this many bytes of one expert's weights (w13 + w2), one GEMM launch per expert costs more
 # host time than the device time it saves: the grouped GEMM and autograd's addition stay.
@@ -75,10 +85,11 @@ class HostOffsets:
         return [0] + self._host.tolist()
 
 
-WGRAD_KERNELS = ("loop", "triton")
+WGRAD_KERNELS = ("loop", "streams", "batched", "triton")
 
 
 def wgrad_kernel() -> str:
+    """``LIGHTNING_MOE_WGRAD_KERNEL``: ``loop`` (default), ``streams``, ``batched`` or ``triton``."""
     kernel = os.environ.get("LIGHTNING_MOE_WGRAD_KERNEL", "loop").lower()
     if kernel not in WGRAD_KERNELS:
         raise ValueError(f"LIGHTNING_MOE_WGRAD_KERNEL={kernel!r} is unknown; choose one of {WGRAD_KERNELS}.")
@@ -90,14 +101,27 @@ class WgradFusion:
 
     def __init__(self, offs_E: torch.Tensor, x: torch.Tensor) -> None:
         self.offs_E = offs_E
-        self.triton = wgrad_kernel() == "triton" and wgrad_triton.supported(x)
+        kernel = wgrad_kernel()
+        self.triton = kernel == "triton" and wgrad_triton.supported(x)
+        self.kernel = "loop" if kernel == "triton" and not self.triton else kernel
+        if not x.is_cuda and self.kernel == "streams":
+            self.kernel = "loop"
         self.host: HostOffsets | None = None if self.triton else HostOffsets(offs_E)
+        self._padding: PaddedRows | None = None  # built by the first weight, reused by the second
 
     def accumulate_(self, grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor) -> None:
-        if self.host is not None:
-            accumulate_wgrad_(grad_EDO, x_RD, dy_RO, self.host.bounds())
-        else:
+        if self.host is None:
             wgrad_triton.grouped_wgrad_accumulate_(grad_EDO, x_RD, dy_RO, self.offs_E)
+            return
+        bounds = self.host.bounds()
+        if self.kernel == "batched" and self._padding is None:
+            self._padding = PaddedRows(self.offs_E, bounds)  # shared by both weights of the call
+        if self._padding is not None and self._padding.affordable:
+            accumulate_wgrad_batched_(grad_EDO, x_RD, dy_RO, self._padding)
+        elif self.kernel == "streams":
+            accumulate_wgrad_two_streams_(grad_EDO, x_RD, dy_RO, bounds)
+        else:
+            accumulate_wgrad_(grad_EDO, x_RD, dy_RO, bounds)
 
 
 def accumulation_target(w: torch.Tensor) -> torch.Tensor | None:
@@ -138,3 +162,85 @@ def accumulate_wgrad_(grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.T
     for grad_DO, x_DR, dy_RO_e, rows in zip(grad_EDO.unbind(0), xs_DR, dys_RO, counts):
         if rows:
             grad_DO.addmm_(x_DR, dy_RO_e)
+
+
+def accumulate_wgrad_two_streams_(
+    grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, bounds: list[int]
+) -> None:
+    """:func:`accumulate_wgrad_` with odd experts on a second stream (CUDA only).
+
+    One expert's GEMM reads and writes its gradient tile by tile while the other's multiplies: two
+    kernels in flight keep both the memory system and the tensor cores busy. The current stream
+    waits for the side stream before returning, so everything after (and any reuse of these
+    tensors' memory, which happens on the current stream) is ordered after both.
+    """
+    main = torch.cuda.current_stream(x_RD.device)
+    side = _side_stream(x_RD.device)
+    side.wait_stream(main)
+    counts = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+    xs_DR = x_RD[: bounds[-1]].t().split(counts, dim=1)
+    dys_RO = dy_RO[: bounds[-1]].split(counts, dim=0)
+    for e, (grad_DO, x_DR, dy_RO_e, rows) in enumerate(zip(grad_EDO.unbind(0), xs_DR, dys_RO, counts)):
+        if rows:
+            with torch.cuda.stream(side if e % 2 else main):
+                grad_DO.addmm_(x_DR, dy_RO_e)
+    main.wait_stream(side)
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+_MAX_PADDING = 1.5  # padded rows per real row above which the batched GEMM wastes more than it saves
+
+
+class PaddedRows:
+    """Where each grouped row goes when every expert is padded to the largest expert's row count.
+
+    Built on the device from the offsets (no sync: the sizes come from the host copy of the
+    offsets that the forward already made): ``slot_R`` (row -> padded slot) and ``pad_P`` (the
+    padded slots that no row fills, zeroed).
+    """
+
+    def __init__(self, offs_E: torch.Tensor, bounds: list[int]) -> None:
+        counts = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+        self.experts, self.rows = len(counts), bounds[-1]
+        self.most = max(counts, default=0)
+        dev = offs_E.device
+        counts_E = torch.diff(offs_E.long(), prepend=offs_E.new_zeros(1, dtype=torch.long))
+        expert_R = torch.repeat_interleave(torch.arange(self.experts, device=dev), counts_E, output_size=self.rows)
+        first_E = offs_E.long() - counts_E
+        self.slot_R = expert_R * self.most + torch.arange(self.rows, device=dev) - first_E[expert_R]
+        missing_E = self.most - counts_E
+        pads = self.experts * self.most - self.rows
+        expert_P = torch.repeat_interleave(torch.arange(self.experts, device=dev), missing_E, output_size=pads)
+        first_pad_E = torch.cumsum(missing_E, 0) - missing_E
+        local_P = torch.arange(pads, device=dev) - first_pad_E[expert_P]
+        self.pad_P = expert_P * self.most + counts_E[expert_P] + local_P
+        # Skewed routing can make the padded rows outnumber the real ones: the loop then.
+        self.affordable = self.experts * self.most <= _MAX_PADDING * max(self.rows, 1)
+
+    def pad(self, rows_RD: torch.Tensor) -> torch.Tensor:
+        """``[E, most, D]``: each expert's rows, then zeros."""
+        out = rows_RD.new_empty(self.experts * self.most, rows_RD.shape[1])
+        out.index_copy_(0, self.slot_R, rows_RD[: self.rows])
+        out.index_fill_(0, self.pad_P, 0)
+        return out.view(self.experts, self.most, rows_RD.shape[1])
+
+
+def accumulate_wgrad_batched_(
+    grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, padding: PaddedRows
+) -> None:
+    """One strided-batched GEMM with ``beta = 1`` over rows padded to the largest expert.
+
+    Three launches instead of one per expert; costs copies of both operands padded
+    (``E * most`` rows) and the padded rows' multiply-adds (zeros).
+    """
+    if padding.rows == 0:
+        return
+    grad_EDO.baddbmm_(padding.pad(x_RD).transpose(1, 2), padding.pad(dy_RO))
