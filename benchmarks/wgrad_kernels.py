@@ -142,7 +142,8 @@ def run_weight(label: str, rows_offs: torch.Tensor, D: int, O: int, tiles: tuple
     record("grouped + add", _time_ms(lambda: dw.add_(F.grouped_mm(x.t(), dy, offs=offs))))
     record("cuBLAS loop", _time_ms(lambda: accumulate_wgrad_(dw, x, dy, bounds)))
     record("cuBLAS loop transposed", _time_ms(lambda: _loop_transposed(dw, x, dy, bounds)))
-    record("cuBLAS loop 2 streams", _time_ms(lambda: accumulate_wgrad_two_streams_(dw, x, dy, bounds)))
+    for n in (2, 3, 4):
+        record(f"cuBLAS loop {n} streams", _time_ms(lambda n=n: accumulate_wgrad_two_streams_(dw, x, dy, bounds, n)))
     record(  # the padding's indices are built once per layer call, for both weights: timed here too
         "cuBLAS padded batched",
         _time_ms(lambda: accumulate_wgrad_batched_(dw, x, dy, PaddedRows(offs, bounds))),

@@ -165,9 +165,9 @@ def accumulate_wgrad_(grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.T
 
 
 def accumulate_wgrad_two_streams_(
-    grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, bounds: list[int]
+    grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, bounds: list[int], streams: int = 2
 ) -> None:
-    """:func:`accumulate_wgrad_` with odd experts on a second stream (CUDA only).
+    """:func:`accumulate_wgrad_` with experts dealt round-robin over ``streams`` streams (CUDA only).
 
     One expert's GEMM reads and writes its gradient tile by tile while the other's multiplies: two
     kernels in flight keep both the memory system and the tensor cores busy. The current stream
@@ -175,25 +175,27 @@ def accumulate_wgrad_two_streams_(
     tensors' memory, which happens on the current stream) is ordered after both.
     """
     main = torch.cuda.current_stream(x_RD.device)
-    side = _side_stream(x_RD.device)
-    side.wait_stream(main)
+    lanes = [main] + [_side_stream(x_RD.device, i) for i in range(streams - 1)]
+    for side in lanes[1:]:
+        side.wait_stream(main)
     counts = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
     xs_DR = x_RD[: bounds[-1]].t().split(counts, dim=1)
     dys_RO = dy_RO[: bounds[-1]].split(counts, dim=0)
     for e, (grad_DO, x_DR, dy_RO_e, rows) in enumerate(zip(grad_EDO.unbind(0), xs_DR, dys_RO, counts)):
         if rows:
-            with torch.cuda.stream(side if e % 2 else main):
+            with torch.cuda.stream(lanes[e % streams]):
                 grad_DO.addmm_(x_DR, dy_RO_e)
-    main.wait_stream(side)
+    for side in lanes[1:]:
+        main.wait_stream(side)
 
 
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_SIDE_STREAMS: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
+def _side_stream(device: torch.device, index: int) -> torch.cuda.Stream:
+    if (device, index) not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device, index] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device, index]
 
 
 _MAX_PADDING = 1.5  # padded rows per real row above which the batched GEMM wastes more than it saves
