@@ -161,7 +161,7 @@ PY
     ;;
   liger)  # Liger's fused MoE alone, long enough for its autotuning; its Triton cache comes back
     timeout "${LIGER_S:-420}" python3 benchmarks/moe_layer.py --shapes "${SHAPES:-qwen3-30b-a3b}" \
-      --peers liger-triton-fused --no-breakdown --json "$OUT/liger.json" > "$OUT/liger.log" 2>&1
+      --peers liger-triton-fused --no-breakdown ${LIGER_FLAGS:-} --json "$OUT/liger.json" > "$OUT/liger.log" 2>&1
     grep -h '^{"peer\|^== ' "$OUT/liger.log" | cut -c1-160
     tar czf "$OUT/tcache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
     ;;

@@ -296,3 +296,10 @@ def test_every_wgrad_kernel_accumulates_like_autograd(
     _assert_close(got, want)
     assert len(fused_calls) == 4  # w2 and w13 of the second and third passes
     assert taken == (["batched"] * 4 if kernel == "batched" else [])
+
+
+def test_auto_kernel_deals_many_experts_over_two_streams() -> None:
+    assert wacc.auto_kernel(256) == "streams" and wacc.auto_kernel(16) == "streams"
+    assert wacc.auto_kernel(8) == "loop"  # Mixtral: eight long GEMMs leave no gaps to fill
+    fusion = wacc.WgradFusion(torch.arange(1, 33, dtype=torch.int32), torch.zeros(32, 4))
+    assert fusion.kernel == "loop"  # streams are CUDA's: on CPU the loop

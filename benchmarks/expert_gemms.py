@@ -1,0 +1,74 @@
+"""Forward / data-gradient expert GEMMs: one grouped GEMM vs one cuBLAS GEMM per expert over N streams.
+
+Per shape and projection (``y_e = x_e @ w[e]`` for every expert, as the forward and the data
+gradient of a BENCHMARKS.md layer run them): ``F.grouped_mm`` against a per-expert ``torch.mm``
+loop with experts dealt round-robin over 1, 2 and 4 streams. Prints ms (median of 10, CUDA
+events) and TFLOP/s; ``--json`` writes the rows.
+
+    python benchmarks/expert_gemms.py --shapes deepseek-v3 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from wgrad_kernels import SHAPES, _routed_offsets, _time_ms
+
+
+def _loop(x: torch.Tensor, w: torch.Tensor, bounds: list[int], out: torch.Tensor, lanes: list[torch.cuda.Stream]) -> None:
+    main = lanes[0]
+    for side in lanes[1:]:
+        side.wait_stream(main)
+    for e in range(w.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            with torch.cuda.stream(lanes[e % len(lanes)]):
+                torch.mm(x[lo:hi], w[e], out=out[lo:hi])
+    for side in lanes[1:]:
+        main.wait_stream(side)
+
+
+def run(label: str, offs: torch.Tensor, K: int, N: int) -> list[dict]:
+    dev = torch.device("cuda")
+    R = int(offs[-1])
+    x = torch.randn(R, K, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(offs.numel(), K, N, device=dev, dtype=torch.bfloat16) * 0.02
+    offs_d, bounds = offs.to(dev), [0, *offs.tolist()]
+    out = torch.empty(R, N, device=dev, dtype=torch.bfloat16)
+    flop = 2.0 * R * K * N
+    rows = []
+    arms = {"grouped_mm": lambda: F.grouped_mm(x, w, offs=offs_d)}
+    for n in (1, 2, 4):
+        lanes = [torch.cuda.current_stream()] + [torch.cuda.Stream() for _ in range(n - 1)]
+        arms[f"cuBLAS loop {n} streams"] = lambda lanes=lanes: _loop(x, w, bounds, out, lanes)
+    for arm, fn in arms.items():
+        ms = _time_ms(fn)
+        row = {"gemm": label, "arm": arm, "ms": round(ms, 3), "tflops": round(flop / ms / 1e9, 1)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["deepseek-v3"], choices=sorted(SHAPES))
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for name in args.shapes:
+        tokens, hidden, ffn, experts, top_k = SHAPES[name]
+        offs = _routed_offsets(tokens, experts, top_k, gen)
+        results += run(f"{name} up (x @ w13)", offs, hidden, 2 * ffn)
+        results += run(f"{name} down (a @ w2)", offs, ffn, hidden)
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
