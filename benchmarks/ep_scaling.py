@@ -351,6 +351,27 @@ def run_echo(
     }
 
 
+def _profile_steps(step: Callable[[], None], device: torch.device, rank: int, steps: int = 3) -> dict[str, Any]:
+    """Rank 0's device time per kernel over ``steps`` steps (every rank steps: the collectives need all)."""
+    from profiling import device_kernels
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], enabled=rank == 0) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize(device)
+        wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    if rank != 0:
+        return {}
+    kernels = device_kernels(prof)
+    return {
+        "wall_ms_per_step": round(wall_ms, 3),
+        "top_kernels_ms_per_step": [[round(k["total_ms"] / steps, 3), k["count"] // steps, k["name"][:90]] for k in kernels[:25]],
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
     """Run the benchmark on this rank; rank 0 returns the report, the others None."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -398,6 +419,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     a2a_calls = timer.calls / (iters + 1)  # the one warm-up step of the timed series included
     load = _load_per_layer(stack, mesh, ep)
     echo = run_echo(stack, step, mesh, device, args.echo_spare, warmup, iters) if args.echo_spare > 0 else None
+    profile = _profile_steps(step, device, rank) if args.profile and device.type == "cuda" else None
 
     step_med = statistics.median(plain_ms)
     echo_med = statistics.median(echo["echo_step_ms_all"]) if echo is not None else 0.0
@@ -449,6 +471,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "overlap_shared": args.overlap_shared,
         "dispatcher": args.dispatcher,
         **echo_report,
+        **({"profile": profile} if profile is not None else {}),
         "command": " ".join([f"torchrun --nproc_per_node={world}", *sys.argv]),
     }
 
@@ -490,6 +513,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["alltoall", "allgather", "deepep", "hybridep"],
         help="token exchange; the exposed-exchange share is timed around all_to_all_single only (0 for the flex ones)",
     )
+    p.add_argument("--profile", action="store_true", help="add rank 0's per-kernel device time over 3 steps (CUDA)")
     p.add_argument("--quick", action="store_true", help=f"tiny shapes, CPU smoke test: {QUICK}")
     p.add_argument("--out", type=Path, default=None, help="write rank 0's JSON report here")
     return p.parse_args(argv)
