@@ -357,7 +357,8 @@ def _profile_steps(step: Callable[[], None], device: torch.device, rank: int, st
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], enabled=rank == 0) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if rank == 0 else contextlib.nullcontext()
+    with prof:
         start = time.perf_counter()
         for _ in range(steps):
             step()
