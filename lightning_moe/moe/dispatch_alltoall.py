@@ -13,7 +13,8 @@ Expert ``g`` lives on EP rank ``g // e`` as local expert ``g % e``. Stages of ``
 4. A2A(EP) of the rows and of their routing weights, uneven splits (autograd: the backward is
    the reverse all-to-all).
 5. regroup (local): received rows are source-major ``[src][expert]``; a stable sort makes them
-   expert-major ``[expert][src]`` for the grouped GEMM.
+   expert-major ``[expert][src]`` for the grouped GEMM (``reorder_rows``: its backward gathers
+   through the inverse order instead of an atomic scatter-add).
 6. ETP only: ``copy_to_group(ETP)`` marks the rows as identical over the expert-tensor-parallel
    group (backward all-reduces their gradient, which each ETP rank computes from its F slice).
 
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from lightning_moe.moe.comm import all_to_all_rows, copy_to_group, reduce_from_group
 from lightning_moe.moe.dispatch import DispatchedTokens, row_weights
 from lightning_moe.moe.dispatch_ep import ExpertParallelDispatcher
-from lightning_moe.ops.permute import Permutation, build_permutation, permute_rows, unpermute_sum
+from lightning_moe.ops.permute import Permutation, build_permutation, permute_rows, reorder_rows, unpermute_sum
 
 __all__ = ["AllToAllDispatcher", "AllToAllHandle"]
 
@@ -50,6 +51,7 @@ class AllToAllHandle:
     send_splits: list[int]  # [P] rows sent to each EP rank
     recv_splits: list[int]  # [P] rows received from each EP rank
     unregroup_R: torch.Tensor  # expert-major row -> source-major position (inverse of the regroup)
+    regroup_R: torch.Tensor  # source-major row -> expert-major position (the regroup itself)
 
 
 class AllToAllDispatcher(ExpertParallelDispatcher):
@@ -88,20 +90,20 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         regroup_R = torch.argsort(expert_of_row_R, stable=True)
         unregroup_R = torch.empty_like(regroup_R)
         unregroup_R[regroup_R] = torch.arange(regroup_R.numel(), device=regroup_R.device)
-        x_RH = x_RH.index_select(0, regroup_R)
-        w_R = w_R.index_select(0, regroup_R)
+        x_RH = reorder_rows(x_RH, regroup_R, unregroup_R)
+        w_R = reorder_rows(w_R, regroup_R, unregroup_R)
         if self.etp_group is not None:
             x_RH = copy_to_group(x_RH, self.etp_group)
             w_R = copy_to_group(w_R, self.etp_group)
 
         tokens_per_expert_e = recv_Pe.sum(0)
-        handle = AllToAllHandle(perm, topk_weights_TK, send_splits, recv_splits, unregroup_R)
+        handle = AllToAllHandle(perm, topk_weights_TK, send_splits, recv_splits, unregroup_R, regroup_R)
         return DispatchedTokens(x_RH, tokens_per_expert_e, w_R), handle
 
     def combine(self, y_RH: torch.Tensor, handle: AllToAllHandle, weighted: bool) -> torch.Tensor:
         if self.etp_group is not None:
             y_RH = reduce_from_group(y_RH, self.etp_group)
-        y_RH = y_RH.index_select(0, handle.unregroup_R)
+        y_RH = reorder_rows(y_RH, handle.unregroup_R, handle.regroup_R)
         y_NH = all_to_all_rows(y_RH, handle.send_splits, handle.recv_splits, self.ep_group)
         weights_TK = handle.topk_weights_TK if weighted else None
         return unpermute_sum(y_NH, handle.perm, weights_TK)

@@ -35,6 +35,7 @@ __all__ = [
     "build_permutation_reference",
     "permute_rows",
     "permute_rows_reference",
+    "reorder_rows",
     "unpermute_sum",
     "unpermute_sum_reference",
     "unpermute_weight_grad_reference",
@@ -275,6 +276,42 @@ def _unpermute_sum_impl(
         return unpermute_sum_reference(y_RH, slot_row_TK, weights_TK)
     w = None if weights_TK is None else weights_TK.float().contiguous()
     return ext.unpermute_sum(y_RH.contiguous(), slot_row_TK.int().contiguous(), w)
+
+
+class _ReorderRows(torch.autograd.Function):
+    """Rows in a new order (a bijection); backward gathers through the inverse order.
+
+    ``x.index_select(0, order)`` would be the same forward, but its backward is an atomic
+    ``index_add_``, which for bf16 rows runs ~8x slower than the gather it replaces here (2x H200,
+    EP2: 15.7 ms of a 70 ms step).
+    """
+
+    @staticmethod
+    def forward(ctx, x_RH: torch.Tensor, order_R: torch.Tensor, inverse_R: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(inverse_R)
+        return _permute_rows_impl(x_RH, order_R) if x_RH.dim() == 2 else x_RH.index_select(0, order_R)
+
+    @staticmethod
+    def backward(ctx, grad_RH: torch.Tensor):  # type: ignore[override]
+        (inverse_R,) = ctx.saved_tensors
+        grad_RH = grad_RH.contiguous()
+        if grad_RH.dim() == 2:
+            return _permute_rows_impl(grad_RH, inverse_R), None, None
+        return grad_RH.index_select(0, inverse_R), None, None
+
+
+def reorder_rows(x_RH: torch.Tensor, order_R: torch.Tensor, inverse_R: torch.Tensor) -> torch.Tensor:
+    """``x_RH[order_R]`` for a permutation ``order_R`` whose inverse is ``inverse_R``; differentiable.
+
+    Both index tensors must be permutations of ``range(R)`` and each other's inverse (the caller
+    builds them together); the gradient is then exactly the gather through ``inverse_R``.
+    """
+    if order_R.shape != (x_RH.shape[0],) or inverse_R.shape != order_R.shape:
+        raise ValueError(
+            f"reorder_rows needs one index per row: x has {x_RH.shape[0]} rows, order {tuple(order_R.shape)}, "
+            f"inverse {tuple(inverse_R.shape)}."
+        )
+    return _ReorderRows.apply(x_RH, order_R, inverse_R)
 
 
 def permute_rows(x_SH: torch.Tensor, perm: Permutation) -> torch.Tensor:

@@ -137,6 +137,8 @@ def test_grouped_wgrad_kernel_adds_exactly_the_per_expert_products(dims, dtype, 
     pytest.importorskip("triton")
     from lightning_moe.ops.wgrad_triton import WgradTile, grouped_wgrad_accumulate_
 
+    if dtype == torch.float32 and tile[5] == "tma" and tile[0] * tile[1] > 128 * 128:
+        pytest.skip("an fp32 128x256 tile read through TMA needs more shared memory than the H200 has")
     rows, D, O, E = dims
     g = torch.Generator(device="cuda").manual_seed(rows + D)
     counts = torch.zeros(E, dtype=torch.long, device="cuda")

@@ -232,3 +232,30 @@ def test_local_dispatcher_round_trip_with_identity_experts(capacity: int | None,
     torch.testing.assert_close(x.grad, w.detach().sum(-1, keepdim=True) * g, atol=1e-6, rtol=1e-6)
     expected_grad_w = (x.detach() * g).sum(-1, keepdim=True).expand(-1, 3) * (ids >= 0)
     torch.testing.assert_close(w.grad, expected_grad_w, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(37, 5), (37,), (0, 4)], ids=["rows", "vector", "empty"])
+def test_reorder_rows_equals_index_select_forward_and_backward(shape: tuple[int, ...]) -> None:
+    """A bijective reorder: same values and same gradient as index_select, gradient by gathering."""
+    from lightning_moe.ops.permute import reorder_rows
+
+    g = torch.Generator().manual_seed(sum(shape))
+    order = torch.randperm(shape[0], generator=g)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(shape[0])
+    x = torch.randn(shape, generator=g, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    out = reorder_rows(x, order, inverse)
+    ref = x_ref.index_select(0, order)
+    assert torch.equal(out, ref)
+    up = torch.randn(shape, generator=g)
+    out.backward(up)
+    ref.backward(up)
+    assert torch.equal(x.grad, x_ref.grad)
+
+
+def test_reorder_rows_rejects_an_order_of_the_wrong_length() -> None:
+    from lightning_moe.ops.permute import reorder_rows
+
+    with pytest.raises(ValueError, match="x has 4 rows, order \\(3,\\)"):
+        reorder_rows(torch.zeros(4, 2), torch.arange(3), torch.arange(3))
