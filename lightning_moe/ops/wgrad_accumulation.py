@@ -21,13 +21,23 @@ keeps its unsharded parameters' ``.grad`` across accumulating micro-batches and 
 backward) work with it: ``tests/unit/test_wgrad_accumulation.py`` and, on 4 ranks,
 ``tests/dist/test_dist_fit.py::test_fused_expert_wgrad_accumulation_under_fsdp2_matches_one_process``.
 
-Two implementations (:class:`WgradFusion` picks one in the forward). The default: one cuBLAS
-``addmm_`` per expert, whose row ranges are copied to pinned host memory without blocking during
-the forward (:class:`HostOffsets`), so the backward reads them without draining the device queue.
-``LIGHTNING_MOE_WGRAD_KERNEL=triton`` (CUDA, Triton importable): one grouped Triton kernel that
-reads the row ranges from the device offsets (``ops/wgrad_triton.py``): no host sync, one launch,
-but on the H200 today slower than the cuBLAS loop (DeepSeek-V3 layer 56.7 vs 50.2 ms, Mixtral
-66.1 vs 56.6 ms), so not the default.
+Kernels (:class:`WgradFusion` picks one in the forward; ``LIGHTNING_MOE_WGRAD_KERNEL`` overrides).
+Every cuBLAS one reads the row ranges from pinned host memory that the forward filled without
+blocking (:class:`HostOffsets`), so the backward never drains the device queue:
+
+* ``loop`` — one cuBLAS ``addmm_`` (beta = 1) per expert, in one stream.
+* ``streams`` — the same GEMMs dealt round-robin over two streams. Hundreds of short GEMMs in one
+  stream each leave a gap before the next; two in flight fill them. H200, DeepSeek-V3 (256
+  experts): w13 14.5 -> 12.5 ms, the layer 50.5 -> 47.4 ms (``benchmarks/wgrad_kernels.py``,
+  ``benchmarks/moe_layer.py``); Mixtral (8 experts, long GEMMs): slower (w13 12.47 vs 11.93 ms), hence ``auto``.
+* ``auto`` (default) — ``streams`` on CUDA from 16 experts on, else ``loop``.
+* ``triton`` (CUDA, Triton importable) — one grouped Triton kernel that reads the row ranges from
+  the device offsets (``ops/wgrad_triton.py``): one launch, no host sync, but on the H200 no
+  faster than the loop for any tile tried (DeepSeek-V3: 22.3 vs 22.6 ms for both weights, layer
+  53.3 ms), so opt-in.
+
+Measured and dropped: one strided-batched GEMM over rows padded to the largest expert (no faster,
++1.3 GiB), cuBLASLt instead of cuBLAS (same kernels), the transposed product (same).
 """
 
 from __future__ import annotations
@@ -42,11 +52,9 @@ from lightning_moe.ops import wgrad_triton
 __all__ = [
     "WGRAD_KERNELS",
     "HostOffsets",
-    "PaddedRows",
     "WgradFusion",
     "accumulate_wgrad_",
-    "accumulate_wgrad_batched_",
-    "accumulate_wgrad_two_streams_",
+    "accumulate_wgrad_streams_",
     "accumulation_target",
     "fusion_pays",
 ]
@@ -85,7 +93,7 @@ class HostOffsets:
         return [0] + self._host.tolist()
 
 
-WGRAD_KERNELS = ("auto", "loop", "streams", "batched", "triton")
+WGRAD_KERNELS = ("auto", "loop", "streams", "triton")
 
 # From this many experts on, the default deals them over two streams: hundreds of short GEMMs in
 # one stream leave a gap between each pair (DeepSeek-V3's 256 experts: 3 ms a step on the H200).
@@ -93,7 +101,7 @@ _STREAMS_FROM_EXPERTS = 16
 
 
 def wgrad_kernel() -> str:
-    """``LIGHTNING_MOE_WGRAD_KERNEL``: ``auto`` (default), ``loop``, ``streams``, ``batched`` or ``triton``."""
+    """``LIGHTNING_MOE_WGRAD_KERNEL``: ``auto`` (default), ``loop``, ``streams`` or ``triton``."""
     kernel = os.environ.get("LIGHTNING_MOE_WGRAD_KERNEL", "auto").lower()
     if kernel not in WGRAD_KERNELS:
         raise ValueError(f"LIGHTNING_MOE_WGRAD_KERNEL={kernel!r} is unknown; choose one of {WGRAD_KERNELS}.")
@@ -118,19 +126,14 @@ class WgradFusion:
         if not x.is_cuda and self.kernel == "streams":
             self.kernel = "loop"
         self.host: HostOffsets | None = None if self.triton else HostOffsets(offs_E)
-        self._padding: PaddedRows | None = None  # built by the first weight, reused by the second
 
     def accumulate_(self, grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor) -> None:
         if self.host is None:
             wgrad_triton.grouped_wgrad_accumulate_(grad_EDO, x_RD, dy_RO, self.offs_E)
             return
         bounds = self.host.bounds()
-        if self.kernel == "batched" and self._padding is None:
-            self._padding = PaddedRows(self.offs_E, bounds)  # shared by both weights of the call
-        if self._padding is not None and self._padding.affordable:
-            accumulate_wgrad_batched_(grad_EDO, x_RD, dy_RO, self._padding)
-        elif self.kernel == "streams":
-            accumulate_wgrad_two_streams_(grad_EDO, x_RD, dy_RO, bounds)
+        if self.kernel == "streams":
+            accumulate_wgrad_streams_(grad_EDO, x_RD, dy_RO, bounds)
         else:
             accumulate_wgrad_(grad_EDO, x_RD, dy_RO, bounds)
 
@@ -175,16 +178,17 @@ def accumulate_wgrad_(grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.T
             grad_DO.addmm_(x_DR, dy_RO_e)
 
 
-def accumulate_wgrad_two_streams_(
+def accumulate_wgrad_streams_(
     grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, bounds: list[int], streams: int = 2
 ) -> None:
     """:func:`accumulate_wgrad_` with experts dealt round-robin over ``streams`` streams (CUDA only).
 
-    One expert's GEMM reads and writes its gradient tile by tile while the other's multiplies: two
-    kernels in flight keep both the memory system and the tensor cores busy. The current stream
-    waits for the side stream before returning, so everything after (and any reuse of these
-    tensors' memory, which happens on the current stream) is ordered after both.
+    A GEMM in flight on the other stream fills the gap each short GEMM leaves before the next.
+    The current stream waits for the side streams before returning, so everything after (and any
+    reuse of these tensors' memory, which happens on the current stream) is ordered after both.
     """
+    if streams < 1:
+        raise ValueError(f"accumulate_wgrad_streams_ needs streams >= 1; got {streams}.")
     main = torch.cuda.current_stream(x_RD.device)
     lanes = [main] + [_side_stream(x_RD.device, i) for i in range(streams - 1)]
     for side in lanes[1:]:
@@ -207,53 +211,3 @@ def _side_stream(device: torch.device, index: int) -> torch.cuda.Stream:
     if (device, index) not in _SIDE_STREAMS:
         _SIDE_STREAMS[device, index] = torch.cuda.Stream(device)
     return _SIDE_STREAMS[device, index]
-
-
-_MAX_PADDING = 1.5  # padded rows per real row above which the batched GEMM wastes more than it saves
-
-
-class PaddedRows:
-    """Where each grouped row goes when every expert is padded to the largest expert's row count.
-
-    Built on the device from the offsets (no sync: the sizes come from the host copy of the
-    offsets that the forward already made): ``slot_R`` (row -> padded slot) and ``pad_P`` (the
-    padded slots that no row fills, zeroed).
-    """
-
-    def __init__(self, offs_E: torch.Tensor, bounds: list[int]) -> None:
-        counts = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
-        self.experts, self.rows = len(counts), bounds[-1]
-        self.most = max(counts, default=0)
-        dev = offs_E.device
-        counts_E = torch.diff(offs_E.long(), prepend=offs_E.new_zeros(1, dtype=torch.long))
-        expert_R = torch.repeat_interleave(torch.arange(self.experts, device=dev), counts_E, output_size=self.rows)
-        first_E = offs_E.long() - counts_E
-        self.slot_R = expert_R * self.most + torch.arange(self.rows, device=dev) - first_E[expert_R]
-        missing_E = self.most - counts_E
-        pads = self.experts * self.most - self.rows
-        expert_P = torch.repeat_interleave(torch.arange(self.experts, device=dev), missing_E, output_size=pads)
-        first_pad_E = torch.cumsum(missing_E, 0) - missing_E
-        local_P = torch.arange(pads, device=dev) - first_pad_E[expert_P]
-        self.pad_P = expert_P * self.most + counts_E[expert_P] + local_P
-        # Skewed routing can make the padded rows outnumber the real ones: the loop then.
-        self.affordable = self.experts * self.most <= _MAX_PADDING * max(self.rows, 1)
-
-    def pad(self, rows_RD: torch.Tensor) -> torch.Tensor:
-        """``[E, most, D]``: each expert's rows, then zeros."""
-        out = rows_RD.new_empty(self.experts * self.most, rows_RD.shape[1])
-        out.index_copy_(0, self.slot_R, rows_RD[: self.rows])
-        out.index_fill_(0, self.pad_P, 0)
-        return out.view(self.experts, self.most, rows_RD.shape[1])
-
-
-def accumulate_wgrad_batched_(
-    grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, padding: PaddedRows
-) -> None:
-    """One strided-batched GEMM with ``beta = 1`` over rows padded to the largest expert.
-
-    Three launches instead of one per expert; costs copies of both operands padded
-    (``E * most`` rows) and the padded rows' multiply-adds (zeros).
-    """
-    if padding.rows == 0:
-        return
-    grad_EDO.baddbmm_(padding.pad(x_RD).transpose(1, 2), padding.pad(dy_RO))
