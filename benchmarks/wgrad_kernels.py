@@ -19,9 +19,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 from collections.abc import Callable
 
+import peers  # benchmarks/peers.py: the shared timer
 import torch
 import torch.nn.functional as F
 
@@ -57,7 +57,7 @@ TILES = (
 )
 
 
-# The tiles worth trying again after the first full sweep (commit 2f0e3f0's run), and TMA variants.
+# The tiles worth trying again after the first full sweep (commit be13a1f's run), and TMA variants.
 SHORT_TILES = (
     WgradTile(128, 128, 32, 4, 4, "init"),
     WgradTile(128, 128, 64, 4, 3, "early"),
@@ -99,18 +99,9 @@ def _padded_batched(dw: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, bounds:
     return run
 
 
-def _time_ms(fn: Callable[[], None], steps: int = 10) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(steps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+def _time_ms(fn: Callable[[], None]) -> float:
+    """Median ms of 10 runs after 2 warm-up runs (CUDA events): the protocol's timer."""
+    return peers.timeit(fn, 2, 10)
 
 
 def _routed_offsets(tokens: int, experts: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
