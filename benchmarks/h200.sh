@@ -116,7 +116,7 @@ case "$MODE" in
     tail -3 "$OUT/nccl_parity.log" 2>/dev/null
     for ep in 1 2 4 8; do
       [ "$ep" -le "$N" ] || continue
-      timeout 120 torchrun --nproc_per_node="$ep" benchmarks/ep_scaling.py --ep "$ep" --out "$OUT/ep$ep.json" \
+      timeout 120 torchrun --nproc_per_node="$ep" benchmarks/ep_scaling.py --ep "$ep" --profile --out "$OUT/ep$ep.json" \
         > "$OUT/ep$ep.log" 2>&1; grep -E "tflops_per_gpu|a2a_share\"" "$OUT/ep$ep.json"
     done
     for flag in "" "--overlap-shared"; do  # shared expert (Qwen3-style width 1536 is illustrative)
