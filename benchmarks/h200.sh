@@ -6,7 +6,7 @@
 #   bash benchmarks/h200.sh offload   # activation offload GPU tests and OFFLOAD_RUNS (budget:prefetch ...) figures
 #   bash benchmarks/h200.sh e2e       # end-to-end model race + callbacks / recompute figures
 #   bash benchmarks/h200.sh verify    # graph-capture tests, GPU tests, kernels last, offload budgets, e2e (results_MODE.tgz)
-#   bash benchmarks/h200.sh wgrad     # weight-gradient kernel tests + tile sweep, deepseek layer with the best Triton tile
+#   bash benchmarks/h200.sh wgrad     # weight-gradient kernel tests + tile sweep (WGRAD_TILES=all/short/desc/none), deepseek layer
 #   bash benchmarks/h200.sh liger     # Liger alone with a long timeout; carry .tcache/ (from tcache.tgz) afterwards
 #   bash benchmarks/h200.sh multi     # issue 8 on a multi-GPU kind: NCCL parity, EP scaling, overlap, ECHO, DeepEP
 #   bash benchmarks/h200.sh all       # GPU tests, e2e with profile, callbacks, mixtral, Liger (results_MODE.tgz)

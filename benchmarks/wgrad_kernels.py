@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from lightning_moe.ops.wgrad_accumulation import accumulate_wgrad_, accumulate_wgrad_streams_
 from lightning_moe.ops.wgrad_triton import WgradTile, grouped_wgrad_accumulate_
+from lightning_moe.ops.wgrad_triton_desc import DescTile, grouped_wgrad_accumulate_desc_
 
 # name: (tokens, hidden, ffn, experts, top_k)
 SHAPES = {
@@ -72,6 +73,28 @@ SHORT_TILES = (
 )
 
 
+# The persistent descriptor kernel (ops/wgrad_triton_desc.py), plain and warp-specialised.
+DESC_TILES = (
+    DescTile(128, 128, 64, 4, 3),
+    DescTile(128, 128, 64, 4, 3, programs_per_sm=2),
+    DescTile(128, 128, 64, 4, 3, warp_specialize=True),
+    DescTile(128, 128, 64, 8, 3, warp_specialize=True),
+    DescTile(128, 256, 64, 8, 3, warp_specialize=True),
+    DescTile(128, 256, 64, 8, 4, warp_specialize=True),
+    DescTile(128, 128, 64, 4, 3, warp_specialize=True, flatten=True),
+    DescTile(128, 256, 64, 8, 3, warp_specialize=True, flatten=True),
+)
+
+AnyTile = WgradTile | DescTile
+
+
+def _accumulate(dw: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, tile: AnyTile) -> None:
+    if isinstance(tile, DescTile):
+        grouped_wgrad_accumulate_desc_(dw, x, dy, offs, tile)
+    else:
+        grouped_wgrad_accumulate_(dw, x, dy, offs, tile)
+
+
 def _loop_transposed(dw: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, bounds: list[int]) -> None:
     """The cuBLAS loop computing each gradient's transpose (``dw[e]^T += dy_e^T x_e``): another kernel choice."""
     counts = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
@@ -110,11 +133,11 @@ def _routed_offsets(tokens: int, experts: int, top_k: int, gen: torch.Generator)
     return torch.bincount(choice.flatten(), minlength=experts).cumsum(0).to(torch.int32)
 
 
-def _max_rel_err(tile: WgradTile, x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, dw: torch.Tensor) -> float:
+def _max_rel_err(tile: AnyTile, x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, dw: torch.Tensor) -> float:
     """Largest |error| / max |expected| over the first few experts, against fp32."""
     few = min(4, offs.numel())
     probe = dw[:few].clone()
-    grouped_wgrad_accumulate_(probe, x, dy, offs[:few], tile)
+    _accumulate(probe, x, dy, offs[:few], tile)
     bounds = [0] + offs[:few].tolist()
     worst = 0.0
     for e in range(few):
@@ -124,7 +147,7 @@ def _max_rel_err(tile: WgradTile, x: torch.Tensor, dy: torch.Tensor, offs: torch
     return worst
 
 
-def run_weight(label: str, rows_offs: torch.Tensor, D: int, O: int, tiles: tuple[WgradTile, ...]) -> list[dict]:
+def run_weight(label: str, rows_offs: torch.Tensor, D: int, O: int, tiles: tuple[AnyTile, ...]) -> list[dict]:
     E, R = rows_offs.numel(), int(rows_offs[-1])
     dev = torch.device("cuda")
     x = torch.randn(R, D, device=dev, dtype=torch.bfloat16)
@@ -154,7 +177,7 @@ def run_weight(label: str, rows_offs: torch.Tensor, D: int, O: int, tiles: tuple
     for tile in tiles:
         try:
             err = _max_rel_err(tile, x, dy, offs, dw)
-            record(f"triton {tile.label()}", _time_ms(lambda t=tile: grouped_wgrad_accumulate_(dw, x, dy, offs, t)), err)
+            record(f"triton {tile.label()}", _time_ms(lambda t=tile: _accumulate(dw, x, dy, offs, t)), err)
         except Exception as exc:  # a tile that does not compile or fit: say so, keep going
             print(json.dumps({"weight": label, "arm": f"triton {tile.label()}", "error": str(exc)[:300]}), flush=True)
     return rows
@@ -163,7 +186,7 @@ def run_weight(label: str, rows_offs: torch.Tensor, D: int, O: int, tiles: tuple
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["deepseek-v3", "mixtral-8x7b"], choices=sorted(SHAPES))
-    parser.add_argument("--tiles", choices=("all", "short", "none"), default="all", help="Triton tiles to try")
+    parser.add_argument("--tiles", choices=("all", "short", "desc", "none"), default="all", help="Triton tiles to try")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -172,7 +195,7 @@ def main() -> None:
 
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
     gen = torch.Generator().manual_seed(0)
-    tiles = {"all": TILES, "short": SHORT_TILES, "none": ()}[args.tiles]
+    tiles = {"all": TILES, "short": SHORT_TILES, "desc": SHORT_TILES[:1] + DESC_TILES, "none": ()}[args.tiles]
     results = []
     for name in args.shapes:
         tokens, hidden, ffn, experts, top_k = SHAPES[name]
@@ -184,7 +207,7 @@ def main() -> None:
     for name in args.shapes:  # the tile with the least time over both weights, as LIGHTNING_MOE_WGRAD_TILE
         per_tile: dict[str, list[float]] = {}
         for row in results:
-            if row["weight"].startswith(name + " ") and row["arm"].startswith("triton "):
+            if row["weight"].startswith(name + " ") and row["arm"].startswith("triton ") and "desc" not in row["arm"]:
                 per_tile.setdefault(row["arm"], []).append(row["ms"])
         loop = sum(r["ms"] for r in results if r["weight"].startswith(name + " ") and r["arm"] == "cuBLAS loop")
         both = {arm: sum(ms) for arm, ms in per_tile.items() if len(ms) == 2}

@@ -24,7 +24,8 @@ and the two-stream loop's ~19; reading the old tile early, through TMA, or with 
 grid changed nothing or lost. Every variant moves the gradient at ~2 TB/s, half of what the
 memory allows: each tile reduces a few hundred rows, then waits on its gradient's read and
 write, and nothing overlaps one tile's epilogue with the next tile's MMAs. What would: a
-warp-specialised persistent kernel (one warp group loading, two alternating MMA and epilogue).
+warp-specialised persistent kernel (one warp group loading, two alternating MMA and epilogue);
+``ops/wgrad_triton_desc.py`` is the first version of it, not yet measured.
 """
 
 from __future__ import annotations

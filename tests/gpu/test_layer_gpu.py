@@ -157,3 +157,31 @@ def test_grouped_wgrad_kernel_adds_exactly_the_per_expert_products(dims, dtype, 
     assert torch.equal(dw[0], want[0].to(dtype)) and torch.equal(dw[-1], want[-1].to(dtype))
     for e in range(E):
         assert _rel(dw[e], want[e]) <= tol, e
+
+
+@pytest.mark.parametrize("programs_per_sm", [1, 2])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("dims", [(700, 256, 384, 12), (0, 128, 128, 3), (90, 128, 200, 40)])
+def test_descriptor_wgrad_kernel_adds_exactly_the_per_expert_products(dims, dtype, tol, programs_per_sm) -> None:  # noqa: ANN001
+    """The persistent descriptor kernel (not warp-specialised: that is the benchmark's to try)."""
+    pytest.importorskip("triton")
+    from lightning_moe.ops.wgrad_triton_desc import DescTile, grouped_wgrad_accumulate_desc_
+
+    rows, D, O, E = dims
+    g = torch.Generator(device="cuda").manual_seed(rows + O)
+    counts = torch.zeros(E, dtype=torch.long, device="cuda")
+    if rows:  # experts 0 and E-1 get no rows
+        counts += torch.bincount(torch.randint(1, E - 1, (rows,), device="cuda", generator=g), minlength=E)
+    offs = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(rows + 5, D, device="cuda", dtype=dtype, generator=g)
+    dy = torch.randn(rows + 5, O, device="cuda", dtype=dtype, generator=g)
+    dw = torch.randn(E, D, O, device="cuda", dtype=dtype, generator=g)
+    bounds = [0] + offs.tolist()
+    want = dw.float().clone()
+    for e in range(E):
+        want[e] += (x[bounds[e] : bounds[e + 1]].double().t() @ dy[bounds[e] : bounds[e + 1]].double()).float()
+    block = 64 if dtype == torch.float32 else 128  # fp32 tiles of 128x128 exceed shared memory with 3 stages
+    grouped_wgrad_accumulate_desc_(dw, x, dy, offs, DescTile(block, block, 32, 4, 2, programs_per_sm=programs_per_sm))
+    assert torch.equal(dw[0], want[0].to(dtype)) and torch.equal(dw[-1], want[-1].to(dtype))
+    for e in range(E):
+        assert _rel(dw[e], want[e]) <= tol, e
