@@ -129,6 +129,31 @@ _TILES = [  # (block_d, block_o, block_r, warps, stages, c_load, programs_per_sm
 ]
 
 
+def _wgrad_case(dims: tuple[int, int, int, int], dtype: torch.dtype, seed: int):  # noqa: ANN202
+    """Random grouped rows (experts 0 and E-1 empty, 5 rows past the last expert), a gradient to add
+    into, and the expected sum computed per expert in float64."""
+    rows, D, O, E = dims
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    counts = torch.zeros(E, dtype=torch.long, device="cuda")
+    if rows:
+        counts += torch.bincount(torch.randint(1, E - 1, (rows,), device="cuda", generator=g), minlength=E)
+    offs = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(rows + 5, D, device="cuda", dtype=dtype, generator=g)
+    dy = torch.randn(rows + 5, O, device="cuda", dtype=dtype, generator=g)
+    dw = torch.randn(E, D, O, device="cuda", dtype=dtype, generator=g)
+    bounds = [0] + offs.tolist()
+    want = dw.float().clone()
+    for e in range(E):
+        want[e] += (x[bounds[e] : bounds[e + 1]].double().t() @ dy[bounds[e] : bounds[e + 1]].double()).float()
+    return x, dy, dw, offs, want
+
+
+def _assert_added(dw: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    assert torch.equal(dw[0], want[0].to(dw.dtype)) and torch.equal(dw[-1], want[-1].to(dw.dtype))  # empty
+    for e in range(dw.shape[0]):
+        assert _rel(dw[e], want[e]) <= tol, e
+
+
 @pytest.mark.parametrize("tile", _TILES, ids=lambda t: "-".join(map(str, t)))
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("dims", [(700, 256, 384, 12), (333, 72, 200, 5), (0, 128, 128, 3)])
@@ -139,24 +164,9 @@ def test_grouped_wgrad_kernel_adds_exactly_the_per_expert_products(dims, dtype, 
 
     if dtype == torch.float32 and tile[5] == "tma" and tile[0] * tile[1] > 128 * 128:
         pytest.skip("an fp32 128x256 tile read through TMA needs more shared memory than the H200 has")
-    rows, D, O, E = dims
-    g = torch.Generator(device="cuda").manual_seed(rows + D)
-    counts = torch.zeros(E, dtype=torch.long, device="cuda")
-    if rows:  # experts 0 and E-1 get no rows
-        counts += torch.bincount(torch.randint(1, E - 1, (rows,), device="cuda", generator=g), minlength=E)
-    offs = counts.cumsum(0).to(torch.int32)
-    x = torch.randn(rows + 5, D, device="cuda", dtype=dtype, generator=g)
-    dy = torch.randn(rows + 5, O, device="cuda", dtype=dtype, generator=g)
-    dw = torch.randn(E, D, O, device="cuda", dtype=dtype, generator=g)
-    bounds = [0] + offs.tolist()
-    want = dw.float().clone()
-    for e in range(E):
-        xe, ge = x[bounds[e] : bounds[e + 1]].double(), dy[bounds[e] : bounds[e + 1]].double()
-        want[e] += (xe.t() @ ge).float()
+    x, dy, dw, offs, want = _wgrad_case(dims, dtype, seed=dims[0] + dims[1])
     grouped_wgrad_accumulate_(dw, x, dy, offs, WgradTile(*tile))
-    assert torch.equal(dw[0], want[0].to(dtype)) and torch.equal(dw[-1], want[-1].to(dtype))
-    for e in range(E):
-        assert _rel(dw[e], want[e]) <= tol, e
+    _assert_added(dw, want, tol)
 
 
 @pytest.mark.parametrize("programs_per_sm", [1, 2])
@@ -167,21 +177,7 @@ def test_descriptor_wgrad_kernel_adds_exactly_the_per_expert_products(dims, dtyp
     pytest.importorskip("triton")
     from lightning_moe.ops.wgrad_triton_desc import DescTile, grouped_wgrad_accumulate_desc_
 
-    rows, D, O, E = dims
-    g = torch.Generator(device="cuda").manual_seed(rows + O)
-    counts = torch.zeros(E, dtype=torch.long, device="cuda")
-    if rows:  # experts 0 and E-1 get no rows
-        counts += torch.bincount(torch.randint(1, E - 1, (rows,), device="cuda", generator=g), minlength=E)
-    offs = counts.cumsum(0).to(torch.int32)
-    x = torch.randn(rows + 5, D, device="cuda", dtype=dtype, generator=g)
-    dy = torch.randn(rows + 5, O, device="cuda", dtype=dtype, generator=g)
-    dw = torch.randn(E, D, O, device="cuda", dtype=dtype, generator=g)
-    bounds = [0] + offs.tolist()
-    want = dw.float().clone()
-    for e in range(E):
-        want[e] += (x[bounds[e] : bounds[e + 1]].double().t() @ dy[bounds[e] : bounds[e + 1]].double()).float()
+    x, dy, dw, offs, want = _wgrad_case(dims, dtype, seed=dims[0] + dims[2])
     block = 64 if dtype == torch.float32 else 128  # fp32 tiles of 128x128 exceed shared memory with 3 stages
     grouped_wgrad_accumulate_desc_(dw, x, dy, offs, DescTile(block, block, 32, 4, 2, programs_per_sm=programs_per_sm))
-    assert torch.equal(dw[0], want[0].to(dtype)) and torch.equal(dw[-1], want[-1].to(dtype))
-    for e in range(E):
-        assert _rel(dw[e], want[e]) <= tol, e
+    _assert_added(dw, want, tol)
