@@ -80,7 +80,7 @@ DESC_TILES = (
     DescTile(128, 128, 64, 4, 3, warp_specialize=True),
     DescTile(128, 128, 64, 8, 3, warp_specialize=True),
     DescTile(128, 256, 64, 8, 3, warp_specialize=True),
-    DescTile(128, 256, 64, 8, 4, warp_specialize=True),
+    DescTile(128, 256, 32, 8, 4, warp_specialize=True),  # 164 KB of shared memory (64-row steps: 262 KB)
     DescTile(128, 128, 64, 4, 3, warp_specialize=True, flatten=True),
     DescTile(128, 256, 64, 8, 3, warp_specialize=True, flatten=True),
 )

@@ -198,8 +198,9 @@ def test_strategies_that_reduce_from_accumulator_hooks_are_refused(tmp_path: Any
             torch.distributed.destroy_process_group()
 
 
-_INTERPRETED_CHECK = """
-import os, sys
+# Run in a fresh process: the interpreter must be chosen before Triton is imported.
+_INTERPRETER_PRELUDE = """
+import os
 os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: its own jit helpers follow it
 import torch
 import triton.runtime.interpreter as interp
@@ -212,12 +213,8 @@ def patched(tensor):  # the interpreter's scalars are 1-element arrays, which Nu
 
 interp._patch_lang_tensor = patched
 from lightning_moe.ops.grouped_gemm import _wgrad_reference
-from lightning_moe.ops.wgrad_triton import WgradTile, grouped_wgrad_accumulate_, supported
 
-cases = [(50, 40, 24, 5, "init"), (37, 64, 96, 7, "init"), (0, 8, 8, 2, "init"), (9, 16, 16, 12, "init"),
-         (50, 40, 24, 5, "early"), (70, 64, 32, 3, "late"), (61, 40, 72, 6, "persistent"),
-         (90, 64, 48, 4, "tma"), (33, 40, 24, 3, "tma")]  # 40 rows: not whole tiles, "early" instead
-for rows, D, O, E, c_load in cases:  # persistent: 2 programs walk every tile  # 64x96 and 64x32 are whole 32-wide tiles: the unmasked path
+def check(rows, D, O, E, accumulate, label=""):
     g = torch.Generator().manual_seed(rows + E)
     counts = torch.zeros(E, dtype=torch.long)
     if rows:
@@ -227,72 +224,53 @@ for rows, D, O, E, c_load in cases:  # persistent: 2 programs walk every tile  #
     dy = torch.randn(rows + 3, O, generator=g)
     dw = torch.randn(E, D, O, generator=g)
     expected = dw + (_wgrad_reference(x[:rows], dy[:rows], offs) if rows else 0)
-    assert supported(x)
-    tile = WgradTile(programs_per_sm=2) if c_load == "persistent" else WgradTile(c_load=c_load)
-    grouped_wgrad_accumulate_(dw, x, dy, offs, tile)
+    accumulate(dw, x, dy, offs)
     torch.testing.assert_close(dw, expected, rtol=1e-5, atol=1e-5)
-    print("ok", rows, D, O, E, c_load, flush=True)
+    print("ok", rows, D, O, E, label, flush=True)
 """
 
 
-def test_triton_kernel_matches_the_per_expert_loop() -> None:
-    """Triton's interpreter on CPU tensors, in a fresh process (skipped where Triton is not installed)."""
+def _run_interpreted(body: str) -> str:
+    """``body`` after the prelude, in Triton's interpreter in a fresh process; its stdout."""
     import subprocess
     import sys
 
     pytest.importorskip("triton")
     done = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED_CHECK], capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-c", _INTERPRETER_PRELUDE + body], capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("ok") == 9
+    return done.stdout
 
 
-_DESC_CHECK = """
-import os
-os.environ["TRITON_INTERPRET"] = "1"
-import torch
-import triton.runtime.interpreter as interp
+def test_triton_kernel_matches_the_per_expert_loop() -> None:
+    """Triton's interpreter on CPU tensors (skipped where Triton is not installed)."""
+    out = _run_interpreted("""
+from lightning_moe.ops.wgrad_triton import WgradTile, grouped_wgrad_accumulate_, supported
 
-original = interp._patch_lang_tensor
+assert supported(torch.zeros(2, 2))  # fp32 CPU tensors, as every case below
+cases = [(50, 40, 24, 5, "init"), (37, 64, 96, 7, "init"), (0, 8, 8, 2, "init"), (9, 16, 16, 12, "init"),
+         (50, 40, 24, 5, "early"), (70, 64, 32, 3, "late"), (61, 40, 72, 6, "persistent"),
+         (90, 64, 48, 4, "tma"), (33, 40, 24, 3, "tma")]  # 40 rows: not whole tiles, "early" instead
+# 64x96 and 64x32 are whole 32-wide tiles (the unmasked path); persistent: 2 programs walk every tile
+for rows, D, O, E, c_load in cases:
+    tile = WgradTile(programs_per_sm=2) if c_load == "persistent" else WgradTile(c_load=c_load)
+    check(rows, D, O, E, lambda dw, x, dy, offs: grouped_wgrad_accumulate_(dw, x, dy, offs, tile), c_load)
+""")
+    assert out.count("ok") == 9
 
-def patched(tensor):
-    original(tensor)
-    tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
 
-interp._patch_lang_tensor = patched
-from lightning_moe.ops.grouped_gemm import _wgrad_reference
+def test_descriptor_kernel_matches_the_per_expert_loop() -> None:
+    """The persistent descriptor kernel in Triton's interpreter: expert row ranges bound every load."""
+    out = _run_interpreted("""
 from lightning_moe.ops.wgrad_triton_desc import DescTile, grouped_wgrad_accumulate_desc_
 
 tile = DescTile(32, 32, 16, 4, 1)
 # widths are multiples of 16 elements (the interpreter checks descriptor strides in elements)
 for rows, D, O, E in [(50, 64, 48, 5), (0, 32, 16, 2), (9, 32, 32, 12), (70, 64, 80, 3)]:
-    g = torch.Generator().manual_seed(rows + E)
-    counts = torch.zeros(E, dtype=torch.long)
-    if rows:
-        counts += torch.bincount(torch.randint(1, E, (rows,), generator=g), minlength=E)  # expert 0 empty
-    offs = counts.cumsum(0).to(torch.int32)
-    x = torch.randn(rows + 3, D, generator=g)
-    dy = torch.randn(rows + 3, O, generator=g)
-    dw = torch.randn(E, D, O, generator=g)
-    expected = dw + (_wgrad_reference(x[:rows], dy[:rows], offs) if rows else 0)
-    grouped_wgrad_accumulate_desc_(dw, x, dy, offs, tile)
-    torch.testing.assert_close(dw, expected, rtol=1e-5, atol=1e-5)
-    print("ok", rows, D, O, E, flush=True)
-"""
-
-
-def test_descriptor_kernel_matches_the_per_expert_loop() -> None:
-    """The persistent descriptor kernel in Triton's interpreter: expert row ranges bound every load."""
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    done = subprocess.run(
-        [sys.executable, "-c", _DESC_CHECK], capture_output=True, text=True, timeout=300, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("ok") == 4
+    check(rows, D, O, E, lambda dw, x, dy, offs: grouped_wgrad_accumulate_desc_(dw, x, dy, offs, tile))
+""")
+    assert out.count("ok") == 4
 
 
 def test_descriptor_kernel_refuses_shapes_it_cannot_tile() -> None:
