@@ -25,7 +25,7 @@ import peers  # benchmarks/peers.py: the shared timer
 import torch
 import torch.nn.functional as F
 
-from lightning_moe.ops.wgrad_accumulation import accumulate_wgrad_, accumulate_wgrad_streams_
+from lightning_moe.ops.wgrad_accumulation import accumulate_wgrad_
 from lightning_moe.ops.wgrad_triton import WgradTile, grouped_wgrad_accumulate_
 from lightning_moe.ops.wgrad_triton_desc import DescTile, grouped_wgrad_accumulate_desc_
 
@@ -172,7 +172,7 @@ def run_weight(label: str, rows_offs: torch.Tensor, D: int, O: int, tiles: tuple
     record("cuBLAS loop", _time_ms(lambda: accumulate_wgrad_(dw, x, dy, bounds)))
     record("cuBLAS loop transposed", _time_ms(lambda: _loop_transposed(dw, x, dy, bounds)))
     for n in (2, 3, 4):
-        record(f"cuBLAS loop {n} streams", _time_ms(lambda n=n: accumulate_wgrad_streams_(dw, x, dy, bounds, n)))
+        record(f"cuBLAS loop {n} streams", _time_ms(lambda n=n: accumulate_wgrad_(dw, x, dy, bounds, streams=n)))
     record("cuBLAS padded batched", _time_ms(_padded_batched(dw, x, dy, bounds)))
     for tile in tiles:
         try:

@@ -54,7 +54,6 @@ __all__ = [
     "HostOffsets",
     "WgradFusion",
     "accumulate_wgrad_",
-    "accumulate_wgrad_streams_",
     "accumulation_target",
     "fusion_pays",
 ]
@@ -119,23 +118,22 @@ class WgradFusion:
     def __init__(self, offs_E: torch.Tensor, x: torch.Tensor) -> None:
         self.offs_E = offs_E
         kernel = wgrad_kernel()
-        self.triton = kernel == "triton" and wgrad_triton.supported(x)
         if kernel == "auto":
             kernel = auto_kernel(offs_E.numel())
-        self.kernel = "loop" if kernel == "triton" and not self.triton else kernel
-        if not x.is_cuda and self.kernel == "streams":
-            self.kernel = "loop"
+        if (kernel == "triton" and not wgrad_triton.supported(x)) or (kernel == "streams" and not x.is_cuda):
+            kernel = "loop"
+        self.kernel = kernel
         self.host: HostOffsets | None = None if self.triton else HostOffsets(offs_E)
+
+    @property
+    def triton(self) -> bool:
+        return self.kernel == "triton"
 
     def accumulate_(self, grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor) -> None:
         if self.host is None:
             wgrad_triton.grouped_wgrad_accumulate_(grad_EDO, x_RD, dy_RO, self.offs_E)
-            return
-        bounds = self.host.bounds()
-        if self.kernel == "streams":
-            accumulate_wgrad_streams_(grad_EDO, x_RD, dy_RO, bounds)
         else:
-            accumulate_wgrad_(grad_EDO, x_RD, dy_RO, bounds)
+            accumulate_wgrad_(grad_EDO, x_RD, dy_RO, self.host.bounds(), streams=2 if self.kernel == "streams" else 1)
 
 
 def accumulation_target(w: torch.Tensor) -> torch.Tensor | None:
@@ -164,39 +162,35 @@ def accumulation_target(w: torch.Tensor) -> torch.Tensor | None:
     return grad if will_accumulate else None
 
 
-def accumulate_wgrad_(grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, bounds: list[int]) -> None:
+def accumulate_wgrad_(
+    grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, bounds: list[int], streams: int = 1
+) -> None:
     """``grad_EDO[e] += x_e^T @ dy_e`` for every expert with rows, one GEMM with ``beta = 1`` each.
 
     The per-expert views come from one ``split`` / ``unbind`` each, so the host loop only launches
     GEMMs: with hundreds of experts it is the host, not the device, that sets the pace otherwise.
+
+    ``streams > 1`` (CUDA): experts are dealt round-robin over that many streams; a GEMM in flight
+    on another stream fills the gap each short GEMM leaves before the next. The current stream
+    waits for the side streams before returning, so everything after (and any reuse of these
+    tensors' memory, which happens on the current stream) is ordered after all of them.
     """
+    if streams < 1:
+        raise ValueError(f"accumulate_wgrad_ needs streams >= 1; got {streams}.")
     counts = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
     xs_DR = x_RD[: bounds[-1]].t().split(counts, dim=1)
     dys_RO = dy_RO[: bounds[-1]].split(counts, dim=0)
-    for grad_DO, x_DR, dy_RO_e, rows in zip(grad_EDO.unbind(0), xs_DR, dys_RO, counts):
-        if rows:
-            grad_DO.addmm_(x_DR, dy_RO_e)
-
-
-def accumulate_wgrad_streams_(
-    grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, bounds: list[int], streams: int = 2
-) -> None:
-    """:func:`accumulate_wgrad_` with experts dealt round-robin over ``streams`` streams (CUDA only).
-
-    A GEMM in flight on the other stream fills the gap each short GEMM leaves before the next.
-    The current stream waits for the side streams before returning, so everything after (and any
-    reuse of these tensors' memory, which happens on the current stream) is ordered after both.
-    """
-    if streams < 1:
-        raise ValueError(f"accumulate_wgrad_streams_ needs streams >= 1; got {streams}.")
+    views = zip(grad_EDO.unbind(0), xs_DR, dys_RO, counts)
+    if streams == 1:
+        for grad_DO, x_DR, dy_RO_e, rows in views:
+            if rows:
+                grad_DO.addmm_(x_DR, dy_RO_e)
+        return
     main = torch.cuda.current_stream(x_RD.device)
     lanes = [main] + [_side_stream(x_RD.device, i) for i in range(streams - 1)]
     for side in lanes[1:]:
         side.wait_stream(main)
-    counts = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
-    xs_DR = x_RD[: bounds[-1]].t().split(counts, dim=1)
-    dys_RO = dy_RO[: bounds[-1]].split(counts, dim=0)
-    for e, (grad_DO, x_DR, dy_RO_e, rows) in enumerate(zip(grad_EDO.unbind(0), xs_DR, dys_RO, counts)):
+    for e, (grad_DO, x_DR, dy_RO_e, rows) in enumerate(views):
         if rows:
             with torch.cuda.stream(lanes[e % streams]):
                 grad_DO.addmm_(x_DR, dy_RO_e)

@@ -83,9 +83,8 @@ def tile_from_env() -> WgradTile | None:
     return WgradTile(d, o, r, warps, stages, parts[5], int(parts[6]) if len(parts) == 7 else 0)
 
 
-def tile_for(D: int, O: int, dtype: torch.dtype) -> WgradTile:
+def tile_for(dtype: torch.dtype) -> WgradTile:
     """The tile used when the caller names none: ``LIGHTNING_MOE_WGRAD_TILE``, else by dtype."""
-    del D, O
     chosen = tile_from_env()
     if chosen is not None:
         return chosen
@@ -200,7 +199,7 @@ def grouped_wgrad_accumulate_(
         asked = tile if tile is not None else WgradTile()
         tile = WgradTile(32, 32, 16, 4, 1, asked.c_load, asked.programs_per_sm)
     elif tile is None:
-        tile = tile_for(D, O, x_RD.dtype)
+        tile = tile_for(x_RD.dtype)
     if tile.c_load not in _C_LOADS:
         raise ValueError(f"WgradTile.c_load={tile.c_load!r} is not one of {_C_LOADS}.")
     even = D % tile.block_d == 0 and O % tile.block_o == 0

@@ -307,3 +307,8 @@ def test_auto_kernel_deals_many_experts_over_two_streams() -> None:
     assert wacc.auto_kernel(8) == "loop"  # Mixtral: eight long GEMMs leave no gaps to fill
     fusion = wacc.WgradFusion(torch.arange(1, 33, dtype=torch.int32), torch.zeros(32, 4))
     assert fusion.kernel == "loop"  # streams are CUDA's: on CPU the loop
+
+
+def test_accumulation_over_no_streams_is_refused() -> None:
+    with pytest.raises(ValueError, match="streams >= 1; got 0"):
+        wacc.accumulate_wgrad_(torch.zeros(1, 2, 2), torch.zeros(1, 2), torch.zeros(1, 2), [0, 1], streams=0)
