@@ -6,7 +6,8 @@
 #   bash benchmarks/h200.sh offload   # activation offload GPU tests and OFFLOAD_RUNS (budget:prefetch ...) figures
 #   bash benchmarks/h200.sh e2e       # end-to-end model race + callbacks / recompute figures
 #   bash benchmarks/h200.sh verify    # graph-capture tests, GPU tests, kernels last, offload budgets, e2e (results_MODE.tgz)
-#   bash benchmarks/h200.sh wgrad     # weight-gradient kernel tests + tile sweep (WGRAD_TILES=all/short/desc/none), deepseek layer
+#   bash benchmarks/h200.sh wgrad     # weight-gradient kernel tests + tile sweep (WGRAD_TILES=all/short/desc/none); layers with
+#                                     # the best tile (WGRAD_TRITON_LAYERS=shapes), kernels, stream counts (WGRAD_LAYER_STREAMS)
 #   bash benchmarks/h200.sh liger     # Liger alone with a long timeout; carry .tcache/ (from tcache.tgz) afterwards
 #   bash benchmarks/h200.sh multi     # issue 8 on a multi-GPU kind: NCCL parity, EP scaling, overlap, ECHO, DeepEP
 #   bash benchmarks/h200.sh all       # GPU tests, e2e with profile, callbacks, mixtral, Liger (results_MODE.tgz)
@@ -145,17 +146,26 @@ for r in sorted((r for r in rows if r["arm"].startswith("triton")), key=lambda r
     print(f'{r["weight"]:18s} {r["arm"]:34s} {r["ms"]:8.3f} ms {r["grad_rw_tb_s"]:5.2f} TB/s err {r["max_rel_err"]:.1e}')
 PY
     pack
-    tile=$(grep -h "^best deepseek-v3" "$OUT/wgrad.log" | sed 's/.*tile=//')
-    wins=$(grep -h "^best deepseek-v3" "$OUT/wgrad.log" | awk '{print ($3+0 < $7+0) ? 1 : 0}')  # Triton under the loop
-    [ -n "$tile" ] && [ "${wins:-0}" = 1 ] && LIGHTNING_MOE_WGRAD_KERNEL=triton LIGHTNING_MOE_WGRAD_TILE="$tile" timeout 200 \
-      python3 benchmarks/moe_layer.py --shapes deepseek-v3 --fuse-wgrad --fuse-wgrad-keep --peers torch-grouped_mm-ref \
-      --json "$OUT/deepseek_triton.json" > "$OUT/deepseek_triton.log" 2>&1
-    grep -h '^{"peer\|^== \|peer ms /\|GEMMs alone fwd+bwd\|^ \{26\}' "$OUT/deepseek_triton.log" 2>/dev/null | cut -c1-200; pack
+    for shape in ${WGRAD_TRITON_LAYERS:-}; do  # the layer with the sweep's best Triton tile for that shape
+      tile=$(grep -h "^best $shape" "$OUT/wgrad.log" | sed 's/.*tile=//')
+      [ -z "$tile" ] && continue
+      echo "== $shape layer, LIGHTNING_MOE_WGRAD_KERNEL=triton LIGHTNING_MOE_WGRAD_TILE=$tile"
+      LIGHTNING_MOE_WGRAD_KERNEL=triton LIGHTNING_MOE_WGRAD_TILE="$tile" timeout 200 python3 benchmarks/moe_layer.py \
+        --shapes "$shape" --fuse-wgrad --peers torch-grouped_mm-ref --json "$OUT/${shape}_triton.json" > "$OUT/${shape}_triton.log" 2>&1
+      grep -h '^{"peer\|peer ms /\|GEMMs alone fwd+bwd\|^ \{26\}' "$OUT/${shape}_triton.log" | cut -c1-400; pack
+    done
     for k in ${WGRAD_LAYER_KERNELS:-}; do  # the deepseek layer with each accumulation kernel
       echo "== LIGHTNING_MOE_WGRAD_KERNEL=$k"
       LIGHTNING_MOE_WGRAD_KERNEL=$k timeout 150 python3 benchmarks/moe_layer.py --shapes deepseek-v3 --fuse-wgrad \
         --fuse-wgrad-keep --no-breakdown --peers torch-grouped_mm-ref --json "$OUT/deepseek_$k.json" > "$OUT/deepseek_$k.log" 2>&1
       grep -h '^{"peer\|peer ms /' "$OUT/deepseek_$k.log" | cut -c1-200; pack
+    done
+    i=0
+    for streams in ${WGRAD_LAYER_STREAMS:-}; do  # the deepseek layer with each LIGHTNING_MOE_WGRAD_STREAMS
+      i=$((i + 1)); echo "== LIGHTNING_MOE_WGRAD_STREAMS=$streams"
+      LIGHTNING_MOE_WGRAD_STREAMS=$streams timeout 120 python3 benchmarks/moe_layer.py --shapes deepseek-v3 --fuse-wgrad \
+        --no-breakdown --peers "${STREAMS_PEERS:-none}" --json "$OUT/deepseek_s$i.json" > "$OUT/deepseek_s$i.log" 2>&1
+      grep -h '^{"peer\|peer ms /' "$OUT/deepseek_s$i.log" | cut -c1-200; pack
     done
     (cd "$OUT" && rm -f *.log *.json)
     ;;

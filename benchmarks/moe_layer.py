@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import peers  # noqa: E402  (the peer implementations, benchmarks/peers.py)
-from profiling import device_kernels  # noqa: E402  (benchmarks/profiling.py)
+from profiling import device_kernels, step_timeline  # noqa: E402  (benchmarks/profiling.py)
 
 from lightning_moe import MoEConfig, MoELayer  # noqa: E402
 from lightning_moe.ops.grouped_gemm import offsets_from_counts  # noqa: E402
@@ -133,6 +133,7 @@ def breakdown(T: int, H: int, Fh: int, E: int, k: int, dev: str, skew: float, fu
         rows = [(k["total_ms"] / 3, k["count"] // 3, k["name"][:70]) for k in device_kernels(prof)]
         out["kernels_ms"] = [[round(ms, 3), n, name] for ms, n, name in rows[:22]]
         out["total_kernel_ms"] = round(sum(r[0] for r in rows), 3)
+        out["timeline"] = _timeline(lambda: layer(x).backward(go))
         out["host_syncs"] = _host_syncs(lambda: layer(x).backward(go))
         out["host_ms"] = round(_host_time(lambda: layer(x).backward(go)), 3)
     with torch.no_grad():
@@ -142,6 +143,24 @@ def breakdown(T: int, H: int, Fh: int, E: int, k: int, dev: str, skew: float, fu
     offs = offsets_from_counts(perm.tokens_per_expert_E)
     out["gemms_fwd_bwd_alone"] = gemms_alone(x_RH, layer.experts.w13.detach(), layer.experts.w2.detach(), offs, Fh)
     return out
+
+
+def _timeline(step) -> dict:  # noqa: ANN001
+    """One step's device timeline (``profiling.step_timeline``): idle time and who the device waits for."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):  # the first step under a new profiler pays its start-up: the last one is read
+            with record_function("step"):
+                step()
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return step_timeline(path)
 
 
 def _host_syncs(step) -> list[str]:  # noqa: ANN001
@@ -336,6 +355,15 @@ def print_table(out: dict) -> None:
                 )
                 print(f"{'':26s}host time of one step's launches {r.get('host_ms')} ms; "
                       f"host syncs: {len(r.get('host_syncs', []))} {r.get('host_syncs', [])[:3]}")
+                t = r.get("timeline") or {}
+                if t:
+                    ops = t.get("host_ops_before_first_long", [])
+                    print(f"{'':26s}timeline (profiled): span {t['span_ms']:.3f} ms, device idle {t['idle_ms']:.3f} ms; "
+                          f"first long kernel at {t.get('first_long_start_ms', float('nan')):.3f} ms (launched at "
+                          f"{t.get('first_long_launch_ms', float('nan')):.3f} ms after {len(ops)} host ops: "
+                          f"{', '.join(f'{n} {ms}' for n, ms in ops[:40])})")
+                    for gap, before, after in t.get("gaps", []):
+                        print(f"{'':26s}  idle {gap:.3f} ms between {before} | {after}")
                 for ms, n, kname in r.get("kernels_ms", [])[:12]:
                     print(f"{'':26s}{ms:8.3f} ms x{n:<3d} {kname}")
             elif "error" in r:

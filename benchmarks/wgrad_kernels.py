@@ -103,6 +103,44 @@ def _loop_transposed(dw: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, bounds
             grad_DO.t().addmm_(dy_RO.t(), x_RD)
 
 
+_LANES: list[torch.cuda.Stream] = []
+
+
+def _by_lanes(dw: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, bounds: list[int], streams: int) -> None:
+    """The ``streams`` loop's round-robin deal, launched lane by lane: one stream switch per lane
+    instead of one per expert (does switching the cuBLAS handle's stream cost device time?)."""
+    main = torch.cuda.current_stream()
+    while len(_LANES) < streams - 1:
+        _LANES.append(torch.cuda.Stream())
+    lanes = [main, *_LANES[: streams - 1]]
+    for side in lanes[1:]:
+        side.wait_stream(main)
+    counts = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+    views = list(zip(dw.unbind(0), x[: bounds[-1]].t().split(counts, dim=1), dy[: bounds[-1]].split(counts), counts))
+    for lane_index, lane in enumerate(lanes):
+        with torch.cuda.stream(lane):
+            for grad_DO, x_DR, dy_RO, rows in views[lane_index::streams]:
+                if rows:
+                    grad_DO.addmm_(x_DR, dy_RO)
+    for side in lanes[1:]:
+        main.wait_stream(side)
+
+
+def _top_kernels(label: str, arm: str, fn: Callable[[], None]) -> None:
+    """Device time by kernel name over one call (profiler): which kernels, how many, memsets."""
+    from profiling import device_kernels  # benchmarks/profiling.py
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [[round(k["total_ms"], 3), k["count"], k["name"][:70]] for k in device_kernels(prof)[:5]]
+    print(json.dumps({"weight": label, "profile": arm, "kernels": rows}), flush=True)
+
+
 def _padded_batched(dw: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, bounds: list[int]) -> Callable[[], None]:
     """One strided-batched cuBLAS GEMM with beta = 1 over rows padded with zeros to the largest
     expert (the padding copies are timed, the index building is not)."""
@@ -173,7 +211,11 @@ def run_weight(label: str, rows_offs: torch.Tensor, D: int, O: int, tiles: tuple
     record("cuBLAS loop transposed", _time_ms(lambda: _loop_transposed(dw, x, dy, bounds)))
     for n in (2, 3, 4):
         record(f"cuBLAS loop {n} streams", _time_ms(lambda n=n: accumulate_wgrad_(dw, x, dy, bounds, streams=n)))
+    for n in (2, 3):
+        record(f"cuBLAS loop {n} streams by lanes", _time_ms(lambda n=n: _by_lanes(dw, x, dy, bounds, n)))
     record("cuBLAS padded batched", _time_ms(_padded_batched(dw, x, dy, bounds)))
+    _top_kernels(label, "cuBLAS loop", lambda: accumulate_wgrad_(dw, x, dy, bounds))
+    _top_kernels(label, "cuBLAS loop 2 streams", lambda: accumulate_wgrad_(dw, x, dy, bounds, streams=2))
     for tile in tiles:
         try:
             err = _max_rel_err(tile, x, dy, offs, dw)
@@ -210,11 +252,13 @@ def main() -> None:
             if row["weight"].startswith(name + " ") and row["arm"].startswith("triton ") and "desc" not in row["arm"]:
                 per_tile.setdefault(row["arm"], []).append(row["ms"])
         loop = sum(r["ms"] for r in results if r["weight"].startswith(name + " ") and r["arm"] == "cuBLAS loop")
+        added = sum(r["ms"] for r in results if r["weight"].startswith(name + " ") and r["arm"] == "grouped + add")
         both = {arm: sum(ms) for arm, ms in per_tile.items() if len(ms) == 2}
         if both:
             arm = min(both, key=both.__getitem__)
             tile = next(t for t in tiles if f"triton {t.label()}" == arm)
-            print(f"best {name}: {both[arm]:.2f} ms (cuBLAS loop {loop:.2f}) tile={','.join(map(str, tile))}")
+            print(f"best {name}: {both[arm]:.2f} ms (cuBLAS loop {loop:.2f}; grouped + add {added:.2f}) "
+                  f"tile={','.join(map(str, tile))}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -32,7 +32,7 @@ import torch
 from lightning_moe.ops.grouped_gemm import GemmBackend, gmm, gmm_wgrad
 from lightning_moe.ops.permute import Permutation, _permute_rows_impl, _unpermute_sum_impl
 from lightning_moe.ops.swiglu import weighted_swiglu_backward, weighted_swiglu_forward
-from lightning_moe.ops.wgrad_accumulation import WgradFusion, accumulation_target, fusion_pays
+from lightning_moe.ops.wgrad_accumulation import WgradFusion, accumulation_target, fusion_pays, wgrad_kernel
 
 __all__ = ["local_experts"]
 
@@ -67,7 +67,7 @@ class _PermuteUp(torch.autograd.Function):
         grad_w13 = None
         if ctx.needs_input_grad[1]:
             x_RH = x_saved if ctx.keep_gathered else _permute_rows_impl(x_saved, perm.src_token_R)
-            grad_w13 = _weight_grad(ctx, x_RH, grad_h_R2F, offs_E)
+            grad_w13 = _weight_grad(ctx, x_RH, grad_h_R2F, offs_E, "w13")
             del x_RH
         grad_x_TH = None
         if ctx.needs_input_grad[0]:
@@ -108,7 +108,7 @@ class _DownCombine(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             if a_RF is None:
                 a_RF = weighted_swiglu_forward(h_R2F, w_R)
-            grad_w2 = _weight_grad(ctx, a_RF, grad_y_RH, offs_E)
+            grad_w2 = _weight_grad(ctx, a_RF, grad_y_RH, offs_E, "w2")
             del a_RF
         del grad_y_RH
         grad_h_R2F, grad_w_R = weighted_swiglu_backward(h_R2F, w_R, grad_a_RF, ctx.needs_input_grad[2])
@@ -117,12 +117,12 @@ class _DownCombine(torch.autograd.Function):
         return grad_h_R2F, grad_w2, grad_w_R, None, None, None, None, None
 
 
-def _weight_grad(ctx, x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor | None:  # noqa: ANN001
+def _weight_grad(ctx, x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor, weight: str) -> torch.Tensor | None:  # noqa: ANN001
     """The expert weight gradient to return, or ``None`` once it was added into ``.grad`` in place."""
     target = accumulation_target(ctx.weight) if ctx.fusion is not None else None
     if target is None:
         return gmm_wgrad(x_RD, dy_RO, offs_E, ctx.backend)
-    ctx.fusion.accumulate_(target, x_RD, dy_RO)
+    ctx.fusion.accumulate_(target, x_RD, dy_RO, weight)
     return None
 
 
@@ -184,4 +184,5 @@ def _may_fuse(w13: torch.Tensor, w2: torch.Tensor) -> bool:
         return False
     if w13.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
-    return fusion_pays(w2.shape[-1], w2.shape[-2], w2.element_size())
+    # One grouped Triton launch per weight pays for any width; per-expert cuBLAS GEMMs only for wide experts.
+    return wgrad_kernel() == "triton" or fusion_pays(w2.shape[-1], w2.shape[-2], w2.element_size())

@@ -31,6 +31,7 @@ blocking (:class:`HostOffsets`), so the backward never drains the device queue:
   experts): w13 14.5 -> 12.5 ms, the layer 50.5 -> 47.4 ms (``benchmarks/wgrad_kernels.py``,
   ``benchmarks/moe_layer.py``); Mixtral (8 experts, long GEMMs): slower (w13 12.47 vs 11.93 ms), hence ``auto``.
 * ``auto`` (default) — ``streams`` on CUDA from 16 experts on, else ``loop``.
+  ``LIGHTNING_MOE_WGRAD_STREAMS`` sets the stream count, for both weights (``3``) or each (``w13=3,w2=1``).
 * ``triton`` (CUDA, Triton importable) — one grouped Triton kernel that reads the row ranges from
   the device offsets (``ops/wgrad_triton.py``): one launch, no host sync, but on the H200 no
   faster than the loop for any tile tried (DeepSeek-V3: 22.3 vs 22.6 ms for both weights, layer
@@ -56,6 +57,8 @@ __all__ = [
     "accumulate_wgrad_",
     "accumulation_target",
     "fusion_pays",
+    "wgrad_streams",
+    "wgrad_kernel",
 ]
 
 # Below this many bytes of one expert's weights (w13 + w2), one GEMM launch per expert costs more
@@ -112,6 +115,38 @@ def auto_kernel(num_experts: int) -> str:
     return "streams" if num_experts >= _STREAMS_FROM_EXPERTS else "loop"
 
 
+# Streams per weight of the ``streams`` kernel: the up-projection (w13) and the down-projection (w2).
+_DEFAULT_STREAMS = {"w13": 2, "w2": 2}
+
+
+def wgrad_streams(weight: str) -> int:
+    """Streams the ``streams`` kernel deals ``weight``'s experts over (``"w13"`` or ``"w2"``).
+
+    ``LIGHTNING_MOE_WGRAD_STREAMS`` overrides: one count for both (``3``) or one per weight
+    (``w13=3,w2=1``).
+    """
+    counts = dict(_DEFAULT_STREAMS)
+    raw = os.environ.get("LIGHTNING_MOE_WGRAD_STREAMS", "").replace(" ", "")
+    if raw:
+        try:
+            if "=" in raw:
+                for part in raw.split(","):
+                    name, _, value = part.partition("=")
+                    if name not in counts:
+                        raise ValueError(name)
+                    counts[name] = int(value)
+            else:
+                counts = {name: int(raw) for name in counts}
+        except ValueError:
+            raise ValueError(
+                f"LIGHTNING_MOE_WGRAD_STREAMS={raw!r} is not understood; give one count (e.g. 2) or one per "
+                "weight (e.g. w13=3,w2=1)."
+            ) from None
+        if min(counts.values()) < 1:
+            raise ValueError(f"LIGHTNING_MOE_WGRAD_STREAMS={raw!r}: every stream count must be at least 1.")
+    return counts[weight]
+
+
 class WgradFusion:
     """What one layer call needs to accumulate its weight gradients in place in backward."""
 
@@ -129,11 +164,13 @@ class WgradFusion:
     def triton(self) -> bool:
         return self.kernel == "triton"
 
-    def accumulate_(self, grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor) -> None:
+    def accumulate_(self, grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, weight: str) -> None:
+        """``grad_EDO[e] += x_e^T dy_e``; ``weight`` (``"w13"``/``"w2"``) picks the stream count."""
         if self.host is None:
             wgrad_triton.grouped_wgrad_accumulate_(grad_EDO, x_RD, dy_RO, self.offs_E)
         else:
-            accumulate_wgrad_(grad_EDO, x_RD, dy_RO, self.host.bounds(), streams=2 if self.kernel == "streams" else 1)
+            streams = wgrad_streams(weight) if self.kernel == "streams" else 1
+            accumulate_wgrad_(grad_EDO, x_RD, dy_RO, self.host.bounds(), streams=streams)
 
 
 def accumulation_target(w: torch.Tensor) -> torch.Tensor | None:
@@ -171,7 +208,10 @@ def accumulate_wgrad_(
     GEMMs: with hundreds of experts it is the host, not the device, that sets the pace otherwise.
 
     ``streams > 1`` (CUDA): experts are dealt round-robin over that many streams; a GEMM in flight
-    on another stream fills the gap each short GEMM leaves before the next. The current stream
+    on another stream fills the gap each short GEMM leaves before the next. Each stream's GEMMs are
+    launched together: switching the stream per expert doubles the host time of a launch (the
+    cuBLAS handle is re-bound to the stream each time), and with hundreds of experts the host then
+    sets the pace (H200, Qwen3-30B-A3B w13: 6.0 ms round-robin, 3.5 ms lane by lane). The current stream
     waits for the side streams before returning, so everything after (and any reuse of these
     tensors' memory, which happens on the current stream) is ordered after all of them.
     """
@@ -190,9 +230,10 @@ def accumulate_wgrad_(
     lanes = [main] + [_side_stream(x_RD.device, i) for i in range(streams - 1)]
     for side in lanes[1:]:
         side.wait_stream(main)
-    for e, (grad_DO, x_DR, dy_RO_e, rows) in enumerate(views):
-        if rows:
-            with torch.cuda.stream(lanes[e % streams]):
+    work = [view for view in views if view[3]]
+    for index, lane in enumerate(lanes):  # lane by lane: one stream switch per lane, not per expert
+        with torch.cuda.stream(lane):
+            for grad_DO, x_DR, dy_RO_e, _ in work[index::streams]:
                 grad_DO.addmm_(x_DR, dy_RO_e)
     for side in lanes[1:]:
         main.wait_stream(side)

@@ -57,3 +57,30 @@ def test_moe_layer_benchmark_quick_runs_and_writes_json(tmp_path: Path) -> None:
     assert all("error" not in r for r in results if r["peer"] in ("lightning-moe", "torch-grouped_mm-ref"))
     breakdown = [r for r in results if r["peer"] == "breakdown"]
     assert breakdown and {"wgrad_ms", "fwd_ms", "bwd_ms"} <= set(breakdown[0]["gemms_fwd_bwd_alone"])
+
+
+def test_step_timeline_finds_idle_time_and_the_host_ops_before_the_first_long_kernel() -> None:
+    profiling = _load("profiling")
+
+    def x(name: str, cat: str, ts: float, dur: float, corr: int | None = None) -> dict:
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    trace = {"traceEvents": [
+        x("step", "user_annotation", 1000, 900),
+        x("aten::mm", "cpu_op", 1010, 30), x("aten::addmm", "cpu_op", 1012, 10),  # nested: not top level
+        x("aten::softmax", "cpu_op", 1050, 20),
+        x("cudaLaunchKernel", "cuda_runtime", 1020, 5, 1), x("cudaLaunchKernel", "cuda_runtime", 1200, 5, 2),
+        x("small", "kernel", 1030, 10, 1),  # 30 us after the step began, then idle until the long one
+        x("gemm", "kernel", 1300, 400, 2), x("memset", "gpu_memset", 1650, 100),  # overlaps the gemm
+        x("tail", "kernel", 1800, 50),
+    ]}
+    t = profiling.step_timeline(trace)
+    assert t["span_ms"] == pytest.approx(0.85)  # step start 1000 -> last end 1850
+    assert t["busy_ms"] == pytest.approx((10 + 450 + 50) / 1e3)
+    assert t["idle_ms"] == pytest.approx((850 - 510) / 1e3)
+    assert t["first_long_start_ms"] == pytest.approx(0.3) and t["first_long_kernel"] == "gemm"
+    assert t["first_long_launch_ms"] == pytest.approx(0.2)
+    assert t["host_ops_before_first_long"] == [["aten::mm", 0.03], ["aten::softmax", 0.02]]
+    assert t["gaps"][0] == [0.26, "small", "gemm"]  # 1040 -> 1300
+    with pytest.raises(ValueError, match="record_function"):
+        profiling.step_timeline({"traceEvents": []})

@@ -312,3 +312,31 @@ def test_auto_kernel_deals_many_experts_over_two_streams() -> None:
 def test_accumulation_over_no_streams_is_refused() -> None:
     with pytest.raises(ValueError, match="streams >= 1; got 0"):
         wacc.accumulate_wgrad_(torch.zeros(1, 2, 2), torch.zeros(1, 2), torch.zeros(1, 2), [0, 1], streams=0)
+
+
+def test_wgrad_streams_default_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LIGHTNING_MOE_WGRAD_STREAMS", raising=False)
+    assert wacc.wgrad_streams("w13") == wacc._DEFAULT_STREAMS["w13"]
+    assert wacc.wgrad_streams("w2") == wacc._DEFAULT_STREAMS["w2"]
+    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_STREAMS", "3")
+    assert wacc.wgrad_streams("w13") == 3 and wacc.wgrad_streams("w2") == 3
+    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_STREAMS", "w13=4, w2=1")
+    assert wacc.wgrad_streams("w13") == 4 and wacc.wgrad_streams("w2") == 1
+    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_STREAMS", "w2=1")  # the other keeps its default
+    assert wacc.wgrad_streams("w13") == wacc._DEFAULT_STREAMS["w13"] and wacc.wgrad_streams("w2") == 1
+    for bad in ("two", "w3=2", "w13=x", "0", "w2=0"):
+        monkeypatch.setenv("LIGHTNING_MOE_WGRAD_STREAMS", bad)
+        with pytest.raises(ValueError, match="LIGHTNING_MOE_WGRAD_STREAMS="):
+            wacc.wgrad_streams("w13")
+
+
+def test_triton_kernel_choice_fuses_narrow_experts_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One grouped launch per weight pays at any width: asking for it fuses Qwen3-like experts."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", "triton")
+    w13 = torch.zeros(2, 8, 6, requires_grad=True)
+    w2 = torch.zeros(2, 3, 8, requires_grad=True)
+    assert not fusion_pays(8, 3, 4) and local_ops._may_fuse(w13, w2)
+    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", "loop")
+    assert not local_ops._may_fuse(w13, w2)
