@@ -30,7 +30,7 @@ python3 -c "from lightning_moe.ops.build import load_extension; print(load_exten
 export TRITON_CACHE_DIR="$PWD/.tcache" TRITON_CACHE_AUTOTUNING=1
 trap 'tar czf "$OUT/kcache.tgz" -C "$LIGHTNING_MOE_CACHE" . 2>/dev/null' EXIT
 MODE=${1:-layer}
-pack() { (cd "$OUT" && tar czf "results_$MODE.tgz" *.log *.json 2>/dev/null); }  # what came back if a later step hangs
+pack() { (cd "$OUT" && tar czf "results_$MODE${TAG:-}.tgz" *.log *.json 2>/dev/null); }  # TAG: one archive per call of a mode  # what came back if a later step hangs
 case "$MODE" in
   tests)
     timeout 240 python3 -m pytest tests/gpu -v -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1
