@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -37,13 +36,36 @@ __all__ = ["TopKRouter", "RouterOutput", "select_topk", "routing_weights", "drop
 RoutingOverride = Callable[[torch.Tensor], torch.Tensor]
 
 
-@dataclass(frozen=True)
 class RouterOutput:
-    logits_TE: torch.Tensor
-    topk_ids_TK: torch.Tensor  # int64; -1 marks a slot dropped by capacity
-    topk_weights_TK: torch.Tensor  # fp32 (router dtype), 0 where dropped
-    tokens_per_expert_E: torch.Tensor  # routed slots per expert before capacity drops
-    routed_ids_TK: torch.Tensor  # top-k ids before capacity drops (what the balancing losses count)
+    """What the router hands the layer.
+
+    ``tokens_per_expert_E`` (routed slots per expert before capacity drops) is counted on first
+    use when not given: the layer reads it after the expert GEMMs are launched, so the six small
+    ops of the count stay off the host's path to the first GEMM (with the device idle until that
+    GEMM arrives, host time there is step time).
+    """
+
+    __slots__ = ("logits_TE", "topk_ids_TK", "topk_weights_TK", "routed_ids_TK", "_tokens_per_expert_E")
+
+    def __init__(
+        self,
+        logits_TE: torch.Tensor,
+        topk_ids_TK: torch.Tensor,  # int64; -1 marks a slot dropped by capacity
+        topk_weights_TK: torch.Tensor,  # fp32 (router dtype), 0 where dropped
+        tokens_per_expert_E: torch.Tensor | None,
+        routed_ids_TK: torch.Tensor,  # top-k ids before capacity drops (what the balancing losses count)
+    ) -> None:
+        self.logits_TE = logits_TE
+        self.topk_ids_TK = topk_ids_TK
+        self.topk_weights_TK = topk_weights_TK
+        self.routed_ids_TK = routed_ids_TK
+        self._tokens_per_expert_E = tokens_per_expert_E
+
+    @property
+    def tokens_per_expert_E(self) -> torch.Tensor:
+        if self._tokens_per_expert_E is None:
+            self._tokens_per_expert_E = count_per_expert(self.routed_ids_TK, self.logits_TE.shape[-1])
+        return self._tokens_per_expert_E
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -159,8 +181,9 @@ class TopKRouter(nn.Module):
         topk_weights_TK = routing_weights(
             logits_TE, topk_ids_TK, cfg.score_func, cfg.pre_softmax, cfg.norm_topk_prob, cfg.scaling_factor
         )
-        tokens_per_expert_E = count_per_expert(topk_ids_TK, cfg.num_experts)
+        tokens_per_expert_E = None  # counted when first read (RouterOutput)
         if self.expert_bias is not None and self.training:
+            tokens_per_expert_E = count_per_expert(topk_ids_TK, cfg.num_experts)
             self.tokens_per_expert_since_update += tokens_per_expert_E.float()
         routed_ids_TK = topk_ids_TK
         if cfg.capacity_factor is not None:
