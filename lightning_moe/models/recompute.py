@@ -61,7 +61,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from lightning_moe.moe.dispatch import DispatchedTokens, LocalDispatcher, row_weights
+from lightning_moe.moe.dispatch import DispatchedTokens, LocalDispatcher, resolved, row_weights
 from lightning_moe.moe.layer import MoELayer
 from lightning_moe.ops.grouped_gemm import gmm, offsets_from_counts
 from lightning_moe.ops.permute import Permutation, build_permutation, permute_rows_reference
@@ -302,7 +302,7 @@ class _MoEActDispatcher:
     ) -> torch.Tensor:
         # LocalDispatcher.run_experts, with the hidden state announced to the scope.
         perm = build_permutation(topk_ids_TK, self.inner.num_experts, capacity, self.inner.dropless)
-        w_R = row_weights(topk_weights_TK, perm)
+        w_R = row_weights(resolved(topk_weights_TK), perm, self.inner.dropless and capacity is None)
         self.scope.expect_expert_hidden(experts, x_TH, perm)
         lean = experts.lean_backward
         experts.lean_backward = True  # rebuild x_RH and a_RF too, instead of saving them

@@ -17,6 +17,7 @@ Dispatchers are not ``nn.Module``s: they hold no parameters, only process groups
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -50,11 +51,21 @@ class LocalHandle:
     topk_weights_TK: torch.Tensor
 
 
-def row_weights(topk_weights_TK: torch.Tensor, perm: Permutation) -> torch.Tensor:
-    """Weight of every row (0 for padding); differentiable w.r.t. ``topk_weights_TK``."""
+def row_weights(topk_weights_TK: torch.Tensor, perm: Permutation, dropless: bool = False) -> torch.Tensor:
+    """Weight of every row (0 for padding); differentiable w.r.t. ``topk_weights_TK``.
+
+    ``dropless`` (and not padded): every row has a slot, so no mask is needed.
+    """
     slot_R = perm.slot_of_row_R
+    if dropless and not perm.padded:
+        return topk_weights_TK.reshape(-1).index_select(0, slot_R)
     w_R = topk_weights_TK.reshape(-1).index_select(0, slot_R.clamp(min=0))
     return w_R * (slot_R >= 0)
+
+
+def resolved(value: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``value``, or what it computes when it is a deferred computation."""
+    return value() if callable(value) else value
 
 
 class LocalDispatcher:
@@ -85,17 +96,20 @@ class LocalDispatcher:
         self,
         x_TH: torch.Tensor,
         topk_ids_TK: torch.Tensor,
-        topk_weights_TK: torch.Tensor,
+        topk_weights_TK: torch.Tensor | Callable[[], torch.Tensor],
         capacity: int | None,
         experts: Any,
     ) -> torch.Tensor:
         """dispatch → experts → combine in one autograd node (weights inside the activation).
 
         Same result as the three calls; saves only the expert hidden state (see
-        ``ops/local_experts.py``). ``experts`` is a ``GroupedExperts``.
+        ``ops/local_experts.py``). ``experts`` is a ``GroupedExperts``. The routing weights (or
+        the function computing them) are turned into row weights only after the first expert
+        GEMM is launched.
         """
         perm = build_permutation(topk_ids_TK, self.num_experts, capacity, self.dropless)
-        return experts.forward_local(x_TH, perm, row_weights(topk_weights_TK, perm))
+        dropless = self.dropless and capacity is None
+        return experts.forward_local(x_TH, perm, lambda: row_weights(resolved(topk_weights_TK), perm, dropless))
 
     def __repr__(self) -> str:
         return f"LocalDispatcher(num_experts={self.num_experts}, dropless={self.dropless})"

@@ -11,6 +11,7 @@ These names are the checkpoint format.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -92,8 +93,12 @@ class GroupedExperts(nn.Module):
         with torch.autocast(device_type=device_type, enabled=False):
             return expert_swiglu_mlp(x_RH.to(dtype), w13, w2, offs_e, weights_R, backend)
 
-    def forward_local(self, x_TH: torch.Tensor, perm: Permutation, weights_R: torch.Tensor) -> torch.Tensor:
-        """Tokens in token order -> their summed expert outputs (permute and combine fused in)."""
+    def forward_local(
+        self, x_TH: torch.Tensor, perm: Permutation, weights_R: torch.Tensor | Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        """Tokens in token order -> their summed expert outputs (permute and combine fused in).
+
+        ``weights_R`` may be a function: it is called once the first expert GEMM is launched."""
         device_type = x_TH.device.type
         w13, w2, dtype = self._compute_weights(device_type)
         offs_e = offsets_from_counts(perm.tokens_per_expert_E)

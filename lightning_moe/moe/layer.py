@@ -137,7 +137,8 @@ class MoELayer(nn.Module):
         me = cfg.memory_efficient_permute
         run_experts = getattr(self.dispatcher, "run_experts", None)
         if me and run_experts is not None:  # the dispatcher fuses its three stages (fast path)
-            y_TH = run_experts(x_TH, routing.topk_ids_TK, routing.topk_weights_TK, capacity, self.experts)
+            weights_TK = lambda: routing.topk_weights_TK  # noqa: E731  (read after the first expert GEMM's launch)
+            y_TH = run_experts(x_TH, routing.topk_ids_TK, weights_TK, capacity, self.experts)
         else:
             dispatched, handle = self.dispatcher.dispatch(
                 x_TH, routing.topk_ids_TK, routing.topk_weights_TK, capacity

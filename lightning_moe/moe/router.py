@@ -39,27 +39,33 @@ RoutingOverride = Callable[[torch.Tensor], torch.Tensor]
 class RouterOutput:
     """What the router hands the layer.
 
-    ``tokens_per_expert_E`` (routed slots per expert before capacity drops) is counted on first
-    use when not given: the layer reads it after the expert GEMMs are launched, so the six small
-    ops of the count stay off the host's path to the first GEMM (with the device idle until that
-    GEMM arrives, host time there is step time).
+    ``topk_weights_TK`` (a function that computes them on first read) and ``tokens_per_expert_E``
+    (routed slots per expert before capacity drops; ``None``) may be left for later: the layer
+    reads them after the first expert GEMM is launched, so their small ops stay off the host's
+    path to that GEMM (the device waits idle until it arrives: host time there is step time).
     """
 
-    __slots__ = ("logits_TE", "topk_ids_TK", "topk_weights_TK", "routed_ids_TK", "_tokens_per_expert_E")
+    __slots__ = ("logits_TE", "topk_ids_TK", "_topk_weights_TK", "routed_ids_TK", "_tokens_per_expert_E")
 
     def __init__(
         self,
         logits_TE: torch.Tensor,
         topk_ids_TK: torch.Tensor,  # int64; -1 marks a slot dropped by capacity
-        topk_weights_TK: torch.Tensor,  # fp32 (router dtype), 0 where dropped
+        topk_weights_TK: torch.Tensor | Callable[[], torch.Tensor],  # fp32 (router dtype), 0 where dropped
         tokens_per_expert_E: torch.Tensor | None,
         routed_ids_TK: torch.Tensor,  # top-k ids before capacity drops (what the balancing losses count)
     ) -> None:
         self.logits_TE = logits_TE
         self.topk_ids_TK = topk_ids_TK
-        self.topk_weights_TK = topk_weights_TK
+        self._topk_weights_TK = topk_weights_TK
         self.routed_ids_TK = routed_ids_TK
         self._tokens_per_expert_E = tokens_per_expert_E
+
+    @property
+    def topk_weights_TK(self) -> torch.Tensor:
+        if callable(self._topk_weights_TK):
+            self._topk_weights_TK = self._topk_weights_TK()
+        return self._topk_weights_TK
 
     @property
     def tokens_per_expert_E(self) -> torch.Tensor:
@@ -178,9 +184,12 @@ class TopKRouter(nn.Module):
         topk_ids_TK = self._select(logits_TE.detach())
         if self._override is not None:
             topk_ids_TK = self._checked_override(topk_ids_TK)
-        topk_weights_TK = routing_weights(
-            logits_TE, topk_ids_TK, cfg.score_func, cfg.pre_softmax, cfg.norm_topk_prob, cfg.scaling_factor
-        )
+        def weights() -> torch.Tensor:  # read by the layer after the first expert GEMM's launch
+            return routing_weights(
+                logits_TE, topk_ids_TK, cfg.score_func, cfg.pre_softmax, cfg.norm_topk_prob, cfg.scaling_factor
+            )
+
+        topk_weights_TK: torch.Tensor | Callable[[], torch.Tensor] = weights
         tokens_per_expert_E = None  # counted when first read (RouterOutput)
         if self.expert_bias is not None and self.training:
             tokens_per_expert_E = count_per_expert(topk_ids_TK, cfg.num_experts)
@@ -189,7 +198,7 @@ class TopKRouter(nn.Module):
         if cfg.capacity_factor is not None:
             capacity = expert_capacity(x_TH.shape[0], cfg.top_k, cfg.num_experts, cfg.capacity_factor)
             topk_ids_TK, topk_weights_TK = drop_over_capacity(
-                topk_ids_TK, topk_weights_TK, cfg.num_experts, capacity, cfg.drop_policy
+                topk_ids_TK, weights(), cfg.num_experts, capacity, cfg.drop_policy
             )
         return RouterOutput(logits_TE, topk_ids_TK, topk_weights_TK, tokens_per_expert_E, routed_ids_TK)
 

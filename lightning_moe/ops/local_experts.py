@@ -27,6 +27,8 @@ gradient added there by the weight-gradient GEMMs themselves (``ops/wgrad_accumu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from lightning_moe.ops.grouped_gemm import GemmBackend, gmm, gmm_wgrad
@@ -157,7 +159,7 @@ def local_experts(
     x_TH: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
-    w_R: torch.Tensor,
+    w_R: torch.Tensor | Callable[[], torch.Tensor],
     perm: Permutation,
     offs_E: torch.Tensor,
     backend: GemmBackend = "torch",
@@ -182,6 +184,8 @@ def local_experts(
         rebuild_x = rebuild_a = lean
     fusion = WgradFusion(offs_E, x_TH) if fuse_wgrad and _may_fuse(w13, w2) else None
     h_R2F = _PermuteUp.apply(x_TH, w13, perm, offs_E, backend, not rebuild_x, fusion)
+    if callable(w_R):  # deferred by the caller until the first GEMM is launched
+        w_R = w_R()
     return _DownCombine.apply(h_R2F, w2, w_R, perm, offs_E, backend, not rebuild_a, fusion)
 
 

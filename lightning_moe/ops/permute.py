@@ -22,7 +22,7 @@ Each has a torch reference (the spec) and, on CUDA, the csrc kernel when it buil
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
@@ -42,24 +42,43 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
 class Permutation:
     """Where every routed slot goes (index tensors on the routing device).
 
     ``src_token_R`` (token each row reads; padding rows read token 0 and carry weight 0) and
     ``slot_row_TK`` are int32 — the kernels' index type — and ``slot_of_row_R`` is int64.
+    ``slot_of_row_R`` may be given as a function that builds it on first read: only the row
+    weights need it, and they are read after the first expert GEMM is launched (every op before
+    that launch is step time while the device waits for it).
     """
 
-    slot_of_row_R: torch.Tensor
-    slot_row_TK: torch.Tensor
-    tokens_per_expert_E: torch.Tensor
-    top_k: int
-    src_token_R: torch.Tensor
-    padded: bool = False  # capacity-padded: rows with ``slot_of_row == -1`` exist (known without a sync)
+    __slots__ = ("_slot_of_row_R", "slot_row_TK", "tokens_per_expert_E", "top_k", "src_token_R", "padded")
+
+    def __init__(
+        self,
+        slot_of_row_R: torch.Tensor | Callable[[], torch.Tensor],
+        slot_row_TK: torch.Tensor,
+        tokens_per_expert_E: torch.Tensor,
+        top_k: int,
+        src_token_R: torch.Tensor,
+        padded: bool = False,  # capacity-padded: rows with ``slot_of_row == -1`` exist (known without a sync)
+    ) -> None:
+        self._slot_of_row_R = slot_of_row_R
+        self.slot_row_TK = slot_row_TK
+        self.tokens_per_expert_E = tokens_per_expert_E
+        self.top_k = top_k
+        self.src_token_R = src_token_R
+        self.padded = padded
+
+    @property
+    def slot_of_row_R(self) -> torch.Tensor:
+        if callable(self._slot_of_row_R):
+            self._slot_of_row_R = self._slot_of_row_R()
+        return self._slot_of_row_R
 
     @property
     def num_rows(self) -> int:
-        return self.slot_of_row_R.shape[0]
+        return self.src_token_R.shape[0]
 
 
 def _make_permutation(
@@ -160,10 +179,12 @@ def build_permutation(
         return build_permutation_reference(topk_ids_TK, num_experts, capacity, dropless)
     src_idx_N, slot_row_TK, counts_E, _offsets_E = ext.build_permutation(topk_ids_TK, num_experts)
     T, K = topk_ids_TK.shape
-    # Dropless: every slot has a row, so the inverse map is a plain scatter (no mask, no sync).
-    slot_of_row_R = torch.empty(T * K, dtype=torch.long, device=topk_ids_TK.device)
-    slot_of_row_R.scatter_(0, slot_row_TK.reshape(-1).long(), torch.arange(T * K, device=topk_ids_TK.device))
-    return Permutation(slot_of_row_R, slot_row_TK, counts_E.long(), K, src_idx_N)
+
+    def slot_of_row() -> torch.Tensor:  # dropless: every slot has a row, so the inverse is a plain scatter
+        slot_of_row_R = torch.empty(T * K, dtype=torch.long, device=topk_ids_TK.device)
+        return slot_of_row_R.scatter_(0, slot_row_TK.reshape(-1).long(), torch.arange(T * K, device=topk_ids_TK.device))
+
+    return Permutation(slot_of_row, slot_row_TK, counts_E.long(), K, src_idx_N)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -33,21 +33,21 @@ blocking (:class:`HostOffsets`), so the backward never drains the device queue:
 * ``auto`` (default) — ``streams`` on CUDA from 16 experts on, else ``loop``.
   ``LIGHTNING_MOE_WGRAD_STREAMS`` sets the stream count, for both weights (``3``) or each (``w13=3,w2=1``).
   ``LIGHTNING_MOE_WGRAD_OVERLAP=1`` runs them on side streams beside the data-gradient GEMM.
-  ``LIGHTNING_MOE_WGRAD_BLAS=cublaslt`` (or ``cublas``) picks the BLAS library of these GEMMs.
 * ``triton`` (CUDA, Triton importable) — one grouped Triton kernel that reads the row ranges from
   the device offsets (``ops/wgrad_triton.py``): one launch, no host sync, but on the H200 no
   faster than the loop for any tile tried (DeepSeek-V3: 22.3 vs 22.6 ms for both weights, layer
   53.3 ms), so opt-in.
 
 Measured and dropped: one strided-batched GEMM over rows padded to the largest expert (no faster,
-+1.3 GiB), cuBLASLt instead of cuBLAS (same kernels), the transposed product (same).
++1.3 GiB), cuBLASLt instead of cuBLAS (same kernels and per-GEMM memsets; layer 48.1 vs 47.0 ms),
+the transposed product (same), running them on side streams beside the data-gradient GEMM
+(``LIGHTNING_MOE_WGRAD_OVERLAP=1``: DeepSeek-V3 layer 46.66 vs 46.67 ms, +0.8 GiB; kept as an option).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -256,8 +256,7 @@ def accumulate_wgrad_(
     work = [(grad_DO, x_DR, dy_RO_e) for grad_DO, x_DR, dy_RO_e, rows in zip(grad_EDO.unbind(0), xs_DR, dys_RO, counts) if rows]
     if not x_RD.is_cuda:  # streams are CUDA's: elsewhere the loop runs in place
         streams, defer = 1, False
-    with _preferred_blas(wgrad_blas() if x_RD.is_cuda else None):
-        return _launch(work, x_RD, dy_RO, streams, defer)
+    return _launch(work, x_RD, dy_RO, streams, defer)
 
 
 def _launch(work: list, x_RD: torch.Tensor, dy_RO: torch.Tensor, streams: int, defer: bool) -> Join | None:
@@ -283,31 +282,6 @@ def _launch(work: list, x_RD: torch.Tensor, dy_RO: torch.Tensor, streams: int, d
         return join
     join()
     return None
-
-
-WGRAD_BLAS = ("default", "cublas", "cublaslt")
-
-
-def wgrad_blas() -> str | None:
-    """``LIGHTNING_MOE_WGRAD_BLAS``: the BLAS library of the per-expert GEMMs (``default``: torch's choice)."""
-    blas = os.environ.get("LIGHTNING_MOE_WGRAD_BLAS", "default").lower()
-    if blas not in WGRAD_BLAS:
-        raise ValueError(f"LIGHTNING_MOE_WGRAD_BLAS={blas!r} is unknown; choose one of {WGRAD_BLAS}.")
-    return None if blas == "default" else blas
-
-
-@contextlib.contextmanager
-def _preferred_blas(blas: str | None) -> Iterator[None]:
-    """torch's preferred BLAS library set to ``blas`` inside the block (``None``: untouched)."""
-    if blas is None:
-        yield
-        return
-    before = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library(blas)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.preferred_blas_library(before)
 
 
 _SIDE_STREAMS: dict[tuple[torch.device, int], torch.cuda.Stream] = {}

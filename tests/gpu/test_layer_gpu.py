@@ -86,7 +86,7 @@ def test_shared_expert_overlap_gives_the_same_numbers(gate: bool) -> None:
 
 @pytest.mark.parametrize(  # ops/wgrad_accumulation.py; ":" stream counts, "+overlap" beside the dgrad GEMM
     "kernel",
-    ["auto", "loop", "streams", "streams:w13=3,w2=1", "loop+overlap", "streams+overlap", "streams@cublaslt", "triton"],
+    ["auto", "loop", "streams", "streams:w13=3,w2=1", "loop+overlap", "streams+overlap", "triton"],
 )
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_fused_wgrad_accumulation_matches_autograd_accumulation(dtype, tol, kernel, monkeypatch) -> None:  # noqa: ANN001
@@ -96,10 +96,8 @@ def test_fused_wgrad_accumulation_matches_autograd_accumulation(dtype, tol, kern
     import lightning_moe.ops.local_experts as local_ops
     import lightning_moe.ops.wgrad_accumulation as wacc
 
-    kernel, _, blas = kernel.partition("@")
     kernel, _, streams = kernel.partition(":")
     kernel, overlap, _ = kernel.partition("+overlap")
-    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_BLAS", blas or "default")
     monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", kernel)
     monkeypatch.setenv("LIGHTNING_MOE_WGRAD_OVERLAP", "1" if overlap else "0")
     if streams:

@@ -360,12 +360,3 @@ def test_deferred_accumulation_on_cpu_runs_in_place() -> None:
     torch.testing.assert_close(grad[0], x[:2].t() @ dy[:2])
     torch.testing.assert_close(grad[1], x[2:].t() @ dy[2:])
 
-
-def test_wgrad_blas_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("LIGHTNING_MOE_WGRAD_BLAS", raising=False)
-    assert wacc.wgrad_blas() is None
-    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_BLAS", "cuBLASLt")
-    assert wacc.wgrad_blas() == "cublaslt"
-    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_BLAS", "mkl")
-    with pytest.raises(ValueError, match="LIGHTNING_MOE_WGRAD_BLAS='mkl'"):
-        wacc.wgrad_blas()
