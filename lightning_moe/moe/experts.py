@@ -101,7 +101,7 @@ class GroupedExperts(nn.Module):
         ``weights_R`` may be a function: it is called once the first expert GEMM is launched."""
         device_type = x_TH.device.type
         w13, w2, dtype = self._compute_weights(device_type)
-        offs_e = offsets_from_counts(perm.tokens_per_expert_E)
+        offs_e = perm.offsets_E if perm.offsets_E is not None else offsets_from_counts(perm.tokens_per_expert_E)
         backend = self.gemm_backend(x_TH.device, dtype)
         with torch.autocast(device_type=device_type, enabled=False):
             return local_experts(

@@ -184,6 +184,8 @@ def local_experts(
         rebuild_x = rebuild_a = lean
     fusion = WgradFusion(offs_E, x_TH) if fuse_wgrad and _may_fuse(w13, w2) else None
     h_R2F = _PermuteUp.apply(x_TH, w13, perm, offs_E, backend, not rebuild_x, fusion)
+    if fusion is not None:
+        fusion.copy_offsets()
     if callable(w_R):  # deferred by the caller until the first GEMM is launched
         w_R = w_R()
     return _DownCombine.apply(h_R2F, w2, w_R, perm, offs_E, backend, not rebuild_a, fusion)

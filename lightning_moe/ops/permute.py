@@ -52,7 +52,7 @@ class Permutation:
     that launch is step time while the device waits for it).
     """
 
-    __slots__ = ("_slot_of_row_R", "slot_row_TK", "tokens_per_expert_E", "top_k", "src_token_R", "padded")
+    __slots__ = ("_slot_of_row_R", "slot_row_TK", "tokens_per_expert_E", "top_k", "src_token_R", "padded", "offsets_E")
 
     def __init__(
         self,
@@ -62,6 +62,7 @@ class Permutation:
         top_k: int,
         src_token_R: torch.Tensor,
         padded: bool = False,  # capacity-padded: rows with ``slot_of_row == -1`` exist (known without a sync)
+        offsets_E: torch.Tensor | None = None,  # inclusive int32 row ends (grouped_mm's offs), when already made
     ) -> None:
         self._slot_of_row_R = slot_of_row_R
         self.slot_row_TK = slot_row_TK
@@ -69,6 +70,7 @@ class Permutation:
         self.top_k = top_k
         self.src_token_R = src_token_R
         self.padded = padded
+        self.offsets_E = offsets_E
 
     @property
     def slot_of_row_R(self) -> torch.Tensor:
@@ -177,14 +179,14 @@ def build_permutation(
     ext = csrc_extension(topk_ids_TK)
     if ext is None or capacity is not None or not dropless:
         return build_permutation_reference(topk_ids_TK, num_experts, capacity, dropless)
-    src_idx_N, slot_row_TK, counts_E, _offsets_E = ext.build_permutation(topk_ids_TK, num_experts)
+    src_idx_N, slot_row_TK, counts_E, offsets_E = ext.build_permutation(topk_ids_TK, num_experts)
     T, K = topk_ids_TK.shape
 
     def slot_of_row() -> torch.Tensor:  # dropless: every slot has a row, so the inverse is a plain scatter
         slot_of_row_R = torch.empty(T * K, dtype=torch.long, device=topk_ids_TK.device)
         return slot_of_row_R.scatter_(0, slot_row_TK.reshape(-1).long(), torch.arange(T * K, device=topk_ids_TK.device))
 
-    return Permutation(slot_of_row, slot_row_TK, counts_E.long(), K, src_idx_N)
+    return Permutation(slot_of_row, slot_row_TK, counts_E.long(), K, src_idx_N, offsets_E=offsets_E)
 
 
 # ----------------------------------------------------------------------------------------------

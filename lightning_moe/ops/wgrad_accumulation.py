@@ -176,7 +176,12 @@ class WgradFusion:
             kernel = "loop"
         self.kernel = kernel
         self.overlap = x.is_cuda and not self.triton and wgrad_overlap()
-        self.host: HostOffsets | None = None if self.triton else HostOffsets(offs_E)
+        self.host: HostOffsets | None = None  # copy_offsets(), once the forward's first GEMM is launched
+
+    def copy_offsets(self) -> None:
+        """Start the host copy of the row offsets the cuBLAS kernels need in backward (not for Triton)."""
+        if not self.triton and self.host is None:
+            self.host = HostOffsets(self.offs_E)
 
     @property
     def triton(self) -> bool:
@@ -188,9 +193,10 @@ class WgradFusion:
         With ``overlap`` the GEMMs are only launched (on side streams) and the returned join must
         be called, on the same stream, before anything reads ``grad_EDO``; else ``None``.
         """
-        if self.host is None:
+        if self.triton:
             wgrad_triton.grouped_wgrad_accumulate_(grad_EDO, x_RD, dy_RO, self.offs_E)
             return None
+        self.copy_offsets()  # normally done in the forward already
         streams = wgrad_streams(weight) if self.kernel == "streams" else 1
         return accumulate_wgrad_(grad_EDO, x_RD, dy_RO, self.host.bounds(), streams=streams, defer=self.overlap)
 
