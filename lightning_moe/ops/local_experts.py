@@ -66,17 +66,15 @@ class _PermuteUp(torch.autograd.Function):
         perm: Permutation = ctx.perm
         backend: GemmBackend = ctx.backend
         grad_h_R2F = grad_h_R2F.contiguous()
-        grad_w13 = join = None
+        grad_w13 = None
         if ctx.needs_input_grad[1]:
             x_RH = x_saved if ctx.keep_gathered else _permute_rows_impl(x_saved, perm.src_token_R)
-            grad_w13, join = _weight_grad(ctx, x_RH, grad_h_R2F, offs_E, "w13")
+            grad_w13 = _weight_grad(ctx, x_RH, grad_h_R2F, offs_E, "w13")
             del x_RH
         grad_x_TH = None
         if ctx.needs_input_grad[0]:
             grad_x_RH = gmm(grad_h_R2F, w13.transpose(1, 2), offs_E, backend)
             grad_x_TH = _unpermute_sum_impl(grad_x_RH, perm.slot_row_TK, None)
-        if join is not None:
-            join()
         return grad_x_TH, grad_w13, None, None, None, None, None
 
 
@@ -107,31 +105,27 @@ class _DownCombine(torch.autograd.Function):
         perm: Permutation = ctx.perm
         backend: GemmBackend = ctx.backend
         grad_y_RH = _permute_rows_impl(grad_TH.contiguous(), perm.src_token_R)
-        grad_w2 = join = None
-        if ctx.needs_input_grad[1]:  # first: with the overlap option it runs beside the GEMM below
+        grad_w2 = None
+        if ctx.needs_input_grad[1]:  # before grad_a_RF exists: a_RF is freed first (lower peak)
             if a_RF is None:
                 a_RF = weighted_swiglu_forward(h_R2F, w_R)
-            grad_w2, join = _weight_grad(ctx, a_RF, grad_y_RH, offs_E, "w2")
+            grad_w2 = _weight_grad(ctx, a_RF, grad_y_RH, offs_E, "w2")
             del a_RF
         grad_a_RF = gmm(grad_y_RH, w2.transpose(1, 2), offs_E, backend)
         del grad_y_RH
         grad_h_R2F, grad_w_R = weighted_swiglu_backward(h_R2F, w_R, grad_a_RF, ctx.needs_input_grad[2])
-        if join is not None:
-            join()
         if grad_w_R is not None:
             grad_w_R = grad_w_R.to(w_R.dtype)
         return grad_h_R2F, grad_w2, grad_w_R, None, None, None, None, None
 
 
-def _weight_grad(  # noqa: ANN202
-    ctx, x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor, weight: str  # noqa: ANN001
-):
-    """``(gradient to return, None)``, or ``(None, join or None)`` once it is added into ``.grad``
-    in place (a join: the GEMMs still run on side streams; call it before returning)."""
+def _weight_grad(ctx, x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor, weight: str) -> torch.Tensor | None:  # noqa: ANN001
+    """The expert weight gradient to return, or ``None`` once it was added into ``.grad`` in place."""
     target = accumulation_target(ctx.weight) if ctx.fusion is not None else None
     if target is None:
-        return gmm_wgrad(x_RD, dy_RO, offs_E, ctx.backend), None
-    return None, ctx.fusion.accumulate_(target, x_RD, dy_RO, weight)
+        return gmm_wgrad(x_RD, dy_RO, offs_E, ctx.backend)
+    ctx.fusion.accumulate_(target, x_RD, dy_RO, weight)
+    return None
 
 
 # The automatic keep-or-rebuild choice assumes a machine balance of about 200 bf16 tensor FLOPs

@@ -32,7 +32,6 @@ blocking (:class:`HostOffsets`), so the backward never drains the device queue:
   ``benchmarks/moe_layer.py``); Mixtral (8 experts, long GEMMs): slower (w13 12.47 vs 11.93 ms), hence ``auto``.
 * ``auto`` (default) — ``streams`` on CUDA from 16 experts on, else ``loop``.
   ``LIGHTNING_MOE_WGRAD_STREAMS`` sets the stream count, for both weights (``3``) or each (``w13=3,w2=1``).
-  ``LIGHTNING_MOE_WGRAD_OVERLAP=1`` runs them on side streams beside the data-gradient GEMM.
 * ``triton`` (CUDA, Triton importable) — one grouped Triton kernel that reads the row ranges from
   the device offsets (``ops/wgrad_triton.py``): one launch, no host sync, but on the H200 no
   faster than the loop for any tile tried (DeepSeek-V3: 22.3 vs 22.6 ms for both weights, layer
@@ -41,13 +40,12 @@ blocking (:class:`HostOffsets`), so the backward never drains the device queue:
 Measured and dropped: one strided-batched GEMM over rows padded to the largest expert (no faster,
 +1.3 GiB), cuBLASLt instead of cuBLAS (same kernels and per-GEMM memsets; layer 48.1 vs 47.0 ms),
 the transposed product (same), running them on side streams beside the data-gradient GEMM
-(``LIGHTNING_MOE_WGRAD_OVERLAP=1``: DeepSeek-V3 layer 46.66 vs 46.67 ms, +0.8 GiB; kept as an option).
+(DeepSeek-V3 layer 46.66 vs 46.67 ms, +0.8 GiB activation peak).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -61,7 +59,6 @@ __all__ = [
     "accumulate_wgrad_",
     "accumulation_target",
     "fusion_pays",
-    "wgrad_overlap",
     "wgrad_streams",
     "wgrad_kernel",
 ]
@@ -152,18 +149,6 @@ def wgrad_streams(weight: str) -> int:
     return counts[weight]
 
 
-def wgrad_overlap() -> bool:
-    """``LIGHTNING_MOE_WGRAD_OVERLAP=1``: the weight-gradient GEMMs run on side streams while the
-    caller's data-gradient GEMM runs on its own (see :func:`accumulate_wgrad_`'s ``defer``)."""
-    raw = os.environ.get("LIGHTNING_MOE_WGRAD_OVERLAP", "0").lower()
-    if raw not in ("0", "1", "false", "true"):
-        raise ValueError(f"LIGHTNING_MOE_WGRAD_OVERLAP={raw!r}: use 1 (overlap) or 0.")
-    return raw in ("1", "true")
-
-
-Join = Callable[[], None]
-
-
 class WgradFusion:
     """What one layer call needs to accumulate its weight gradients in place in backward."""
 
@@ -175,7 +160,6 @@ class WgradFusion:
         if (kernel == "triton" and not wgrad_triton.supported(x)) or (kernel == "streams" and not x.is_cuda):
             kernel = "loop"
         self.kernel = kernel
-        self.overlap = x.is_cuda and not self.triton and wgrad_overlap()
         self.host: HostOffsets | None = None  # copy_offsets(), once the forward's first GEMM is launched
 
     def copy_offsets(self) -> None:
@@ -187,18 +171,14 @@ class WgradFusion:
     def triton(self) -> bool:
         return self.kernel == "triton"
 
-    def accumulate_(self, grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, weight: str) -> Join | None:
-        """``grad_EDO[e] += x_e^T dy_e``; ``weight`` (``"w13"``/``"w2"``) picks the stream count.
-
-        With ``overlap`` the GEMMs are only launched (on side streams) and the returned join must
-        be called, on the same stream, before anything reads ``grad_EDO``; else ``None``.
-        """
+    def accumulate_(self, grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, weight: str) -> None:
+        """``grad_EDO[e] += x_e^T dy_e``; ``weight`` (``"w13"``/``"w2"``) picks the stream count."""
         if self.triton:
             wgrad_triton.grouped_wgrad_accumulate_(grad_EDO, x_RD, dy_RO, self.offs_E)
-            return None
+            return
         self.copy_offsets()  # normally done in the forward already
         streams = wgrad_streams(weight) if self.kernel == "streams" else 1
-        return accumulate_wgrad_(grad_EDO, x_RD, dy_RO, self.host.bounds(), streams=streams, defer=self.overlap)
+        accumulate_wgrad_(grad_EDO, x_RD, dy_RO, self.host.bounds(), streams=streams)
 
 
 def accumulation_target(w: torch.Tensor) -> torch.Tensor | None:
@@ -228,13 +208,8 @@ def accumulation_target(w: torch.Tensor) -> torch.Tensor | None:
 
 
 def accumulate_wgrad_(
-    grad_EDO: torch.Tensor,
-    x_RD: torch.Tensor,
-    dy_RO: torch.Tensor,
-    bounds: list[int],
-    streams: int = 1,
-    defer: bool = False,
-) -> Join | None:
+    grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, bounds: list[int], streams: int = 1
+) -> None:
     """``grad_EDO[e] += x_e^T @ dy_e`` for every expert with rows, one GEMM with ``beta = 1`` each.
 
     The per-expert views come from one ``split`` / ``unbind`` each, so the host loop only launches
@@ -247,47 +222,27 @@ def accumulate_wgrad_(
     sets the pace (H200, Qwen3-30B-A3B w13: 6.0 ms round-robin, 3.5 ms lane by lane). The current
     stream waits for the side streams before returning, so everything after (and any reuse of these
     tensors' memory, which happens on the current stream) is ordered after all of them.
-
-    ``defer=True`` (CUDA): all ``streams`` lanes are side streams and the function returns at once
-    with a join instead of waiting: the caller's next kernels (its data-gradient GEMM) run beside
-    these. The join holds ``x_RD`` and ``dy_RO`` so that their memory cannot be handed out again
-    before the side streams are done with it; call it on the current stream before ``grad_EDO`` is
-    read.
     """
     if streams < 1:
         raise ValueError(f"accumulate_wgrad_ needs streams >= 1; got {streams}.")
     counts = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
     xs_DR = x_RD[: bounds[-1]].t().split(counts, dim=1)
     dys_RO = dy_RO[: bounds[-1]].split(counts, dim=0)
-    work = [(grad_DO, x_DR, dy_RO_e) for grad_DO, x_DR, dy_RO_e, rows in zip(grad_EDO.unbind(0), xs_DR, dys_RO, counts) if rows]
-    if not x_RD.is_cuda:  # streams are CUDA's: elsewhere the loop runs in place
-        streams, defer = 1, False
-    return _launch(work, x_RD, dy_RO, streams, defer)
-
-
-def _launch(work: list, x_RD: torch.Tensor, dy_RO: torch.Tensor, streams: int, defer: bool) -> Join | None:
-    if streams == 1 and not defer:
+    work = [(g, x, dy) for g, x, dy, rows in zip(grad_EDO.unbind(0), xs_DR, dys_RO, counts) if rows]
+    if streams == 1 or not x_RD.is_cuda:  # streams are CUDA's: elsewhere the loop runs in one
         for grad_DO, x_DR, dy_RO_e in work:
             grad_DO.addmm_(x_DR, dy_RO_e)
-        return None
+        return
     main = torch.cuda.current_stream(x_RD.device)
-    sides = [_side_stream(x_RD.device, i) for i in range(streams if defer else streams - 1)]
-    lanes = sides if defer else [main, *sides]
-    for side in sides:
+    lanes = [main] + [_side_stream(x_RD.device, i) for i in range(streams - 1)]
+    for side in lanes[1:]:
         side.wait_stream(main)
     for index, lane in enumerate(lanes):  # lane by lane: one stream switch per lane, not per expert
         with torch.cuda.stream(lane):
-            for grad_DO, x_DR, dy_RO_e in work[index :: len(lanes)]:
+            for grad_DO, x_DR, dy_RO_e in work[index::streams]:
                 grad_DO.addmm_(x_DR, dy_RO_e)
-
-    def join(held: tuple[torch.Tensor, ...] = (x_RD, dy_RO)) -> None:  # noqa: ARG001  (kept alive until here)
-        for side in sides:
-            main.wait_stream(side)
-
-    if defer:
-        return join
-    join()
-    return None
+    for side in lanes[1:]:
+        main.wait_stream(side)
 
 
 _SIDE_STREAMS: dict[tuple[torch.device, int], torch.cuda.Stream] = {}

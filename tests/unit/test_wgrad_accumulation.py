@@ -34,10 +34,10 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     original = wacc.WgradFusion.accumulate_
 
-    def spy(self: wacc.WgradFusion, grad: torch.Tensor, *args: Any) -> Any:
+    def spy(self: wacc.WgradFusion, grad: torch.Tensor, *args: Any) -> None:
         assert not self.triton  # CPU: the per-expert loop
         calls.append(grad.shape[0])
-        return original(self, grad, *args)
+        original(self, grad, *args)
 
     monkeypatch.setattr(wacc.WgradFusion, "accumulate_", spy)
     return calls
@@ -342,21 +342,10 @@ def test_triton_kernel_choice_fuses_narrow_experts_too(monkeypatch: pytest.Monke
     assert not local_ops._may_fuse(w13, w2)
 
 
-def test_wgrad_overlap_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("LIGHTNING_MOE_WGRAD_OVERLAP", raising=False)
-    assert not wacc.wgrad_overlap()
-    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_OVERLAP", "1")
-    assert wacc.wgrad_overlap()
-    fusion = wacc.WgradFusion(torch.arange(1, 33, dtype=torch.int32), torch.zeros(32, 4))
-    assert not fusion.overlap  # side streams are CUDA's: on CPU the loop runs in place
-    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_OVERLAP", "yes")
-    with pytest.raises(ValueError, match="LIGHTNING_MOE_WGRAD_OVERLAP='yes'"):
-        wacc.wgrad_overlap()
 
-
-def test_deferred_accumulation_on_cpu_runs_in_place() -> None:
+def test_stream_count_on_cpu_runs_the_loop_in_place() -> None:
     grad, x, dy = torch.zeros(2, 3, 4), torch.randn(5, 3), torch.randn(5, 4)
-    assert wacc.accumulate_wgrad_(grad, x, dy, [0, 2, 5], streams=2, defer=True) is None
+    wacc.accumulate_wgrad_(grad, x, dy, [0, 2, 5], streams=2)
     torch.testing.assert_close(grad[0], x[:2].t() @ dy[:2])
     torch.testing.assert_close(grad[1], x[2:].t() @ dy[2:])
 
