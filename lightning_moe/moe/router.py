@@ -184,9 +184,9 @@ class TopKRouter(nn.Module):
         topk_ids_TK = self._select(logits_TE.detach())
         if self._override is not None:
             topk_ids_TK = self._checked_override(topk_ids_TK)
-        def weights() -> torch.Tensor:  # read by the layer after the first expert GEMM's launch
+        def weights(ids_TK: torch.Tensor = topk_ids_TK) -> torch.Tensor:  # read after the first expert GEMM's launch
             return routing_weights(
-                logits_TE, topk_ids_TK, cfg.score_func, cfg.pre_softmax, cfg.norm_topk_prob, cfg.scaling_factor
+                logits_TE, ids_TK, cfg.score_func, cfg.pre_softmax, cfg.norm_topk_prob, cfg.scaling_factor
             )
 
         topk_weights_TK: torch.Tensor | Callable[[], torch.Tensor] = weights

@@ -333,3 +333,44 @@ def test_automatic_rebuild_choice_keeps_fine_grained_and_rebuilds_wide_experts()
     assert rebuild_is_cheap(7168, 2048) == (True, True)  # deepseek-v3
     assert rebuild_is_cheap(4096, 14336) == (True, True)  # mixtral-8x7b
     assert MoELayer(MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)).experts.lean_backward is None
+
+
+def test_routing_weights_are_built_after_the_first_expert_gemm_is_launched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host's path to the first expert GEMM is step time while the device waits for it: the
+    routing weights (softmax, gather, normalise), the row weights and the per-expert counts are
+    built after that launch, and the result is the same as building them first."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import lightning_moe.ops.local_experts as local_ops
+    from lightning_moe import MoEConfig, MoELayer
+
+    events: list[str] = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            events.append(str(func.overloadpacket.__name__))
+            return func(*args, **(kwargs or {}))
+
+    original_gmm = local_ops.gmm
+
+    def marked(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        events.append("FIRST_GEMM" if "FIRST_GEMM" not in events else "gemm")
+        return original_gmm(*args, **kwargs)
+
+    torch.manual_seed(0)
+    cfg = MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2, pre_softmax=True, aux_loss="none")
+    layer = MoELayer(cfg)
+    x = torch.randn(6, 16)
+    want = layer(x)
+    monkeypatch.setattr(local_ops, "gmm", marked)
+    with Log():
+        got = layer(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    first = events.index("FIRST_GEMM")
+    before, after = events[:first], events[first:]
+    for op in ("gather", "div"):  # routing weights: gather the chosen scores, normalise
+        assert op not in before and op in after, (op, before)
+    # On CPU the reference permutation counts per expert itself (one scatter-add); the router's
+    # own count (RouterOutput.tokens_per_expert_E) comes after the GEMM, when the layer records it.
+    assert before.count("scatter_add_") == 1 and "scatter_add_" in after, before
+    assert layer.last_tokens_per_expert.sum().item() == 6 * 2  # counted all the same, after
