@@ -15,6 +15,19 @@ from lightning_moe.lit import MoELanguageModel
 from lightning_moe.models.transformer import TransformerConfig
 from lightning_moe.moe.utils import set_aux_loss_scale
 
+def leave_together() -> None:
+    """Every rank waits for the others, then tears the process group down before the interpreter does.
+
+    A rank that reaches interpreter exit while another still uses the group can abort in gloo's
+    teardown ("terminate called without an active exception", SIGABRT) after its work succeeded.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 VOCAB, SEQ, BATCH, NUM_SAMPLES = 64, 8, 2, 48
 ACCUM, STEPS, CLIP, LR = 2, 3, 0.05, 0.5
 

@@ -37,7 +37,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 import lightning_moe  # noqa: F401 - registers "folded_moe"
-from _models import ACCUM, CLIP, RecordingLM, TokenData
+from _models import ACCUM, CLIP, RecordingLM, TokenData, leave_together
 from lightning_moe.lit import MoELanguageModel
 from lightning_moe.parallel.checkpoint import gather_full_state, stored_expert_ids
 from lightning_moe.strategies import FoldedMoEStrategy
@@ -122,3 +122,4 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     for layout in sys.argv[2:]:
         run(Path(sys.argv[1]), layout)
+    leave_together()

@@ -126,3 +126,4 @@ def run(out: Path) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     run(Path(sys.argv[1]))
+    _models.leave_together()

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import lightning_moe  # noqa: F401 - registers "folded_moe"
-from _models import ACCUM, BATCH, CLIP, LR, RecordingLM, TokenData
+from _models import ACCUM, BATCH, CLIP, LR, RecordingLM, TokenData, leave_together
 from lightning_moe.moe.utils import set_aux_loss_scale
 from lightning_moe.parallel.checkpoint import gather_full_state
 from lightning_moe.strategies import FabricFoldedMoEStrategy
@@ -80,3 +80,4 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     for spec in sys.argv[2:]:
         run(Path(sys.argv[1]), spec)
+    leave_together()

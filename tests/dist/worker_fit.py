@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import lightning_moe  # noqa: F401 - registers "folded_moe"
-from _models import ACCUM, CLIP, STEPS, RecordingLM, model_config
+from _models import ACCUM, CLIP, STEPS, RecordingLM, leave_together, model_config
 from lightning_moe.parallel.checkpoint import gather_full_state
 from lightning_moe.strategies import FoldedMoEStrategy
 
@@ -80,3 +80,4 @@ if __name__ == "__main__":
     world = int(os.environ["WORLD_SIZE"])
     for spec in sys.argv[2:]:
         fit_one(spec, out, world)
+    leave_together()

@@ -19,6 +19,8 @@ import lightning_moe  # noqa: F401 - registers the strategy names
 from lightning_moe.lit_hf import HFMoELanguageModel
 from lightning_moe.strategies import FoldedMoEStrategy
 
+from _models import leave_together  # noqa: E402 - tests/dist is on sys.path for workers
+
 VOCAB = 64
 CONFIGS = {
     "qwen3_moe": {
@@ -65,3 +67,4 @@ def main(out: Path, family: str, tp: int, ep: int, etp: int) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    leave_together()

@@ -146,3 +146,4 @@ if __name__ == "__main__":
     for arg in sys.argv[2:]:
         spec_text, _, flag = arg.partition("+")
         main(Path(sys.argv[1]), spec_text, flag == "recompute")
+    _models.leave_together()
