@@ -103,29 +103,6 @@ def _loop_transposed(dw: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, bounds
             grad_DO.t().addmm_(dy_RO.t(), x_RD)
 
 
-_LANES: list[torch.cuda.Stream] = []
-
-
-def _by_lanes(dw: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, bounds: list[int], streams: int) -> None:
-    """The ``streams`` loop's round-robin deal, launched lane by lane: one stream switch per lane
-    instead of one per expert (does switching the cuBLAS handle's stream cost device time?)."""
-    main = torch.cuda.current_stream()
-    while len(_LANES) < streams - 1:
-        _LANES.append(torch.cuda.Stream())
-    lanes = [main, *_LANES[: streams - 1]]
-    for side in lanes[1:]:
-        side.wait_stream(main)
-    counts = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
-    views = list(zip(dw.unbind(0), x[: bounds[-1]].t().split(counts, dim=1), dy[: bounds[-1]].split(counts), counts))
-    for lane_index, lane in enumerate(lanes):
-        with torch.cuda.stream(lane):
-            for grad_DO, x_DR, dy_RO, rows in views[lane_index::streams]:
-                if rows:
-                    grad_DO.addmm_(x_DR, dy_RO)
-    for side in lanes[1:]:
-        main.wait_stream(side)
-
-
 def _top_kernels(label: str, arm: str, fn: Callable[[], None]) -> None:
     """Device time by kernel name over one call (profiler): which kernels, how many, memsets."""
     from profiling import device_kernels  # benchmarks/profiling.py
@@ -211,8 +188,6 @@ def run_weight(label: str, rows_offs: torch.Tensor, D: int, O: int, tiles: tuple
     record("cuBLAS loop transposed", _time_ms(lambda: _loop_transposed(dw, x, dy, bounds)))
     for n in (2, 3, 4):
         record(f"cuBLAS loop {n} streams", _time_ms(lambda n=n: accumulate_wgrad_(dw, x, dy, bounds, streams=n)))
-    for n in (2, 3):
-        record(f"cuBLAS loop {n} streams by lanes", _time_ms(lambda n=n: _by_lanes(dw, x, dy, bounds, n)))
     record("cuBLAS padded batched", _time_ms(_padded_batched(dw, x, dy, bounds)))
     _top_kernels(label, "cuBLAS loop", lambda: accumulate_wgrad_(dw, x, dy, bounds))
     _top_kernels(label, "cuBLAS loop 2 streams", lambda: accumulate_wgrad_(dw, x, dy, bounds, streams=2))

@@ -312,15 +312,17 @@ class _ReorderRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RH: torch.Tensor, order_R: torch.Tensor, inverse_R: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(inverse_R)
-        return _permute_rows_impl(x_RH, order_R) if x_RH.dim() == 2 else x_RH.index_select(0, order_R)
+        return _gather_rows(x_RH, order_R)
 
     @staticmethod
     def backward(ctx, grad_RH: torch.Tensor):  # type: ignore[override]
         (inverse_R,) = ctx.saved_tensors
-        grad_RH = grad_RH.contiguous()
-        if grad_RH.dim() == 2:
-            return _permute_rows_impl(grad_RH, inverse_R), None, None
-        return grad_RH.index_select(0, inverse_R), None, None
+        return _gather_rows(grad_RH.contiguous(), inverse_R), None, None
+
+
+def _gather_rows(x: torch.Tensor, index_R: torch.Tensor) -> torch.Tensor:
+    """``x[index_R]``: the row-gather kernel for ``[R, H]`` rows, ``index_select`` for anything else."""
+    return _permute_rows_impl(x, index_R) if x.dim() == 2 else x.index_select(0, index_R)
 
 
 def reorder_rows(x_RH: torch.Tensor, order_R: torch.Tensor, inverse_R: torch.Tensor) -> torch.Tensor:

@@ -82,6 +82,7 @@ class HostOffsets:
 
     def __init__(self, offs_E: torch.Tensor) -> None:
         self._event: torch.cuda.Event | None = None
+        self._bounds: list[int] | None = None
         if offs_E.is_cuda:
             self._host = torch.empty(offs_E.shape, dtype=offs_E.dtype, pin_memory=True)
             self._host.copy_(offs_E, non_blocking=True)
@@ -91,10 +92,14 @@ class HostOffsets:
             self._host = offs_E.clone()
 
     def bounds(self) -> list[int]:
-        """``[0, end of expert 0, end of expert 1, ...]``; waits only for the forward's copy."""
-        if self._event is not None:
-            self._event.synchronize()  # SYNC: on the forward's copy only, long done by backward
-        return [0] + self._host.tolist()
+        """``[0, end of expert 0, end of expert 1, ...]``; waits only for the forward's copy.
+
+        Read once and kept: both weights of the layer call use the same bounds."""
+        if self._bounds is None:
+            if self._event is not None:
+                self._event.synchronize()  # SYNC: on the forward's copy only, long done by backward
+            self._bounds = [0] + self._host.tolist()
+        return self._bounds
 
 
 WGRAD_KERNELS = ("auto", "loop", "streams", "triton")

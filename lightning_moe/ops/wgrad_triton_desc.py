@@ -27,6 +27,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lightning_moe.ops.wgrad_triton import _sm_count
+
 __all__ = ["DescTile", "grouped_wgrad_accumulate_desc_"]
 
 
@@ -130,8 +132,7 @@ def grouped_wgrad_accumulate_desc_(
     tiles = E * (D // tile.block_d) * -(-O // tile.block_o)
     if x_RD.is_cuda:
         triton.set_allocator(_scratch)
-        sms = torch.cuda.get_device_properties(x_RD.device).multi_processor_count
-        programs = min(tiles, tile.programs_per_sm * sms)
+        programs = min(tiles, tile.programs_per_sm * _sm_count(x_RD.device))
     else:  # the interpreter: a couple of programs walk every tile
         programs = min(tiles, 2)
     _kernel()[(programs,)](
