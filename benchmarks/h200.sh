@@ -8,6 +8,7 @@
 #   bash benchmarks/h200.sh verify    # graph-capture tests, GPU tests, kernels last, offload budgets, e2e (results_MODE.tgz)
 #   bash benchmarks/h200.sh wgrad     # weight-gradient kernel tests + tile sweep (WGRAD_TILES=all/short/desc/none); layers with
 #                                     # the best tile (WGRAD_TRITON_LAYERS=shapes), kernels, stream counts (WGRAD_LAYER_STREAMS)
+#   bash benchmarks/h200.sh cutlass   # CUTLASS grouped wgrad: all GPU tests, kernel race vs cuBLAS, fused layers (CUTLASS_LAYERS)
 #   bash benchmarks/h200.sh liger     # Liger alone with a long timeout; carry .tcache/ (from tcache.tgz) afterwards
 #   bash benchmarks/h200.sh multi     # issue 8 on a multi-GPU kind: NCCL parity, EP scaling, overlap, ECHO, DeepEP
 #   bash benchmarks/h200.sh all       # GPU tests, e2e with profile, callbacks, mixtral, Liger (results_MODE.tgz)
@@ -168,6 +169,21 @@ PY
       grep -h '^{"peer\|peer ms /' "$OUT/deepseek_s$i.log" | cut -c1-200; pack
     done
     (cd "$OUT" && rm -f *.log *.json)
+    ;;
+  cutlass)  # the CUTLASS grouped wgrad (carry .whl/ with nvidia-cutlass): every GPU test, kernel race, layers
+    time timeout 240 python3 -c "from lightning_moe.ops import build_cutlass as b; print('cutlass:', b.cutlass_unavailable_reason(), b.load_cutlass_extension())" 2>&1 | tail -2
+    if [ "${CUTLASS_TESTS:-all}" = quick ]; then  # its own tests and the layer's wgrad ones
+      timeout 150 python3 -m pytest tests/gpu/test_wgrad_cutlass.py tests/gpu/test_layer_gpu.py -k "wgrad or cutlass" -q \
+        -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1
+    else
+      timeout 280 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1
+    fi
+    grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" | tail -8; tail -1 "$OUT/gpu_tests.log"; pack
+    timeout 150 python3 benchmarks/wgrad_kernels.py --shapes ${WGRAD_SHAPES:-deepseek-v3 qwen3-30b-a3b} --tiles none \
+      --json "$OUT/wgrad.json" > "$OUT/wgrad.log" 2>&1; grep -E '"arm"|profile' "$OUT/wgrad.log" | cut -c1-230; pack
+    timeout "${CUTLASS_LAYER_S:-200}" python3 benchmarks/moe_layer.py --shapes "${CUTLASS_LAYERS:-qwen3-30b-a3b,deepseek-v3}" --fuse-wgrad \
+      --peers torch-grouped_mm-ref --json "$OUT/layers.json" > "$OUT/layers.log" 2>&1
+    grep -A80 "^device" "$OUT/layers.log" | cut -c1-250; pack
     ;;
   liger)  # Liger's fused MoE alone, long enough for its autotuning; its Triton cache comes back
     timeout "${LIGER_S:-420}" python3 benchmarks/moe_layer.py --shapes "${SHAPES:-qwen3-30b-a3b}" \

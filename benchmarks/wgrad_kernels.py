@@ -25,6 +25,7 @@ import peers  # benchmarks/peers.py: the shared timer
 import torch
 import torch.nn.functional as F
 
+from lightning_moe.ops import build_cutlass, wgrad_cutlass
 from lightning_moe.ops.wgrad_accumulation import accumulate_wgrad_
 from lightning_moe.ops.wgrad_triton import WgradTile, grouped_wgrad_accumulate_
 from lightning_moe.ops.wgrad_triton_desc import DescTile, grouped_wgrad_accumulate_desc_
@@ -148,11 +149,14 @@ def _routed_offsets(tokens: int, experts: int, top_k: int, gen: torch.Generator)
     return torch.bincount(choice.flatten(), minlength=experts).cumsum(0).to(torch.int32)
 
 
-def _max_rel_err(tile: AnyTile, x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, dw: torch.Tensor) -> float:
-    """Largest |error| / max |expected| over the first few experts, against fp32."""
+def _max_rel_err(tile: AnyTile | str, x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, dw: torch.Tensor) -> float:
+    """Largest |error| / max |expected| over the first few experts, against fp32 (a str tile: CUTLASS's)."""
     few = min(4, offs.numel())
     probe = dw[:few].clone()
-    _accumulate(probe, x, dy, offs[:few], tile)
+    if isinstance(tile, str):
+        wgrad_cutlass.grouped_wgrad_accumulate_(probe, x, dy, offs[:few].contiguous(), tiling=tile)
+    else:
+        _accumulate(probe, x, dy, offs[:few], tile)
     bounds = [0] + offs[:few].tolist()
     worst = 0.0
     for e in range(few):
@@ -189,6 +193,14 @@ def run_weight(label: str, rows_offs: torch.Tensor, D: int, O: int, tiles: tuple
     for n in (2, 3, 4):
         record(f"cuBLAS loop {n} streams", _time_ms(lambda n=n: accumulate_wgrad_(dw, x, dy, bounds, streams=n)))
     record("cuBLAS padded batched", _time_ms(_padded_batched(dw, x, dy, bounds)))
+    if wgrad_cutlass.supported(x, dw):
+        for tiling in wgrad_cutlass.TILES:
+            err = _max_rel_err(tiling, x, dy, offs, dw)
+            fn = lambda t=tiling: wgrad_cutlass.grouped_wgrad_accumulate_(dw, x, dy, offs, tiling=t)  # noqa: E731
+            record(f"cutlass {tiling}", _time_ms(fn), err)
+        _top_kernels(label, "cutlass pingpong", lambda: wgrad_cutlass.grouped_wgrad_accumulate_(dw, x, dy, offs))
+    else:
+        print(json.dumps({"weight": label, "arm": "cutlass", "error": build_cutlass.cutlass_unavailable_reason()}))
     _top_kernels(label, "cuBLAS loop", lambda: accumulate_wgrad_(dw, x, dy, bounds))
     _top_kernels(label, "cuBLAS loop 2 streams", lambda: accumulate_wgrad_(dw, x, dy, bounds, streams=2))
     for tile in tiles:

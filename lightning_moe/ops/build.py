@@ -169,20 +169,27 @@ def _build() -> tuple[ModuleType | None, str | None]:
     reason = _unavailable_reason()
     if reason is not None:
         return None, reason
+    return _compile_and_load(_NAME, _sources(), _build_key(_sources()), _CUDA_FLAGS, ())
+
+
+def _compile_and_load(
+    name: str, sources: list[Path], key: str, cuda_flags: tuple[str, ...], include_dirs: tuple[Path, ...]
+) -> tuple[ModuleType | None, str | None]:
+    """Build ``sources`` into the library ``name`` under the cache directory ``key`` and load it."""
     from torch.utils import cpp_extension
 
-    sources = _sources()
-    build_dir = cache_dir() / _build_key(sources)
+    build_dir = cache_dir() / key
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         return None, f"cannot create the build cache {build_dir}: {exc}"
     try:
         cpp_extension.load(
-            name=_NAME,
+            name=name,
             sources=[str(p) for p in sources],
             extra_cflags=list(_CXX_FLAGS),
-            extra_cuda_cflags=list(_CUDA_FLAGS),
+            extra_cuda_cflags=list(cuda_flags),
+            extra_include_paths=[str(p) for p in include_dirs],
             build_directory=str(build_dir),
             with_cuda=True,
             is_python_module=False,  # TORCH_LIBRARY registers the ops when the library loads
@@ -191,4 +198,4 @@ def _build() -> tuple[ModuleType | None, str | None]:
     except Exception as exc:  # noqa: BLE001 - any build or load failure means "use torch"
         # torch puts the captured compiler output into the RuntimeError's message.
         return None, f"build failed in {build_dir}: {_first_error_line(str(exc))}"
-    return torch.ops.lightning_moe_C, None
+    return getattr(torch.ops, name), None

@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 
+from lightning_moe.ops import wgrad_cutlass
 from lightning_moe.ops.grouped_gemm import GemmBackend, gmm, gmm_wgrad
 from lightning_moe.ops.permute import Permutation, _permute_rows_impl, _unpermute_sum_impl
 from lightning_moe.ops.swiglu import weighted_swiglu_backward, weighted_swiglu_forward
@@ -176,7 +177,7 @@ def local_experts(
         rebuild_x, rebuild_a = rebuild_is_cheap(x_TH.shape[-1], w2.shape[-2])
     else:
         rebuild_x = rebuild_a = lean
-    fusion = WgradFusion(offs_E, x_TH) if fuse_wgrad and _may_fuse(w13, w2) else None
+    fusion = WgradFusion(offs_E, x_TH, (w13, w2)) if fuse_wgrad and _may_fuse(w13, w2, x_TH) else None
     h_R2F = _PermuteUp.apply(x_TH, w13, perm, offs_E, backend, not rebuild_x, fusion)
     if fusion is not None:
         fusion.copy_offsets()
@@ -185,10 +186,14 @@ def local_experts(
     return _DownCombine.apply(h_R2F, w2, w_R, perm, offs_E, backend, not rebuild_a, fusion)
 
 
-def _may_fuse(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+def _may_fuse(w13: torch.Tensor, w2: torch.Tensor, x_TH: torch.Tensor) -> bool:
     if not (w13.is_leaf and w2.is_leaf and torch.is_grad_enabled() and (w13.requires_grad or w2.requires_grad)):
         return False
     if w13.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
-    # One grouped Triton launch per weight pays for any width; per-expert cuBLAS GEMMs only for wide experts.
-    return wgrad_kernel() == "triton" or fusion_pays(w2.shape[-1], w2.shape[-2], w2.element_size())
+    # One grouped launch per weight (CUTLASS, Triton) pays for any width; per-expert cuBLAS GEMMs
+    # only for wide experts.
+    kernel = wgrad_kernel()
+    if kernel == "triton" or (kernel in ("auto", "cutlass") and wgrad_cutlass.supported(x_TH, w13, w2)):
+        return True
+    return fusion_pays(w2.shape[-1], w2.shape[-2], w2.element_size())

@@ -30,7 +30,11 @@ blocking (:class:`HostOffsets`), so the backward never drains the device queue:
   stream each leave a gap before the next; two in flight fill them. H200, DeepSeek-V3 (256
   experts): w13 14.5 -> 12.5 ms, the layer 50.5 -> 47.4 ms (``benchmarks/wgrad_kernels.py``,
   ``benchmarks/moe_layer.py``); Mixtral (8 experts, long GEMMs): slower (w13 12.47 vs 11.93 ms), hence ``auto``.
-* ``auto`` (default) — ``streams`` on CUDA from 16 experts on, else ``loop``.
+* ``cutlass`` (sm_90, CUTLASS headers installed: ``ops/wgrad_cutlass.py``) — one warp-specialised
+  grouped GEMM with a beta = 1 epilogue, row ranges read on the device: one launch, no host sync,
+  one tile's epilogue overlapping the next tile's tensor-core loop.
+* ``auto`` (default) — ``cutlass`` where it is available, else ``streams`` on CUDA from 16 experts
+  on, else ``loop``.
   ``LIGHTNING_MOE_WGRAD_STREAMS`` sets the stream count, for both weights (``3``) or each (``w13=3,w2=1``).
 * ``triton`` (CUDA, Triton importable) — one grouped Triton kernel that reads the row ranges from
   the device offsets (``ops/wgrad_triton.py``): one launch, no host sync, but on the H200 no
@@ -50,7 +54,7 @@ import os
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from lightning_moe.ops import wgrad_triton
+from lightning_moe.ops import wgrad_cutlass, wgrad_triton
 
 __all__ = [
     "WGRAD_KERNELS",
@@ -102,7 +106,7 @@ class HostOffsets:
         return self._bounds
 
 
-WGRAD_KERNELS = ("auto", "loop", "streams", "triton")
+WGRAD_KERNELS = ("auto", "loop", "streams", "triton", "cutlass")
 
 # From this many experts on, the default deals them over two streams: hundreds of short GEMMs in
 # one stream leave a gap between each pair (DeepSeek-V3's 256 experts: 3 ms a step on the H200).
@@ -110,7 +114,7 @@ _STREAMS_FROM_EXPERTS = 16
 
 
 def wgrad_kernel() -> str:
-    """``LIGHTNING_MOE_WGRAD_KERNEL``: ``auto`` (default), ``loop``, ``streams`` or ``triton``."""
+    """``LIGHTNING_MOE_WGRAD_KERNEL``: ``auto`` (default), ``loop``, ``streams``, ``triton`` or ``cutlass``."""
     kernel = os.environ.get("LIGHTNING_MOE_WGRAD_KERNEL", "auto").lower()
     if kernel not in WGRAD_KERNELS:
         raise ValueError(f"LIGHTNING_MOE_WGRAD_KERNEL={kernel!r} is unknown; choose one of {WGRAD_KERNELS}.")
@@ -157,10 +161,12 @@ def wgrad_streams(weight: str) -> int:
 class WgradFusion:
     """What one layer call needs to accumulate its weight gradients in place in backward."""
 
-    def __init__(self, offs_E: torch.Tensor, x: torch.Tensor) -> None:
+    def __init__(self, offs_E: torch.Tensor, x: torch.Tensor, weights: tuple[torch.Tensor, ...] = ()) -> None:
         self.offs_E = offs_E
         kernel = wgrad_kernel()
-        if kernel == "auto":
+        if kernel in ("auto", "cutlass") and wgrad_cutlass.supported(x, *weights):
+            kernel = "cutlass"
+        elif kernel in ("auto", "cutlass"):
             kernel = auto_kernel(offs_E.numel())
         if (kernel == "triton" and not wgrad_triton.supported(x)) or (kernel == "streams" and not x.is_cuda):
             kernel = "loop"
@@ -168,17 +174,21 @@ class WgradFusion:
         self.host: HostOffsets | None = None  # copy_offsets(), once the forward's first GEMM is launched
 
     def copy_offsets(self) -> None:
-        """Start the host copy of the row offsets the cuBLAS kernels need in backward (not for Triton)."""
-        if not self.triton and self.host is None:
+        """Start the host copy of the row offsets the cuBLAS kernels need in backward (not for Triton/CUTLASS)."""
+        if not self.grouped and self.host is None:
             self.host = HostOffsets(self.offs_E)
 
     @property
-    def triton(self) -> bool:
-        return self.kernel == "triton"
+    def grouped(self) -> bool:
+        """One grouped launch that reads the row ranges on the device (no host offsets needed)."""
+        return self.kernel in ("triton", "cutlass")
 
     def accumulate_(self, grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, weight: str) -> None:
         """``grad_EDO[e] += x_e^T dy_e``; ``weight`` (``"w13"``/``"w2"``) picks the stream count."""
-        if self.triton:
+        if self.kernel == "cutlass":
+            wgrad_cutlass.grouped_wgrad_accumulate_(grad_EDO, x_RD, dy_RO, self.offs_E)
+            return
+        if self.kernel == "triton":
             wgrad_triton.grouped_wgrad_accumulate_(grad_EDO, x_RD, dy_RO, self.offs_E)
             return
         self.copy_offsets()  # normally done in the forward already

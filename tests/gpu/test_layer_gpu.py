@@ -85,7 +85,7 @@ def test_shared_expert_overlap_gives_the_same_numbers(gate: bool) -> None:
 
 
 @pytest.mark.parametrize(  # ops/wgrad_accumulation.py; after ":" the stream counts
-    "kernel", ["auto", "loop", "streams", "streams:w13=3,w2=1", "streams:3", "triton"]
+    "kernel", ["auto", "loop", "streams", "streams:w13=3,w2=1", "streams:3", "triton", "cutlass"]
 )
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_fused_wgrad_accumulation_matches_autograd_accumulation(dtype, tol, kernel, monkeypatch) -> None:  # noqa: ANN001
@@ -100,10 +100,10 @@ def test_fused_wgrad_accumulation_matches_autograd_accumulation(dtype, tol, kern
     if streams:
         monkeypatch.setenv("LIGHTNING_MOE_WGRAD_STREAMS", streams)
     monkeypatch.setattr(local_ops, "fusion_pays", lambda h, f, size: True)  # the test shape is narrow
-    taken: list[bool] = []
+    taken: list[str] = []
     original = wacc.WgradFusion.accumulate_
     monkeypatch.setattr(
-        wacc.WgradFusion, "accumulate_", lambda self, g, *a: (taken.append(self.triton), original(self, g, *a))[1]
+        wacc.WgradFusion, "accumulate_", lambda self, g, *a: (taken.append(self.kernel), original(self, g, *a))[1]
     )
     torch.manual_seed(0)
     cfg = dict(hidden_size=256, ffn_hidden_size=128, num_experts=32, top_k=4, pre_softmax=True)
@@ -117,8 +117,16 @@ def test_fused_wgrad_accumulation_matches_autograd_accumulation(dtype, tol, kern
             layer(x).float().pow(2).sum().backward()
         grads.append({n: p.grad.detach().clone() for n, p in layer.named_parameters()})
     assert len(taken) == 4  # w2 and w13 of the second and third passes
-    uses_triton = kernel == "triton" and importlib.util.find_spec("triton") is not None
-    assert taken == [uses_triton] * 4
+    from lightning_moe.ops import wgrad_cutlass
+
+    cutlass_runs = dtype == torch.bfloat16 and wgrad_cutlass.supported(torch.empty(0, device="cuda", dtype=dtype))
+    if kernel in ("auto", "cutlass"):
+        expected = "cutlass" if cutlass_runs else "streams"  # 32 experts: two streams
+    elif kernel == "triton":
+        expected = "triton" if importlib.util.find_spec("triton") is not None else "loop"
+    else:
+        expected = kernel
+    assert taken == [expected] * 4
     for name in grads[0]:
         assert _rel(grads[1][name], grads[0][name]) <= tol, name
 

@@ -1,4 +1,4 @@
-"""csrc/bindings.cpp type-checks against this machine's (CPU) torch headers.
+"""csrc/bindings.cpp (and csrc/cutlass/bindings.cpp) type-check against this machine's (CPU) torch headers.
 
 The kernels compile with nvcc alone (``test_csrc_compiles.py``); the binding file needs torch's
 CUDA headers, which a CPU build of torch ships without the cuBLAS/cuSPARSE headers they include.
@@ -35,11 +35,12 @@ CUDA_INCLUDE = _cuda_include()
 
 
 @pytest.mark.skipif(CXX is None or CUDA_INCLUDE is None, reason="needs g++ and the CUDA runtime headers")
-def test_bindings_type_check_against_torch_headers() -> None:
-    includes = [STUBS, *map(Path, cpp_extension.include_paths()), CUDA_INCLUDE, ROOT / "csrc"]
+@pytest.mark.parametrize("room", ["csrc", "csrc/cutlass"])
+def test_bindings_type_check_against_torch_headers(room: str) -> None:
+    includes = [STUBS, *map(Path, cpp_extension.include_paths()), CUDA_INCLUDE, ROOT / room]
     cmd = [
         str(CXX), "-std=c++20", "-fsyntax-only", "-DTORCH_EXTENSION_NAME=lightning_moe_C",
-        *(f"-I{p}" for p in includes), f"-I{sysconfig.get_paths()['include']}", str(ROOT / "csrc" / "bindings.cpp"),
+        *(f"-I{p}" for p in includes), f"-I{sysconfig.get_paths()['include']}", str(ROOT / room / "bindings.cpp"),
     ]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     errors = [line for line in result.stderr.splitlines() if "error" in line]

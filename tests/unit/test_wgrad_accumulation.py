@@ -35,7 +35,7 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     original = wacc.WgradFusion.accumulate_
 
     def spy(self: wacc.WgradFusion, grad: torch.Tensor, *args: Any) -> None:
-        assert not self.triton  # CPU: the per-expert loop
+        assert not self.grouped  # CPU: the per-expert loop
         calls.append(grad.shape[0])
         original(self, grad, *args)
 
@@ -283,11 +283,13 @@ def test_descriptor_kernel_refuses_shapes_it_cannot_tile() -> None:
 
 
 def test_unknown_wgrad_kernel_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", "cutlass")
-    with pytest.raises(ValueError, match="LIGHTNING_MOE_WGRAD_KERNEL='cutlass'"):
+    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", "cublaslt")
+    with pytest.raises(ValueError, match="LIGHTNING_MOE_WGRAD_KERNEL='cublaslt'"):
         wacc.WgradFusion(torch.tensor([1, 2], dtype=torch.int32), torch.zeros(2, 4))
-    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", "triton")  # on CPU tensors: the loop, whatever is asked
-    assert not wacc.WgradFusion(torch.tensor([1, 2], dtype=torch.int32), torch.zeros(2, 4)).triton
+    for grouped in ("triton", "cutlass"):  # on CPU tensors: the loop, whatever is asked
+        monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", grouped)
+        fusion = wacc.WgradFusion(torch.tensor([1, 2], dtype=torch.int32), torch.zeros(2, 4))
+        assert not fusion.grouped and fusion.kernel == "loop"
 
 
 @pytest.mark.parametrize("kernel", ["auto", "loop", "streams"])

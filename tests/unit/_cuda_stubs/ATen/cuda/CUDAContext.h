@@ -7,5 +7,9 @@ namespace at::cuda {
 struct StubStream {
   cudaStream_t stream() const { return nullptr; }
 };
-inline StubStream getCurrentCUDAStream() { return {}; }
+inline StubStream getCurrentCUDAStream(int device = -1) { return {}; }
+inline cudaDeviceProp* getDeviceProperties(int device) {
+  static cudaDeviceProp prop{};
+  return &prop;
+}
 }  // namespace at::cuda

@@ -1,0 +1,42 @@
+// lightning-moe CUTLASS kernels: launcher declarations (host C++, no CUDA or CUTLASS types).
+//
+// These kernels need the CUTLASS headers (optional: `pip install nvidia-cutlass`, or
+// LIGHTNING_MOE_CUTLASS_DIR pointing at a CUTLASS checkout) and an sm_90 GPU (wgmma and TMA,
+// compiled for sm_90a). bindings.cpp beside this file is the only file that sees torch.
+//
+// Legend: R rows grouped by expert, M and N the two sides of one expert's weight, E experts.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+typedef struct CUstream_st* cudaStream_t;
+
+namespace lightning_moe {
+namespace cutlass_kernels {
+
+// The GEMM tilings built. Pingpong: two consumer warp groups, each owning a whole 128 x 128
+// output tile, take turns, so one tile's epilogue (read the old gradient, add, write) runs while
+// the other's tensor-core loop runs. Cooperative: both warp groups share one 256 x 128 tile.
+enum class WgradTile : int { kPingpong128x128 = 0, kCooperative256x128 = 1 };
+
+// Bytes of device workspace grouped_wgrad_accumulate needs for `num_experts` groups on a GPU
+// with `sm_count` multiprocessors.
+size_t grouped_wgrad_workspace_bytes(int64_t num_experts, int sm_count, WgradTile tile);
+
+// grad[e] += x[lo_e:hi_e]^T @ dy[lo_e:hi_e] for every expert e, in one launch (plus a tiny
+// kernel that lays out the per-expert arguments on the device), with the old gradient read and
+// the sum written by the GEMM's epilogue (beta = 1). lo_e = offsets[e - 1] (0 for e = 0),
+// hi_e = offsets[e]: inclusive row-count prefix sums on the device; no host synchronisation.
+// Experts with no rows are skipped (their gradient is untouched).
+//
+// grad: [E, M, N] bf16, x: [R, M] bf16, dy: [R, N] bf16, all contiguous and 16-byte aligned;
+// M and N multiples of 8; offsets non-decreasing and offsets[E - 1] <= R.
+// Returns nullptr on success, else a static message naming what failed.
+const char* grouped_wgrad_accumulate(void* grad, const void* x, const void* dy, const int32_t* offsets,
+                                     int64_t num_experts, int64_t m, int64_t n, void* workspace,
+                                     size_t workspace_bytes, int device, int sm_count, WgradTile tile,
+                                     cudaStream_t stream);
+
+}  // namespace cutlass_kernels
+}  // namespace lightning_moe

@@ -1,0 +1,186 @@
+// One CUTLASS 3 grouped GEMM for the expert weight gradients, accumulated in place (beta = 1).
+//
+// Per expert e (one group): D_e = 1 * A_e B_e + 1 * C_e with C_e = D_e = grad[e] ([M, N],
+// row-major), A_e = x[lo_e:hi_e]^T ([M, K_e]: x's rows are M wide, so A_e is column-major with
+// leading dimension M) and B_e = dy[lo_e:hi_e] ([K_e, N], row-major). K_e is the expert's row
+// count: it only exists on the device, so the per-group problem sizes, pointers and strides are
+// written by prepare_groups (one thread per expert) in the same stream, and the GEMM reads them
+// there: the host never learns the row counts. An expert without rows gets M = 0: no tiles, its
+// gradient untouched.
+//
+// Included by grouped_wgrad_pingpong.cu and grouped_wgrad_cooperative.cu (one tiling each, so the
+// two compile in parallel).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/operations.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+
+#include "grouped_wgrad.h"
+
+namespace lightning_moe {
+namespace cutlass_kernels {
+namespace sm90 {
+
+using Element = cutlass::bfloat16_t;
+using Accumulator = float;
+using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K_e)
+using LayoutA = cutlass::layout::ColumnMajor;  // x_e^T: M contiguous
+using LayoutB = cutlass::layout::RowMajor;     // dy_e: N contiguous
+using LayoutC = cutlass::layout::RowMajor;     // grad[e]
+constexpr int kAlignment = 8;                   // 16 bytes of bf16: TMA's unit
+
+struct Pingpong128x128 {
+  using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
+  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+struct Cooperative256x128 {
+  using Tile = cute::Shape<cute::_256, cute::_128, cute::_64>;
+  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
+template <class Config>
+struct WgradGemm {
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, Accumulator, Accumulator, Element, LayoutC*, kAlignment,
+      Element, LayoutC*, kAlignment, typename Config::EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>::CollectiveOp;
+
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignment, Element, LayoutB*,
+      kAlignment, Accumulator, typename Config::Tile, typename Config::Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      typename Config::MainloopSchedule>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideC = typename Kernel::InternalStrideC;
+  using StrideD = typename Kernel::InternalStrideD;
+  using Shape = ProblemShape::UnderlyingProblemShape;
+};
+
+// The per-group argument arrays, carved out of the front of the workspace.
+template <class G>
+struct GroupArrays {
+  typename G::Shape* problems;
+  const Element** a;
+  const Element** b;
+  const Element** c;
+  Element** d;
+  typename G::StrideA* stride_a;
+  typename G::StrideB* stride_b;
+  typename G::StrideC* stride_c;
+  typename G::StrideD* stride_d;
+  size_t bytes;  // through the end of the last array, rounded up to 256
+
+  GroupArrays(void* base, int64_t groups) {
+    size_t at = 0;
+    auto take = [&](size_t each) {
+      char* p = static_cast<char*>(base) + at;
+      at = (at + each * static_cast<size_t>(groups) + 255) / 256 * 256;
+      return static_cast<void*>(p);
+    };
+    problems = static_cast<typename G::Shape*>(take(sizeof(typename G::Shape)));
+    a = static_cast<const Element**>(take(sizeof(void*)));
+    b = static_cast<const Element**>(take(sizeof(void*)));
+    c = static_cast<const Element**>(take(sizeof(void*)));
+    d = static_cast<Element**>(take(sizeof(void*)));
+    stride_a = static_cast<typename G::StrideA*>(take(sizeof(typename G::StrideA)));
+    stride_b = static_cast<typename G::StrideB*>(take(sizeof(typename G::StrideB)));
+    stride_c = static_cast<typename G::StrideC*>(take(sizeof(typename G::StrideC)));
+    stride_d = static_cast<typename G::StrideD*>(take(sizeof(typename G::StrideD)));
+    bytes = at;
+  }
+};
+
+template <class G>
+__global__ void prepare_groups(GroupArrays<G> arrays, const int32_t* __restrict__ offsets, int64_t groups,
+                               int m, int n, const Element* x, const Element* dy, Element* grad) {
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= groups) return;
+  const int64_t lo = e == 0 ? 0 : offsets[e - 1];
+  const int k = static_cast<int>(offsets[e] - lo);
+  arrays.problems[e] = typename G::Shape{k > 0 ? m : 0, n, k};
+  arrays.a[e] = x + lo * m;
+  arrays.b[e] = dy + lo * n;
+  arrays.c[e] = grad + e * static_cast<int64_t>(m) * n;
+  arrays.d[e] = grad + e * static_cast<int64_t>(m) * n;
+  arrays.stride_a[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, k > 0 ? k : 1, 1});
+  arrays.stride_b[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {n, k > 0 ? k : 1, 1});
+  arrays.stride_c[e] = cutlass::make_cute_packed_stride(typename G::StrideC{}, {m, n, 1});
+  arrays.stride_d[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, n, 1});
+}
+
+template <class G>
+typename G::Gemm::Arguments make_arguments(const GroupArrays<G>& arrays, int64_t groups, int device, int sm_count) {
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = device;
+  hw.sm_count = sm_count;
+  typename G::Gemm::Arguments args;
+  decltype(args.epilogue.thread) fusion;
+  fusion.alpha = 1.0f;
+  fusion.beta = 1.0f;  // the old gradient, read and added in the epilogue
+  args = typename G::Gemm::Arguments{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {static_cast<int>(groups), arrays.problems, nullptr},  // no host problem sizes: K_e lives on the device
+      {arrays.a, arrays.stride_a, arrays.b, arrays.stride_b},
+      {fusion, arrays.c, arrays.stride_c, arrays.d, arrays.stride_d},
+      hw};
+  return args;
+}
+
+template <class Config>
+size_t workspace_bytes(int64_t groups, int sm_count) {
+  using G = WgradGemm<Config>;
+  GroupArrays<G> arrays(nullptr, groups);
+  auto args = make_arguments<G>(arrays, groups, 0, sm_count);
+  return arrays.bytes + G::Gemm::get_workspace_size(args);
+}
+
+template <class Config>
+const char* accumulate(void* grad, const void* x, const void* dy, const int32_t* offsets, int64_t groups, int64_t m,
+                       int64_t n, void* workspace, size_t bytes, int device, int sm_count, cudaStream_t stream) {
+  using G = WgradGemm<Config>;
+  if (groups == 0) return nullptr;
+  GroupArrays<G> arrays(workspace, groups);
+  auto args = make_arguments<G>(arrays, groups, device, sm_count);
+  if (bytes < arrays.bytes + G::Gemm::get_workspace_size(args)) return "workspace too small";
+  constexpr int kThreads = 128;
+  prepare_groups<G><<<static_cast<unsigned>((groups + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      arrays, offsets, groups, static_cast<int>(m), static_cast<int>(n), static_cast<const Element*>(x),
+      static_cast<const Element*>(dy), static_cast<Element*>(grad));
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
+  typename G::Gemm gemm;
+  void* gemm_workspace = static_cast<char*>(workspace) + arrays.bytes;
+  cutlass::Status status = gemm.can_implement(args);
+  if (status != cutlass::Status::kSuccess) return cutlassGetStatusString(status);
+  status = gemm.initialize(args, gemm_workspace, stream);
+  if (status != cutlass::Status::kSuccess) return cutlassGetStatusString(status);
+  status = gemm.run(stream);
+  if (status != cutlass::Status::kSuccess) return cutlassGetStatusString(status);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
+  return nullptr;
+}
+
+}  // namespace sm90
+}  // namespace cutlass_kernels
+}  // namespace lightning_moe

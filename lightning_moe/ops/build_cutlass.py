@@ -1,0 +1,123 @@
+"""JIT build and load of the optional CUTLASS kernels in ``csrc/cutlass/`` (Hopper only).
+
+The grouped weight-gradient GEMM there (``csrc/cutlass/grouped_wgrad_sm90.cuh``) is a CUTLASS 3
+warp-specialised kernel: wgmma and TMA, so it is compiled for ``sm_90a`` and runs on sm_90 GPUs
+(H100, H200) only. It needs the CUTLASS headers, which lightning-moe does not ship or require:
+
+* ``pip install nvidia-cutlass`` (the headers come inside its ``cutlass_library`` package), or
+* ``LIGHTNING_MOE_CUTLASS_DIR=/path/to/cutlass`` (a checkout: ``include/`` and ``tools/util/include/``).
+
+:func:`load_cutlass_extension` returns ``torch.ops.lightning_moe_cutlass_C`` or ``None``. Missing
+headers, another GPU or ``LIGHTNING_MOE_KERNELS=torch`` give ``None`` quietly (the kernels are an
+optional accelerator; :func:`cutlass_unavailable_reason` says why); a failed build warns once with
+the compiler's first error line. Builds are cached like ``csrc/``'s (``ops/build.py``), keyed also
+by the CUTLASS version header.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import os
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from lightning_moe.ops import build
+
+__all__ = ["cutlass_include_dirs", "cutlass_sources", "cutlass_unavailable_reason", "load_cutlass_extension"]
+
+_NAME = "lightning_moe_cutlass_C"
+CUDA_FLAGS: tuple[str, ...] = (
+    "-O3",
+    "-std=c++17",
+    "-lineinfo",
+    "--expt-relaxed-constexpr",
+    "-DNDEBUG",
+    "-gencode=arch=compute_90a,code=sm_90a",  # wgmma / TMA: the "a" target, sm_90 only
+)
+
+
+def cutlass_include_dirs() -> tuple[Path, Path] | None:
+    """``(include, tools/util/include)`` of the CUTLASS found, or ``None``."""
+    explicit = os.environ.get("LIGHTNING_MOE_CUTLASS_DIR")
+    if explicit:
+        root = Path(explicit).expanduser()
+    else:
+        try:
+            spec = importlib.util.find_spec("cutlass_library")  # nvidia-cutlass; not imported
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        root = Path(next(iter(spec.submodule_search_locations))) / "source"
+    include, util = root / "include", root / "tools" / "util" / "include"
+    if not (include / "cutlass" / "cutlass.h").is_file() or not (util / "cutlass" / "util" / "packed_stride.hpp").is_file():
+        return None
+    return include, util
+
+
+def cutlass_sources() -> list[Path]:
+    """The ``.cu`` files and the binding of ``csrc/cutlass/``."""
+    root = build.csrc_dir() / "cutlass"
+    return sorted(root.glob("*.cu")) + [root / "bindings.cpp"]
+
+
+def cutlass_unavailable_reason() -> str | None:
+    """Why the CUTLASS kernels cannot be used here (cheap checks, no compiler run); ``None`` if they can."""
+    if os.environ.get("LIGHTNING_MOE_KERNELS", "auto").strip().lower() == "torch":
+        return "LIGHTNING_MOE_KERNELS=torch"
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        return "no CUDA device"
+    capability = torch.cuda.get_device_capability()
+    if capability != (9, 0):
+        return f"the CUTLASS kernels are built for sm_90 (H100/H200); this GPU is sm_{capability[0]}{capability[1]}"
+    if cutlass_include_dirs() is None:
+        return "CUTLASS headers not found (pip install nvidia-cutlass, or set LIGHTNING_MOE_CUTLASS_DIR)"
+    from torch.utils import cpp_extension
+
+    nvcc = Path(cpp_extension.CUDA_HOME, "bin", "nvcc") if cpp_extension.CUDA_HOME else None
+    if nvcc is None or not nvcc.exists():
+        return "nvcc not found (install the CUDA toolkit or set CUDA_HOME)"
+    if not cpp_extension.is_ninja_available():
+        return "ninja not found (pip install ninja)"
+    if not all(p.exists() for p in cutlass_sources()):
+        return f"kernel sources not found under {build.csrc_dir() / 'cutlass'} (use a source checkout of lightning-moe)"
+    return None
+
+
+def _build_key(include: Path) -> str:
+    h = hashlib.sha256()
+    root = build.csrc_dir() / "cutlass"
+    for path in sorted(cutlass_sources()) + sorted(root.glob("*.cuh")) + sorted(root.glob("*.h")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    h.update((include / "cutlass" / "version.h").read_bytes())
+    h.update(repr(CUDA_FLAGS).encode())
+    versions = f"torch{torch.__version__}-cu{torch.version.cuda}-py{sys.version_info[0]}{sys.version_info[1]}"
+    return f"cutlass-{versions}-{h.hexdigest()[:16]}".replace("+", "_")
+
+
+@functools.cache
+def _build() -> tuple[ModuleType | None, str | None]:
+    reason = cutlass_unavailable_reason()
+    if reason is not None:
+        return None, reason
+    include, util = cutlass_include_dirs()  # type: ignore[misc]  # checked by the reason above
+    ops, reason = build._compile_and_load(_NAME, cutlass_sources(), _build_key(include), CUDA_FLAGS, (include, util))
+    if ops is None:
+        warnings.warn(
+            f"lightning_moe: CUTLASS kernels unavailable ({reason}); the cuBLAS/Triton paths are used instead.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return ops, reason
+
+
+def load_cutlass_extension() -> ModuleType | None:
+    """``torch.ops.lightning_moe_cutlass_C``, or ``None`` when the CUTLASS kernels are unavailable."""
+    return _build()[0]

@@ -1,0 +1,65 @@
+"""Expert weight gradients accumulated into ``.grad`` by one CUTLASS grouped GEMM (Hopper).
+
+Legend: R rows grouped by expert, D input width, O output width, E experts.
+
+``grad_EDO[e] += x_e^T @ dy_e`` for all experts in one warp-specialised launch that reads each
+expert's row range from the device offsets (no host sync) and adds the old gradient in its
+epilogue (beta = 1): the gradient is read once and written once, and the pingpong schedule runs
+one tile's epilogue while the other warp group's tensor-core loop runs, which is what the
+per-expert cuBLAS GEMMs and the Triton kernels could not do (``ops/wgrad_accumulation.py``).
+Source: ``csrc/cutlass/``; build: ``ops/build_cutlass.py`` (optional: needs the CUTLASS headers
+and an sm_90 GPU).
+
+``LIGHTNING_MOE_WGRAD_CUTLASS_TILE`` picks the tiling: ``pingpong`` (default; 128 x 128 tiles, two
+warp groups taking turns) or ``cooperative`` (256 x 128, both warp groups on one tile).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from lightning_moe.ops.build_cutlass import load_cutlass_extension
+
+__all__ = ["TILES", "grouped_wgrad_accumulate_", "reference_accumulate_", "supported", "tile"]
+
+TILES = {"pingpong": 0, "cooperative": 1}
+
+
+def tile() -> str:
+    """``LIGHTNING_MOE_WGRAD_CUTLASS_TILE``: ``pingpong`` (default) or ``cooperative``."""
+    name = os.environ.get("LIGHTNING_MOE_WGRAD_CUTLASS_TILE", "pingpong").strip().lower()
+    if name not in TILES:
+        raise ValueError(f"LIGHTNING_MOE_WGRAD_CUTLASS_TILE={name!r} is unknown; choose one of {tuple(TILES)}.")
+    return name
+
+
+def supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether the CUTLASS kernel can accumulate these weights' gradients from rows like ``x``."""
+    if not x.is_cuda or x.dtype != torch.bfloat16:
+        return False
+    if any(w.dtype != torch.bfloat16 or w.dim() != 3 or w.shape[1] % 8 or w.shape[2] % 8 for w in weights):
+        return False
+    return load_cutlass_extension() is not None
+
+
+def grouped_wgrad_accumulate_(
+    grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor, tiling: str | None = None
+) -> None:
+    """``grad_EDO[e] += x_RD[lo:hi]^T @ dy_RO[lo:hi]`` per expert; ``offs_E`` inclusive row ends (int32, device)."""
+    ops = load_cutlass_extension()
+    if ops is None:
+        raise RuntimeError(
+            "grouped_wgrad_accumulate_: the CUTLASS kernels are unavailable; check wgrad_cutlass.supported() first."
+        )
+    offs = offs_E if offs_E.dtype == torch.int32 else offs_E.to(torch.int32)
+    ops.grouped_wgrad_accumulate_(grad_EDO, x_RD.contiguous(), dy_RO.contiguous(), offs.contiguous(), TILES[tiling or tile()])
+
+
+def reference_accumulate_(grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor) -> None:
+    """The same in plain PyTorch (fp32 products, one rounding into ``grad_EDO``'s dtype)."""
+    bounds = [0] + offs_E.tolist()
+    for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if hi > lo:
+            grad_EDO[e] = (grad_EDO[e].float() + x_RD[lo:hi].float().t() @ dy_RO[lo:hi].float()).to(grad_EDO.dtype)
