@@ -180,10 +180,14 @@ PY
     fi
     grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" | tail -8; tail -1 "$OUT/gpu_tests.log"; pack
     timeout 150 python3 benchmarks/wgrad_kernels.py --shapes ${WGRAD_SHAPES:-deepseek-v3 qwen3-30b-a3b} --tiles none \
-      --json "$OUT/wgrad.json" > "$OUT/wgrad.log" 2>&1; grep -E '"arm"|profile' "$OUT/wgrad.log" | cut -c1-230; pack
-    timeout "${CUTLASS_LAYER_S:-200}" python3 benchmarks/moe_layer.py --shapes "${CUTLASS_LAYERS:-qwen3-30b-a3b,deepseek-v3}" --fuse-wgrad \
-      --peers torch-grouped_mm-ref --json "$OUT/layers.json" > "$OUT/layers.log" 2>&1
-    grep -A80 "^device" "$OUT/layers.log" | cut -c1-250; pack
+      --cutlass-only --json "$OUT/wgrad.json" > "$OUT/wgrad.log" 2>&1; grep -E '"arm"|^best' "$OUT/wgrad.log" | cut -c1-160; pack
+    for shape in ${CUTLASS_LAYERS:-qwen3-30b-a3b deepseek-v3}; do  # each layer with its shape's best tiling
+      tiling=$(grep -h "^best cutlass $shape" "$OUT/wgrad.log" | sed 's/.*tiling=//')
+      echo "== $shape, LIGHTNING_MOE_WGRAD_CUTLASS_TILE=${tiling:-default}"
+      LIGHTNING_MOE_WGRAD_CUTLASS_TILE=${tiling:-cooperative} timeout "${CUTLASS_LAYER_S:-150}" python3 benchmarks/moe_layer.py \
+        --shapes "$shape" --fuse-wgrad --peers torch-grouped_mm-ref --json "$OUT/layer_$shape.json" > "$OUT/layer_$shape.log" 2>&1
+      grep -A40 "^device" "$OUT/layer_$shape.log" | grep -v "^ \{28\}" | cut -c1-250; pack
+    done
     ;;
   liger)  # Liger's fused MoE alone, long enough for its autotuning; its Triton cache comes back
     timeout "${LIGER_S:-420}" python3 benchmarks/moe_layer.py --shapes "${SHAPES:-qwen3-30b-a3b}" \

@@ -166,7 +166,9 @@ def _max_rel_err(tile: AnyTile | str, x: torch.Tensor, dy: torch.Tensor, offs: t
     return worst
 
 
-def run_weight(label: str, rows_offs: torch.Tensor, D: int, O: int, tiles: tuple[AnyTile, ...]) -> list[dict]:
+def run_weight(
+    label: str, rows_offs: torch.Tensor, D: int, O: int, tiles: tuple[AnyTile, ...], cutlass_only: bool = False
+) -> list[dict]:
     E, R = rows_offs.numel(), int(rows_offs[-1])
     dev = torch.device("cuda")
     x = torch.randn(R, D, device=dev, dtype=torch.bfloat16)
@@ -188,21 +190,24 @@ def run_weight(label: str, rows_offs: torch.Tensor, D: int, O: int, tiles: tuple
 
     record("grouped fresh", _time_ms(lambda: F.grouped_mm(x.t(), dy, offs=offs)))
     record("grouped + add", _time_ms(lambda: dw.add_(F.grouped_mm(x.t(), dy, offs=offs))))
-    record("cuBLAS loop", _time_ms(lambda: accumulate_wgrad_(dw, x, dy, bounds)))
-    record("cuBLAS loop transposed", _time_ms(lambda: _loop_transposed(dw, x, dy, bounds)))
-    for n in (2, 3, 4):
-        record(f"cuBLAS loop {n} streams", _time_ms(lambda n=n: accumulate_wgrad_(dw, x, dy, bounds, streams=n)))
-    record("cuBLAS padded batched", _time_ms(_padded_batched(dw, x, dy, bounds)))
+    if cutlass_only:  # the references only: today's default fused kernel, and what autograd does
+        record("cuBLAS loop 2 streams", _time_ms(lambda: accumulate_wgrad_(dw, x, dy, bounds, streams=2)))
+    else:
+        record("cuBLAS loop", _time_ms(lambda: accumulate_wgrad_(dw, x, dy, bounds)))
+        record("cuBLAS loop transposed", _time_ms(lambda: _loop_transposed(dw, x, dy, bounds)))
+        for n in (2, 3, 4):
+            record(f"cuBLAS loop {n} streams", _time_ms(lambda n=n: accumulate_wgrad_(dw, x, dy, bounds, streams=n)))
+        record("cuBLAS padded batched", _time_ms(_padded_batched(dw, x, dy, bounds)))
     if wgrad_cutlass.supported(x, dw):
         for tiling in wgrad_cutlass.TILES:
             err = _max_rel_err(tiling, x, dy, offs, dw)
             fn = lambda t=tiling: wgrad_cutlass.grouped_wgrad_accumulate_(dw, x, dy, offs, tiling=t)  # noqa: E731
             record(f"cutlass {tiling}", _time_ms(fn), err)
-        _top_kernels(label, "cutlass pingpong", lambda: wgrad_cutlass.grouped_wgrad_accumulate_(dw, x, dy, offs))
     else:
         print(json.dumps({"weight": label, "arm": "cutlass", "error": build_cutlass.cutlass_unavailable_reason()}))
-    _top_kernels(label, "cuBLAS loop", lambda: accumulate_wgrad_(dw, x, dy, bounds))
-    _top_kernels(label, "cuBLAS loop 2 streams", lambda: accumulate_wgrad_(dw, x, dy, bounds, streams=2))
+    if not cutlass_only:
+        _top_kernels(label, "cuBLAS loop", lambda: accumulate_wgrad_(dw, x, dy, bounds))
+        _top_kernels(label, "cuBLAS loop 2 streams", lambda: accumulate_wgrad_(dw, x, dy, bounds, streams=2))
     for tile in tiles:
         try:
             err = _max_rel_err(tile, x, dy, offs, dw)
@@ -216,6 +221,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["deepseek-v3", "mixtral-8x7b"], choices=sorted(SHAPES))
     parser.add_argument("--tiles", choices=("all", "short", "desc", "none"), default="all", help="Triton tiles to try")
+    parser.add_argument("--cutlass-only", action="store_true",
+                        help="time the CUTLASS tilings against the grouped GEMM (+ add) and the two-stream loop only")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -229,9 +236,9 @@ def main() -> None:
     for name in args.shapes:
         tokens, hidden, ffn, experts, top_k = SHAPES[name]
         offs = _routed_offsets(tokens, experts, top_k, gen)
-        results += run_weight(f"{name} w13", offs, hidden, 2 * ffn, tiles)
+        results += run_weight(f"{name} w13", offs, hidden, 2 * ffn, tiles, args.cutlass_only)
         torch.cuda.empty_cache()
-        results += run_weight(f"{name} w2", offs, ffn, hidden, tiles)
+        results += run_weight(f"{name} w2", offs, ffn, hidden, tiles, args.cutlass_only)
         torch.cuda.empty_cache()
     for name in args.shapes:  # the tile with the least time over both weights, as LIGHTNING_MOE_WGRAD_TILE
         per_tile: dict[str, list[float]] = {}
@@ -246,6 +253,15 @@ def main() -> None:
             tile = next(t for t in tiles if f"triton {t.label()}" == arm)
             print(f"best {name}: {both[arm]:.2f} ms (cuBLAS loop {loop:.2f}; grouped + add {added:.2f}) "
                   f"tile={','.join(map(str, tile))}")
+    for name in args.shapes:  # the CUTLASS tiling with the least time over both weights
+        both = {}
+        for row in results:
+            if row["weight"].startswith(name + " ") and row["arm"].startswith("cutlass "):
+                both.setdefault(row["arm"][len("cutlass "):], []).append(row["ms"])
+        both = {t: sum(ms) for t, ms in both.items() if len(ms) == 2}
+        if both:
+            best = min(both, key=both.__getitem__)
+            print(f"best cutlass {name}: {both[best]:.2f} ms tiling={best}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -18,6 +18,10 @@ namespace {
 
 constexpr const char* kOp = "lightning_moe_cutlass_C.grouped_wgrad_accumulate_";
 
+// Numbers go into messages through std::to_string: streaming an int64 into TORCH_CHECK's message
+// from an extension crashed (SIGSEGV) on the GPU machine, as csrc/bindings.cpp notes.
+std::string num(int64_t value) { return std::to_string(value); }
+
 void check(const at::Tensor& t, const char* name, const at::Device& device, at::ScalarType dtype) {
   TORCH_CHECK(t.is_cuda() && t.device() == device, kOp, ": ", name, " is on ", t.device(), "; every tensor must be on ",
               device, ".");
@@ -41,19 +45,20 @@ void grouped_wgrad_accumulate_op(at::Tensor grad, const at::Tensor& x, const at:
   check(dy, "dy", device, at::kBFloat16);
   check(offsets, "offsets", device, at::kInt);
   TORCH_CHECK(grad.dim() == 3 && x.dim() == 2 && dy.dim() == 2 && offsets.dim() == 1, kOp,
-              ": expected grad [E, M, N], x [R, M], dy [R, N], offsets [E]; got ", grad.dim(), "-d, ", x.dim(),
-              "-d, ", dy.dim(), "-d, ", offsets.dim(), "-d.");
+              ": expected grad [E, M, N], x [R, M], dy [R, N], offsets [E]; got ", num(grad.dim()), "-d, ",
+              num(x.dim()), "-d, ", num(dy.dim()), "-d, ", num(offsets.dim()), "-d.");
   const int64_t experts = grad.size(0), m = grad.size(1), n = grad.size(2);
   TORCH_CHECK(x.size(1) == m && dy.size(1) == n && x.size(0) == dy.size(0) && offsets.size(0) == experts, kOp,
-              ": shapes disagree: grad [", experts, ", ", m, ", ", n, "], x [", x.size(0), ", ", x.size(1), "], dy [",
-              dy.size(0), ", ", dy.size(1), "], offsets [", offsets.size(0), "].");
-  TORCH_CHECK(m % 8 == 0 && n % 8 == 0, kOp, ": M=", m, " and N=", n,
+              ": shapes disagree: grad [", num(experts), ", ", num(m), ", ", num(n), "], x [", num(x.size(0)), ", ",
+              num(x.size(1)), "], dy [", num(dy.size(0)), ", ", num(dy.size(1)), "], offsets [", num(offsets.size(0)),
+              "].");
+  TORCH_CHECK(m % 8 == 0 && n % 8 == 0, kOp, ": M=", num(m), " and N=", num(n),
               " must be multiples of 8 (16-byte rows for TMA); use the cuBLAS kernels for this shape.");
   for (const at::Tensor* t : {static_cast<const at::Tensor*>(&grad), &x, &dy}) {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, kOp,
                 ": a tensor's data is not 16-byte aligned (a view at an odd offset); pass a fresh copy.");
   }
-  TORCH_CHECK(tile == 0 || tile == 1, kOp, ": tile=", tile, " is not a tiling; 0 = pingpong 128x128, 1 = cooperative 256x128.");
+  TORCH_CHECK(tile >= 0 && tile < cutlass_kernels::kTilings, kOp, ": tile=", num(tile), " is not a tiling (0 to ", num(cutlass_kernels::kTilings - 1), "; see WgradTile in grouped_wgrad.h).");
   if (experts == 0 || x.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(device);
   const int index = device.index();

@@ -15,10 +15,18 @@ typedef struct CUstream_st* cudaStream_t;
 namespace lightning_moe {
 namespace cutlass_kernels {
 
-// The GEMM tilings built. Pingpong: two consumer warp groups, each owning a whole 128 x 128
-// output tile, take turns, so one tile's epilogue (read the old gradient, add, write) runs while
-// the other's tensor-core loop runs. Cooperative: both warp groups share one 256 x 128 tile.
-enum class WgradTile : int { kPingpong128x128 = 0, kCooperative256x128 = 1 };
+// The GEMM tilings built (output tile M x N, thread-block cluster along M x N). Pingpong: two
+// consumer warp groups, each owning a whole 128 x 128 tile, take turns, so one tile's epilogue
+// (read the old gradient, add, write) runs while the other's tensor-core loop runs. Cooperative:
+// both warp groups share one tile. A cluster of two shares one operand's loads (TMA multicast).
+enum class WgradTile : int {
+  kPingpong128x128 = 0,
+  kCooperative256x128 = 1,
+  kCooperative256x128Cluster1x2 = 2,
+  kCooperative256x128Cluster2x1 = 3,
+  kCooperative128x256 = 4,
+};
+constexpr int kTilings = 5;
 
 // Bytes of device workspace grouped_wgrad_accumulate needs for `num_experts` groups on a GPU
 // with `sm_count` multiprocessors.

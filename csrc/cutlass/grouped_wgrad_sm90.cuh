@@ -8,8 +8,7 @@
 // there: the host never learns the row counts. An expert without rows gets M = 0: no tiles, its
 // gradient untouched.
 //
-// Included by grouped_wgrad_pingpong.cu and grouped_wgrad_cooperative.cu (one tiling each, so the
-// two compile in parallel).
+// Included by the grouped_wgrad_<tiling>.cu files (one tiling each, so they compile in parallel).
 #pragma once
 
 #include <cstdint>
@@ -41,16 +40,18 @@ using LayoutB = cutlass::layout::RowMajor;     // dy_e: N contiguous
 using LayoutC = cutlass::layout::RowMajor;     // grad[e]
 constexpr int kAlignment = 8;                   // 16 bytes of bf16: TMA's unit
 
-struct Pingpong128x128 {
-  using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
-  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
+template <int TileM, int TileN, int ClusterM, int ClusterN>
+struct Pingpong {
+  using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::_64>;
+  using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
   using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
-struct Cooperative256x128 {
-  using Tile = cute::Shape<cute::_256, cute::_128, cute::_64>;
-  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
+template <int TileM, int TileN, int ClusterM, int ClusterN>
+struct Cooperative {
+  using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::_64>;
+  using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
   using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
@@ -182,5 +183,19 @@ const char* accumulate(void* grad, const void* x, const void* dy, const int32_t*
 }
 
 }  // namespace sm90
+
+// One tiling's two entry points, defined by the .cu file that instantiates it (one per tiling, so
+// they compile in parallel) and declared by hand in grouped_wgrad.cu (which stays free of CUTLASS).
+#define LMOE_DEFINE_WGRAD_TILING(name, Config)                                                                   \
+  size_t workspace_bytes_##name(int64_t groups, int sm_count) {                                                 \
+    return sm90::workspace_bytes<Config>(groups, sm_count);                                                     \
+  }                                                                                                             \
+  const char* accumulate_##name(void* grad, const void* x, const void* dy, const int32_t* offsets, int64_t groups, \
+                                int64_t m, int64_t n, void* workspace, size_t bytes, int device, int sm_count,  \
+                                cudaStream_t stream) {                                                          \
+    return sm90::accumulate<Config>(grad, x, dy, offsets, groups, m, n, workspace, bytes, device, sm_count,     \
+                                    stream);                                                                    \
+  }
+
 }  // namespace cutlass_kernels
 }  // namespace lightning_moe

@@ -10,8 +10,10 @@ per-expert cuBLAS GEMMs and the Triton kernels could not do (``ops/wgrad_accumul
 Source: ``csrc/cutlass/``; build: ``ops/build_cutlass.py`` (optional: needs the CUTLASS headers
 and an sm_90 GPU).
 
-``LIGHTNING_MOE_WGRAD_CUTLASS_TILE`` picks the tiling: ``pingpong`` (default; 128 x 128 tiles, two
-warp groups taking turns) or ``cooperative`` (256 x 128, both warp groups on one tile).
+``LIGHTNING_MOE_WGRAD_CUTLASS_TILE`` picks the tiling (``csrc/cutlass/grouped_wgrad.h``):
+``cooperative`` (default: 256 x 128 tiles, both consumer warp groups on one tile), ``pingpong``
+(128 x 128 tiles, the two warp groups taking turns), ``cooperative-c1x2`` / ``cooperative-c2x1``
+(clusters of two sharing an operand's loads) or ``cooperative-128x256``.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ from lightning_moe.ops.build_cutlass import load_cutlass_extension
 
 __all__ = ["TILES", "grouped_wgrad_accumulate_", "reference_accumulate_", "supported", "tile"]
 
-TILES = {"pingpong": 0, "cooperative": 1}
+TILES = {"pingpong": 0, "cooperative": 1, "cooperative-c1x2": 2, "cooperative-c2x1": 3, "cooperative-128x256": 4}
+DEFAULT_TILE = "cooperative"
 
 
 def tile() -> str:
-    """``LIGHTNING_MOE_WGRAD_CUTLASS_TILE``: ``pingpong`` (default) or ``cooperative``."""
-    name = os.environ.get("LIGHTNING_MOE_WGRAD_CUTLASS_TILE", "pingpong").strip().lower()
+    """``LIGHTNING_MOE_WGRAD_CUTLASS_TILE``, one of :data:`TILES` (default :data:`DEFAULT_TILE`)."""
+    name = os.environ.get("LIGHTNING_MOE_WGRAD_CUTLASS_TILE", DEFAULT_TILE).strip().lower()
     if name not in TILES:
         raise ValueError(f"LIGHTNING_MOE_WGRAD_CUTLASS_TILE={name!r} is unknown; choose one of {tuple(TILES)}.")
     return name

@@ -53,6 +53,10 @@ def _errors(proc: subprocess.CompletedProcess[str]) -> str:
 
 def test_the_cutlass_room_holds_its_files() -> None:
     assert {"grouped_wgrad.cu", "grouped_wgrad_pingpong.cu", "grouped_wgrad_cooperative.cu"} <= set(KERNEL_FILES)
+    # one file per tiling, each named in the dispatcher's table
+    tilings = [name[len("grouped_wgrad_") : -3] for name in KERNEL_FILES if name != "grouped_wgrad.cu"]
+    dispatcher = (SOURCE / "grouped_wgrad.cu").read_text()
+    assert all(f"&accumulate_{t}}}" in dispatcher for t in tilings), tilings
     assert (SOURCE / "bindings.cpp").exists() and (SOURCE / "grouped_wgrad.h").exists()
 
 
@@ -68,7 +72,7 @@ def test_the_tensor_core_kernels_use_wgmma_and_tma(objects: dict) -> None:
     cuobjdump = Path(NVCC).with_name("cuobjdump")
     if not cuobjdump.exists():
         pytest.skip("cuobjdump is not beside nvcc")
-    for name in ("grouped_wgrad_pingpong.cu", "grouped_wgrad_cooperative.cu"):
+    for name in (n for n in KERNEL_FILES if n != "grouped_wgrad.cu"):
         proc, obj = objects[name]
         if proc.returncode != 0:
             pytest.skip(f"{name} did not compile")
