@@ -26,6 +26,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader
 python3 -c "from lightning_moe.ops.build import load_extension; print(load_extension('csrc'))" 2>&1 | tail -2
+# The optional CUTLASS kernels (built when nvidia-cutlass came in .whl/): built here, not inside a timed step.
+timeout 240 python3 -c "from lightning_moe.ops import build_cutlass as b; print('cutlass:', b.cutlass_unavailable_reason() or b.load_cutlass_extension())" 2>&1 | tail -1
 # Triton's compiled kernels and autotuning results (Liger's fused MoE autotunes for minutes):
 # kept in .tcache/ (git-ignored) like the kernel build; `liger` mode returns $OUT/tcache.tgz.
 export TRITON_CACHE_DIR="$PWD/.tcache" TRITON_CACHE_AUTOTUNING=1
@@ -46,17 +48,18 @@ case "$MODE" in
     grep -A60 "^device" "$OUT/moe_layer.log" | grep -v "^ \{20\}"; grep -A8 "^device" "$OUT/moe_layer_skew.log"
     ;;
   final)  # kernel + layer GPU tests; deepseek (+ fused wgrad, + keep) with breakdown; mixtral fused; QWEN3=1: qwen3
-    [ "${FINAL_TESTS:-1}" = 1 ] && timeout 150 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_layer_gpu.py \
-      -q -p no:cacheprovider -rf > "$OUT/gpu_layer_tests.log" 2>&1
+    [ "${FINAL_TESTS:-1}" = 1 ] && timeout 200 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_layer_gpu.py \
+      tests/gpu/test_wgrad_cutlass.py -q -p no:cacheprovider -rf > "$OUT/gpu_layer_tests.log" 2>&1
     grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_layer_tests.log" 2>/dev/null | tail -8; tail -1 "$OUT/gpu_layer_tests.log" 2>/dev/null
-    timeout 240 python3 benchmarks/moe_layer.py --shapes deepseek-v3 --fuse-wgrad --fuse-wgrad-keep \
-      --peers torch-grouped_mm-ref --json "$OUT/deepseek.json" > "$OUT/deepseek.log" 2>&1
+    timeout 240 python3 benchmarks/moe_layer.py --shapes deepseek-v3 --fuse-wgrad ${FINAL_KEEP---fuse-wgrad-keep} \
+      --fuse-wgrad-kernels "${FINAL_KERNELS:-streams}" --peers torch-grouped_mm-ref --json "$OUT/deepseek.json" > "$OUT/deepseek.log" 2>&1
     grep -h '^{"peer\|^== \|peer ms /\|GEMMs alone fwd+bwd\|^ \{26\}' "$OUT/deepseek.log" | cut -c1-200; pack
     [ "${FINAL_MIXTRAL:-1}" = 1 ] && timeout 120 python3 benchmarks/moe_layer.py --shapes mixtral-8x7b --fuse-wgrad --no-breakdown \
+      --fuse-wgrad-kernels "${FINAL_KERNELS:-streams}" \
       --peers "${MIXTRAL_PEERS:-torch-grouped_mm-ref}" --json "$OUT/mixtral.json" > "$OUT/mixtral.log" 2>&1
     grep -h '^{"peer\|^== \|peer ms /' "$OUT/mixtral.log" 2>/dev/null | cut -c1-200; pack
-    [ -n "$QWEN3" ] && timeout 60 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --peers torch-grouped_mm-ref,hf-grouped_mm \
-      --json "$OUT/q.json" > "$OUT/q.log" 2>&1 && grep -h '^{"peer\|GEMMs alone fwd+bwd' "$OUT/q.log" | cut -c1-200; pack
+    [ -n "$QWEN3" ] && timeout 90 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --peers torch-grouped_mm-ref,hf-grouped_mm \
+      --fuse-wgrad --json "$OUT/q.json" > "$OUT/q.log" 2>&1 && grep -h '^{"peer\|GEMMs alone fwd+bwd\|^ \{26\}' "$OUT/q.log" | cut -c1-200; pack
     (cd "$OUT" && rm -f *.log *.json)
     ;;
   offload)  # activation offload: callbacks GPU tests, then OFFLOAD_RUNS of budget:prefetch ("none" = no budget)
@@ -171,7 +174,6 @@ PY
     (cd "$OUT" && rm -f *.log *.json)
     ;;
   cutlass)  # the CUTLASS grouped wgrad (carry .whl/ with nvidia-cutlass): every GPU test, kernel race, layers
-    time timeout 240 python3 -c "from lightning_moe.ops import build_cutlass as b; print('cutlass:', b.cutlass_unavailable_reason(), b.load_cutlass_extension())" 2>&1 | tail -2
     if [ "${CUTLASS_TESTS:-all}" = quick ]; then  # its own tests and the layer's wgrad ones
       timeout 150 python3 -m pytest tests/gpu/test_wgrad_cutlass.py tests/gpu/test_layer_gpu.py -k "wgrad or cutlass" -q \
         -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1

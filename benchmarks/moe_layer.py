@@ -237,6 +237,23 @@ def peer_makers(H: int, Fh: int, E: int, k: int, dev: str) -> dict:
     }
 
 
+def _with_wgrad_kernel(kernel: str):  # noqa: ANN202
+    """A forward call with ``LIGHTNING_MOE_WGRAD_KERNEL=kernel`` (read when the forward builds its fusion)."""
+
+    def call(m, x):  # noqa: ANN001, ANN202
+        before = os.environ.get("LIGHTNING_MOE_WGRAD_KERNEL")
+        os.environ["LIGHTNING_MOE_WGRAD_KERNEL"] = kernel
+        try:
+            return m(x)
+        finally:
+            if before is None:
+                del os.environ["LIGHTNING_MOE_WGRAD_KERNEL"]
+            else:
+                os.environ["LIGHTNING_MOE_WGRAD_KERNEL"] = before
+
+    return call
+
+
 def _hf_call(m, x):  # noqa: ANN001, ANN202
     out = m(x[None])
     return (out[0] if isinstance(out, tuple) else out)[0]
@@ -258,6 +275,9 @@ def main() -> None:
                     help="also run lightning-moe with MoEConfig(fuse_wgrad_accumulation=True) (row lightning-moe-fused-wgrad)")
     ap.add_argument("--fuse-wgrad-keep", action="store_true",
                     help=f"also run it keeping x_RH and a_RF for backward (row {FUSED}-keep)")
+    ap.add_argument("--fuse-wgrad-kernels", default="",
+                    help=f"comma list of LIGHTNING_MOE_WGRAD_KERNEL values: one more {FUSED} row each, "
+                    "in the same process (rows named like lightning-moe-fused-wgrad[streams])")
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = QUICK if a.quick else SHAPES
@@ -287,6 +307,11 @@ def main() -> None:
                     r = bench(name, make, T, H, dev, flops, skew)
                     r["shape"] = tag
                     results.append(r)
+            for kernel in filter(None, a.fuse_wgrad_kernels.split(",")):
+                make = lambda: ours(H, Fh, E, k, dev, skew, fuse_wgrad=True)  # noqa: E731
+                r = bench(f"{FUSED}[{kernel}]", make, T, H, dev, flops, skew, call=_with_wgrad_kernel(kernel))
+                r["shape"] = tag
+                results.append(r)
             for pname, (make, call) in peer_makers(H, Fh, E, k, dev).items():
                 if (only and pname not in only) or (pname in ("mcore-sequential", "liger-triton-fused") and dev != "cuda"):
                     continue

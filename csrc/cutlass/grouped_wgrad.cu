@@ -13,10 +13,8 @@ namespace cutlass_kernels {
                                 int64_t m, int64_t n, void* workspace, size_t bytes, int device, int sm_count,  \
                                 cudaStream_t stream);
 
-LMOE_WGRAD_ENTRY_POINTS(pingpong)
-LMOE_WGRAD_ENTRY_POINTS(cooperative)
 LMOE_WGRAD_ENTRY_POINTS(cooperative_c1x2)
-LMOE_WGRAD_ENTRY_POINTS(cooperative_c2x1)
+LMOE_WGRAD_ENTRY_POINTS(cooperative)
 LMOE_WGRAD_ENTRY_POINTS(cooperative_128x256)
 
 namespace {
@@ -29,10 +27,8 @@ struct Tiling {
 
 // Indexed by WgradTile.
 constexpr Tiling kTable[kTilings] = {
-    {&workspace_bytes_pingpong, &accumulate_pingpong},
-    {&workspace_bytes_cooperative, &accumulate_cooperative},
     {&workspace_bytes_cooperative_c1x2, &accumulate_cooperative_c1x2},
-    {&workspace_bytes_cooperative_c2x1, &accumulate_cooperative_c2x1},
+    {&workspace_bytes_cooperative, &accumulate_cooperative},
     {&workspace_bytes_cooperative_128x256, &accumulate_cooperative_128x256},
 };
 

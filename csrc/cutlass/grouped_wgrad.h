@@ -15,18 +15,17 @@ typedef struct CUstream_st* cudaStream_t;
 namespace lightning_moe {
 namespace cutlass_kernels {
 
-// The GEMM tilings built (output tile M x N, thread-block cluster along M x N). Pingpong: two
-// consumer warp groups, each owning a whole 128 x 128 tile, take turns, so one tile's epilogue
-// (read the old gradient, add, write) runs while the other's tensor-core loop runs. Cooperative:
-// both warp groups share one tile. A cluster of two shares one operand's loads (TMA multicast).
+// The GEMM tilings built (output tile M x N; "cooperative": both consumer warp groups share one
+// tile; a cluster of two along N shares the x_e^T tile's loads through TMA multicast). H200,
+// benchmarks/wgrad_kernels.py: the clustered 256 x 128 tiling was fastest summed over both weights
+// on DeepSeek-V3, Qwen3-30B-A3B and Mixtral; pingpong 128 x 128 tiles and clusters along M were
+// slower everywhere and are not built.
 enum class WgradTile : int {
-  kPingpong128x128 = 0,
+  kCooperative256x128Cluster1x2 = 0,
   kCooperative256x128 = 1,
-  kCooperative256x128Cluster1x2 = 2,
-  kCooperative256x128Cluster2x1 = 3,
-  kCooperative128x256 = 4,
+  kCooperative128x256 = 2,
 };
-constexpr int kTilings = 5;
+constexpr int kTilings = 3;
 
 // Bytes of device workspace grouped_wgrad_accumulate needs for `num_experts` groups on a GPU
 // with `sm_count` multiprocessors.

@@ -41,14 +41,6 @@ using LayoutC = cutlass::layout::RowMajor;     // grad[e]
 constexpr int kAlignment = 8;                   // 16 bytes of bf16: TMA's unit
 
 template <int TileM, int TileN, int ClusterM, int ClusterN>
-struct Pingpong {
-  using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::_64>;
-  using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
-  using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
-
-template <int TileM, int TileN, int ClusterM, int ClusterN>
 struct Cooperative {
   using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::_64>;
   using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;

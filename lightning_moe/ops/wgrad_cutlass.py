@@ -4,16 +4,17 @@ Legend: R rows grouped by expert, D input width, O output width, E experts.
 
 ``grad_EDO[e] += x_e^T @ dy_e`` for all experts in one warp-specialised launch that reads each
 expert's row range from the device offsets (no host sync) and adds the old gradient in its
-epilogue (beta = 1): the gradient is read once and written once, and the pingpong schedule runs
-one tile's epilogue while the other warp group's tensor-core loop runs, which is what the
-per-expert cuBLAS GEMMs and the Triton kernels could not do (``ops/wgrad_accumulation.py``).
+epilogue (beta = 1): the gradient is read once and written once, with no per-expert launch,
+memset or host bound. H200 (``benchmarks/wgrad_kernels.py --cutlass-only``), both weights of one
+layer: DeepSeek-V3 18.6 ms vs 20.9 for the two-stream cuBLAS loop; Qwen3-30B-A3B 2.23 ms vs 2.85
+for the grouped GEMM plus autograd's addition; Mixtral 17.8 ms, as the loop.
 Source: ``csrc/cutlass/``; build: ``ops/build_cutlass.py`` (optional: needs the CUTLASS headers
 and an sm_90 GPU).
 
 ``LIGHTNING_MOE_WGRAD_CUTLASS_TILE`` picks the tiling (``csrc/cutlass/grouped_wgrad.h``):
-``cooperative`` (default: 256 x 128 tiles, both consumer warp groups on one tile), ``pingpong``
-(128 x 128 tiles, the two warp groups taking turns), ``cooperative-c1x2`` / ``cooperative-c2x1``
-(clusters of two sharing an operand's loads) or ``cooperative-128x256``.
+``cooperative-c1x2`` (default: 256 x 128 tiles, both consumer warp groups on one tile, clusters of
+two along N sharing the ``x_e^T`` tile through TMA multicast), ``cooperative`` (no clusters) or
+``cooperative-128x256``.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from lightning_moe.ops.build_cutlass import load_cutlass_extension
 
 __all__ = ["TILES", "grouped_wgrad_accumulate_", "reference_accumulate_", "supported", "tile"]
 
-TILES = {"pingpong": 0, "cooperative": 1, "cooperative-c1x2": 2, "cooperative-c2x1": 3, "cooperative-128x256": 4}
-DEFAULT_TILE = "cooperative"
+TILES = {"cooperative-c1x2": 0, "cooperative": 1, "cooperative-128x256": 2}
+DEFAULT_TILE = "cooperative-c1x2"
 
 
 def tile() -> str:
