@@ -351,3 +351,22 @@ def test_stream_count_on_cpu_runs_the_loop_in_place() -> None:
     torch.testing.assert_close(grad[0], x[:2].t() @ dy[:2])
     torch.testing.assert_close(grad[1], x[2:].t() @ dy[2:])
 
+
+
+def test_auto_takes_the_cutlass_kernel_for_narrow_experts_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measured (H200, one process): CUTLASS wins on Qwen3's narrow experts, the cuBLAS loop on DeepSeek-V3's."""
+    from lightning_moe.ops import wgrad_cutlass
+
+    monkeypatch.setattr(wgrad_cutlass, "supported", lambda x, *weights: True)
+    monkeypatch.delenv("LIGHTNING_MOE_WGRAD_KERNEL", raising=False)
+    offs, x = torch.tensor([1, 2], dtype=torch.int32), torch.zeros(2, 4)
+    narrow = (torch.empty(2, 2048, 1536, device="meta", dtype=torch.bfloat16),
+              torch.empty(2, 768, 2048, device="meta", dtype=torch.bfloat16))  # Qwen3-30B-A3B: 9.4 MB an expert
+    wide = (torch.empty(2, 7168, 4096, device="meta", dtype=torch.bfloat16),
+            torch.empty(2, 2048, 7168, device="meta", dtype=torch.bfloat16))  # DeepSeek-V3: 88 MB
+    assert wacc.WgradFusion(offs, x, narrow).kernel == "cutlass"
+    assert wacc.WgradFusion(offs, x, wide).kernel == "loop"  # streams on CUDA; CPU tensors: one stream
+    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", "cutlass")  # asked for: taken whatever the width
+    assert wacc.WgradFusion(offs, x, wide).kernel == "cutlass"
+    monkeypatch.setattr(wgrad_cutlass, "supported", lambda x, *weights: False)
+    assert wacc.WgradFusion(offs, x, narrow).kernel == "loop"  # unavailable: the cuBLAS path
