@@ -2,7 +2,8 @@
 
 Backend choice (``ops/backend.py``): the csrc kernels on CUDA when they build, the torch path
 otherwise; ``LIGHTNING_MOE_KERNELS=auto|csrc|torch`` forces one. Triton, transformer-engine and
-grouped_gemm are imported only inside their adapters.
+grouped_gemm are imported only inside their adapters; the optional CUTLASS kernels (`csrc/cutlass`,
+`ops/build_cutlass.py`) build only where their headers and an sm_90 GPU are found.
 """
 
 from lightning_moe.ops.expert_mlp import expert_swiglu_mlp, expert_swiglu_mlp_reference
