@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import peers  # noqa: E402  (the peer implementations, benchmarks/peers.py)
+from gpu_clocks import ClockSampler  # noqa: E402  (benchmarks/gpu_clocks.py)
 from profiling import device_kernels, step_timeline  # noqa: E402  (benchmarks/profiling.py)
 
 from lightning_moe import MoEConfig, MoELayer  # noqa: E402
@@ -104,9 +105,11 @@ def bench(name, make, T, H, dev, flops, skew, call=None) -> dict:  # noqa: ANN00
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        ms = peers.timeit(step, 2, 10)
+        with ClockSampler() as clocks:  # the SM clock and power over the timed steps (NVML; else nothing)
+            ms = peers.timeit(step, 2, 10)
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if dev == "cuda" else float("nan")
         r = dict(peer=name, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 4), act_peak_gib=round(peak, 2))
+        r.update(clocks.summary())
         del mod
     except Exception as e:  # a peer that cannot run is reported, not hidden
         r = dict(peer=name, error=f"{type(e).__name__}: {str(e)[:300]}")
@@ -396,7 +399,8 @@ def print_table(out: dict) -> None:
                 print(f"{shape:24s} {name:22s} ERROR {r['error'][:90]}")
             else:
                 ratio = r["ms"] / mine["ms"] if mine.get("ms") else float("nan")
-                print(f"{shape:24s} {name:22s} {r['ms']:8.2f} {r['tflops']:8.1f} {r['act_peak_gib']:8.2f} {ratio:9.2f}")
+                clocks = f"  {r['sm_mhz']} MHz {r['power_w']} W" if "sm_mhz" in r else ""
+                print(f"{shape:24s} {name:22s} {r['ms']:8.2f} {r['tflops']:8.1f} {r['act_peak_gib']:8.2f} {ratio:9.2f}{clocks}")
         fused = rows.get(FUSED, {})
         if fused.get("ms"):
             ratios = ", ".join(
