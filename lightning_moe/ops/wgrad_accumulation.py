@@ -30,9 +30,9 @@ blocking (:class:`HostOffsets`), so the backward never drains the device queue:
   stream each leave a gap before the next; two in flight fill them. H200, DeepSeek-V3 (256
   experts): w13 14.5 -> 12.5 ms, the layer 50.5 -> 47.4 ms (``benchmarks/wgrad_kernels.py``,
   ``benchmarks/moe_layer.py``); Mixtral (8 experts, long GEMMs): slower (w13 12.47 vs 11.93 ms), hence ``auto``.
-* ``cutlass`` (sm_90, CUTLASS headers installed: ``ops/wgrad_cutlass.py``) — one warp-specialised
-  grouped GEMM with a beta = 1 epilogue, row ranges read on the device: one launch, no host sync,
-  one tile's epilogue overlapping the next tile's tensor-core loop.
+* ``cutlass`` (sm_90, CUTLASS headers installed: ``ops/wgrad_cutlass.py``) — one persistent,
+  warp-specialised grouped GEMM with a beta = 1 epilogue, row ranges read on the device: one
+  launch per weight, no host sync, no per-expert memset.
 * ``auto`` (default) — ``cutlass`` for narrow experts where it is available (the per-expert GEMMs
   do not pay there: :func:`fusion_pays`); otherwise ``streams`` on CUDA from 16 experts on, else
   ``loop``. Measured in one process on the H200 (``benchmarks/moe_layer.py --fuse-wgrad
@@ -116,6 +116,7 @@ WGRAD_KERNELS = ("auto", "loop", "streams", "triton", "cutlass")
 def _wide(w2: torch.Tensor) -> bool:
     """Whether the experts (down-projection ``[E, F, H]``) are wide enough for per-expert GEMMs to pay."""
     return fusion_pays(w2.shape[-1], w2.shape[-2], w2.element_size())
+
 
 # From this many experts on, the default deals them over two streams: hundreds of short GEMMs in
 # one stream leave a gap between each pair (DeepSeek-V3's 256 experts: 3 ms a step on the H200).
