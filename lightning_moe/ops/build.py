@@ -119,14 +119,21 @@ def _sources() -> list[Path]:
 
 def _build_key(sources: list[Path]) -> str:
     """Directory name for one build: changes with any source, header, flag or version."""
+    files = sorted(sources) + sorted(csrc_dir().glob("*.cuh")) + sorted(csrc_dir().glob("*.h"))
+    return _hashed_key(files, (_CUDA_FLAGS, _CXX_FLAGS))
+
+
+def _hashed_key(files: list[Path], flags: object, prefix: str = "") -> str:
+    """``{prefix}{versions}-{hash}``: the hash of ``files`` (names and bytes), ``flags`` and the
+    torch / CUDA / Python versions, so a stale build is never loaded."""
     h = hashlib.sha256()
-    for path in sorted(sources) + sorted(csrc_dir().glob("*.cuh")) + sorted(csrc_dir().glob("*.h")):
+    for path in files:
         h.update(path.name.encode())
         h.update(path.read_bytes())
-    h.update(repr((_CUDA_FLAGS, _CXX_FLAGS)).encode())
+    h.update(repr(flags).encode())
     versions = f"torch{torch.__version__}-cu{torch.version.cuda}-py{sys.version_info[0]}{sys.version_info[1]}"
     h.update(versions.encode())
-    return f"{versions}-{h.hexdigest()[:16]}".replace("+", "_")
+    return f"{prefix}{versions}-{h.hexdigest()[:16]}".replace("+", "_")
 
 
 def _first_error_line(text: str) -> str:
@@ -149,6 +156,17 @@ def _unavailable_reason() -> str | None:
     capability = torch.cuda.get_device_capability()
     if capability < _MIN_CAPABILITY:
         return f"GPU sm_{capability[0]}{capability[1]} is older than sm_{_MIN_CAPABILITY[0]}{_MIN_CAPABILITY[1]}"
+    toolchain = _toolchain_reason()
+    if toolchain is not None:
+        return toolchain
+    missing = [str(p) for p in _sources() if not p.exists()]
+    if missing or not list(csrc_dir().glob("*.cu")):
+        return f"kernel sources not found under {csrc_dir()} (use a source checkout of lightning-moe)"
+    return None
+
+
+def _toolchain_reason() -> str | None:
+    """Why nothing can be compiled here (no nvcc, no ninja); ``None`` when both are found."""
     from torch.utils import cpp_extension
 
     cuda_home = cpp_extension.CUDA_HOME
@@ -157,9 +175,6 @@ def _unavailable_reason() -> str | None:
         return "nvcc not found (install the CUDA toolkit or set CUDA_HOME)"
     if not cpp_extension.is_ninja_available():
         return "ninja not found (pip install ninja)"
-    missing = [str(p) for p in _sources() if not p.exists()]
-    if missing or not list(csrc_dir().glob("*.cu")):
-        return f"kernel sources not found under {csrc_dir()} (use a source checkout of lightning-moe)"
     return None
 
 

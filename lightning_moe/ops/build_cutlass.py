@@ -17,10 +17,8 @@ by the CUTLASS version header.
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib.util
 import os
-import sys
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -78,28 +76,18 @@ def cutlass_unavailable_reason() -> str | None:
         return f"the CUTLASS kernels are built for sm_90 (H100/H200); this GPU is sm_{capability[0]}{capability[1]}"
     if cutlass_include_dirs() is None:
         return "CUTLASS headers not found (pip install nvidia-cutlass, or set LIGHTNING_MOE_CUTLASS_DIR)"
-    from torch.utils import cpp_extension
-
-    nvcc = Path(cpp_extension.CUDA_HOME, "bin", "nvcc") if cpp_extension.CUDA_HOME else None
-    if nvcc is None or not nvcc.exists():
-        return "nvcc not found (install the CUDA toolkit or set CUDA_HOME)"
-    if not cpp_extension.is_ninja_available():
-        return "ninja not found (pip install ninja)"
+    toolchain = build._toolchain_reason()
+    if toolchain is not None:
+        return toolchain
     if not all(p.exists() for p in cutlass_sources()):
         return f"kernel sources not found under {build.csrc_dir() / 'cutlass'} (use a source checkout of lightning-moe)"
     return None
 
 
 def _build_key(include: Path) -> str:
-    h = hashlib.sha256()
     root = build.csrc_dir() / "cutlass"
-    for path in sorted(cutlass_sources()) + sorted(root.glob("*.cuh")) + sorted(root.glob("*.h")):
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
-    h.update((include / "cutlass" / "version.h").read_bytes())
-    h.update(repr(CUDA_FLAGS).encode())
-    versions = f"torch{torch.__version__}-cu{torch.version.cuda}-py{sys.version_info[0]}{sys.version_info[1]}"
-    return f"cutlass-{versions}-{h.hexdigest()[:16]}".replace("+", "_")
+    files = sorted(cutlass_sources()) + sorted(root.glob("*.cuh")) + sorted(root.glob("*.h"))
+    return build._hashed_key(files + [include / "cutlass" / "version.h"], CUDA_FLAGS, prefix="cutlass-")
 
 
 @functools.cache
