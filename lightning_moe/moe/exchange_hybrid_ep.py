@@ -1,4 +1,4 @@
-"""Hybrid-EP (DeepEP's ``HybridEpBuffer``) as a :class:`~lightning_moe.moe.dispatch_flex.TokenExchange`.
+"""Hybrid-EP (DeepEP's ``HybridEPBuffer``) as a :class:`~lightning_moe.moe.dispatch_flex.TokenExchange`.
 
 Hybrid-EP routes by a dense map: ``dispatch(hidden=, routing_map=, probs=)`` (``[T, E]``, built here
 so that dropped slots take no column) returns the
@@ -23,13 +23,19 @@ __all__ = ["HybridEPExchange"]
 
 def _hybrid_ep_buffer_class() -> Any:
     try:
-        from deep_ep import HybridEpBuffer  # type: ignore[import-not-found]
+        import deep_ep  # type: ignore[import-not-found]
     except ImportError as err:
         raise ImportError(
-            f"Hybrid-EP exchange: deep_ep with HybridEpBuffer is not importable ({err}); build DeepEP with "
-            "Hybrid-EP from source on the GPU machine, or use dispatcher='alltoall'."
+            f"Hybrid-EP exchange: deep_ep is not importable ({err}); build DeepEP with Hybrid-EP from source on "
+            "the GPU machine, or use dispatcher='alltoall'."
         ) from err
-    return HybridEpBuffer
+    for name in ("HybridEPBuffer", "HybridEpBuffer"):  # the class's name has changed between releases
+        if hasattr(deep_ep, name):
+            return getattr(deep_ep, name)
+    raise ImportError(
+        "Hybrid-EP exchange: this deep_ep has no HybridEPBuffer (it was built without Hybrid-EP); build DeepEP's "
+        "Hybrid-EP branch from source, or use dispatcher='deepep' / 'alltoall'."
+    )
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,7 @@ class _Layout:
     handle: Any
     ids_TK: torch.Tensor  # to turn the dense probability gradient back into [T, K]
     probs_width: int  # the library's probability columns: e (local) or E (global)
+    received: int  # M, the tokens this rank received (the backward's dispatch needs no host sync)
     weight_dtype: torch.dtype
 
 
@@ -65,7 +72,6 @@ class HybridEPExchange:
                     hidden_dim=hidden,
                     max_num_of_tokens_per_rank=tokens,
                     num_local_experts=self.num_local_experts,
-                    num_of_experts=self.num_experts,
                 )
             self._capacity = (hidden, tokens)
         return self.buffer
@@ -89,17 +95,20 @@ class HybridEPExchange:
         routing_map_TE = hits_TE.scatter_add_(1, columns_TK, kept_TK.int()) > 0
         probs_TE = weights_TK.new_zeros((T, num_experts)).scatter_add_(1, columns_TK, weights_TK * kept_TK)
         x_MH, probs, _scales, handle = buffer.dispatch(hidden=x_TH, routing_map=routing_map_TE, probs=probs_TE)
-        local_map_Me = handle[4]
+        local_map_Me = handle[4][: x_MH.shape[0]]
         e = self.num_local_experts
         ids_Me = torch.where(local_map_Me, torch.arange(e, device=local_map_Me.device), -1)
         w_Me = self._local_probs(probs).to(w_TK.dtype)
-        return x_MH, ids_Me, w_Me, _Layout(handle, ids_TK, probs.shape[1], w_TK.dtype)
+        w_Me = w_Me[: x_MH.shape[0]]
+        return x_MH, ids_Me, w_Me, _Layout(handle, ids_TK, probs.shape[1], w_TK.dtype, x_MH.shape[0])
 
     def combine(self, y_MH: torch.Tensor, layout: _Layout) -> torch.Tensor:
         return self.buffer.combine(hidden=y_MH, probs=None, handle=layout.handle)[0]
 
     def dispatch_again(self, grad_TH: torch.Tensor, layout: _Layout) -> torch.Tensor:
-        return self.buffer.dispatch(hidden=grad_TH, handle=layout.handle)[0]
+        return self.buffer.dispatch(
+            hidden=grad_TH, handle=layout.handle, num_of_experts=self.num_experts, num_dispatched_tokens=layout.received
+        )[0]
 
     def combine_grads(
         self, grad_x_MH: torch.Tensor, grad_w_Me: torch.Tensor, layout: _Layout

@@ -105,11 +105,12 @@ class FakeDeepEPBuffer:
 
 
 class FakeHybridEPBuffer:
-    """A stand-in for ``deep_ep.HybridEpBuffer`` built on :class:`FakeDeepEPBuffer`'s exchange.
+    """A stand-in for ``deep_ep.HybridEPBuffer`` built on :class:`FakeDeepEPBuffer`'s exchange.
 
     ``dispatch(hidden=, routing_map=, probs=)`` (``[T, E]``) -> received tokens, their probabilities over
     the local experts ``[M, e]``, ``None`` (no fp8 scales) and a handle whose fifth entry is the
-    local routing map ``[M, e]``; ``dispatch(hidden=, handle=)`` repeats the exchange;
+    local routing map ``[M, e]``; ``dispatch(hidden=, handle=, num_of_experts=)`` repeats the exchange (the
+    library asserts ``num_of_experts`` whenever no routing map is given);
     ``combine(hidden=, probs=, handle=)`` -> summed tokens and probabilities dense over ``[T, E]``.
     """
 
@@ -126,10 +127,12 @@ class FakeHybridEPBuffer:
         routing_map: torch.Tensor | None = None,
         probs: torch.Tensor | None = None,
         handle: tuple | None = None,
+        num_of_experts: int | None = None,
         **_: Any,
     ) -> tuple[Any, ...]:
         assert hidden.shape[0] <= self.built_for[1] and hidden.shape[1] == self.built_for[0]
         if handle is not None:
+            assert routing_map is not None or num_of_experts == self.num_experts
             return self.inner.dispatch(hidden, handle=handle[5])[0], None, None, handle
         assert routing_map is not None and routing_map.dtype == torch.bool and probs is not None
         experts = torch.arange(self.num_experts)

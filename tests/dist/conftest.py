@@ -3,7 +3,7 @@
 Starting W processes that import torch and Lightning takes longer on 2 cores than most of the
 checks they run, so tests do not launch their own jobs. A test names the parts it needs with a
 marker (``@pytest.mark.suite4("fit:ep=4")``) and takes the session fixture of that world size
-(``suite4``, ``suite8``). The fixture collects the parts of every *selected* test, runs them in
+(``suite2``, ``suite4``, ``suite8``). The fixture collects the parts of every *selected* test, runs them in
 one ``worker_suite.py`` job (with a timeout, so a hang fails) and hands each test its result:
 ``suite.check(part)`` fails that test, with the job's output, if its part did not finish.
 
@@ -22,7 +22,7 @@ _BASE_TIMEOUT_S, _PART_TIMEOUT_S, _MAX_TIMEOUT_S = 120.0, 60.0, 570.0  # below p
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    for world in (4, 8):
+    for world in (2, 4, 8):
         config.addinivalue_line(
             "markers", f"suite{world}(*parts): worker_suite.py parts this test needs on {world} gloo ranks"
         )
@@ -40,6 +40,11 @@ def _run_suite(request: pytest.FixtureRequest, factory: pytest.TempPathFactory, 
     job = launch_torchrun("worker_suite.py", world, [str(out), *parts], timeout=timeout)
     (out / "job.log").write_text(job.output)  # every part's "PART OK <part> <seconds>s" line is in here
     return Suite(out, job)
+
+
+@pytest.fixture(scope="session")
+def suite2(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Suite:
+    return _run_suite(request, tmp_path_factory, 2)
 
 
 @pytest.fixture(scope="session")

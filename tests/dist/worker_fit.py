@@ -2,7 +2,7 @@
 
 ``python worker_fit.py OUT_DIR tp=2,ep=4 tp=1,ep=4 ...`` (or ``fit_one`` from
 ``worker_suite.py``; ``LIGHTNING_MOE_TEST_ACCELERATOR=gpu`` runs it on GPUs over NCCL): for each layout, 3 optimizer steps with gradient accumulation 2 and
-clipping; rank 0 writes ``OUT_DIR/<layout>.pt`` with every rank's micro-batch losses, the DP
+clipping (``bf16=1`` in a layout: ``precision="bf16-mixed"``); rank 0 writes ``OUT_DIR/<layout>.pt`` with every rank's micro-batch losses, the DP
 coordinate of each rank, the final full parameters and the ``train/loss`` value Lightning
 logged last (a mean over the ranks).
 """
@@ -55,12 +55,13 @@ def fit_one(spec: str, out_dir: Path, world: int) -> None:
     torch.manual_seed(0)
     layout = parse(spec)
     fuse = bool(layout.pop("fuse", 0))  # MoEConfig(fuse_wgrad_accumulation=True)
+    precision = "bf16-mixed" if layout.pop("bf16", 0) else "32-true"
     model = RecordingLM(model_config(fuse_wgrad_accumulation=True)) if fuse else RecordingLM()
     fused_calls = _count_fused_accumulations() if fuse else []
     strategy = FoldedMoEStrategy(**layout, timeout=timedelta(seconds=90))  # type: ignore[arg-type]
     trainer = pl.Trainer(
         accelerator=os.environ.get("LIGHTNING_MOE_TEST_ACCELERATOR", "cpu"), devices=world, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=ACCUM,
-        gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        precision=precision, gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
     )  # fmt: skip
     trainer.fit(model)
