@@ -6,6 +6,9 @@ expert twice per token), through each dispatcher named in ``--dispatchers``:
 
 * ``alltoall``: :class:`~lightning_moe.moe.dispatch_alltoall.AllToAllDispatcher` (NCCL uneven
   all-to-all; one row per routed slot).
+* ``alltoall_dedup``: :class:`~lightning_moe.moe.dispatch_flex.FlexDispatcher` over
+  :class:`~lightning_moe.moe.exchange_alltoall.AllToAllTokenExchange` (NCCL, one row per
+  destination rank).
 * ``deepep`` / ``hybridep``: :class:`~lightning_moe.moe.dispatch_flex.FlexDispatcher` over
   DeepEP's normal-mode ``Buffer`` / ``HybridEPBuffer`` (one row per destination rank).
 
@@ -67,6 +70,10 @@ QUICK = (64, 32, 8, 2)
 def build_dispatcher(kind: str, num_experts: int, group: dist.ProcessGroup) -> Any:
     if kind == "alltoall":
         return AllToAllDispatcher(num_experts, ep_group=group)
+    if kind == "alltoall_dedup":
+        from lightning_moe.moe.exchange_alltoall import AllToAllTokenExchange
+
+        return FlexDispatcher(num_experts, ep_group=group, exchange=AllToAllTokenExchange(group))
     if kind == "deepep":
         from lightning_moe.moe.exchange_deepep import DeepEPExchange, make_deep_ep_buffer
 
@@ -250,7 +257,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dispatchers", default="alltoall,deepep,hybridep")
+    p.add_argument("--dispatchers", default="alltoall,alltoall_dedup,deepep,hybridep")
     p.add_argument("--shape", default="deepseek-v3", choices=sorted(SHAPES))
     p.add_argument("--quick", action="store_true", help=f"tiny sizes (T, H, E, K) = {QUICK}, for a CPU smoke test")
     p.add_argument("--iters", type=int, default=20)

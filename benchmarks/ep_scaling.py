@@ -1,4 +1,4 @@
-"""EP scaling: a Qwen3-30B-A3B-shaped stack of MoE layers under the all-to-all dispatcher.
+"""EP scaling: a Qwen3-30B-A3B-shaped stack of MoE layers under an EP dispatcher (``--dispatcher``).
 
 Protocol (BENCHMARKS.md, "Multi-GPU"; issue 8). Every rank builds the same stack of ``--layers``
 residual MoE FFN layers (``x = x + moe(x)``; hidden 2048, 128 experts, top-8, expert FFN 768,
@@ -32,7 +32,9 @@ Reported (JSON from rank 0, also printed):
   exchange, including waiting for slower peers (load imbalance shows up here). It covers the
   count exchange, the row and weight exchanges of dispatch, the combine, and all their
   backward exchanges. The host round trip of the split sizes (``# SYNC`` in the dispatcher)
-  is not inside any bracket. ``a2a_share = a2a_ms / step_ms_timed`` where both come from the
+  is not inside any bracket. With ``--dispatcher deepep`` / ``hybridep`` the library's four
+  exchange calls (dispatch, combine and their backward) are bracketed the same way (its kernels
+  run on its own stream; the current stream waits for them). ``a2a_share = a2a_ms / step_ms_timed`` where both come from the
   instrumented series (the plain series gives ``step_ms``). This was chosen over replacing the
   exchange by a local copy because a copy changes which rows every rank's experts receive
   (hence the load and the GEMM shapes) and hides the waiting for stragglers, which is part of
@@ -148,16 +150,20 @@ class _TimedDist:
         return getattr(dist, name)
 
     def all_to_all_single(self, *args: Any, **kwargs: Any) -> Any:
+        return self.bracket(dist.all_to_all_single, *args, **kwargs)
+
+    def bracket(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` between two events on the current stream (perf_counter on CPU)."""
         self.calls += 1
         if self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            out = dist.all_to_all_single(*args, **kwargs)
+            out = fn(*args, **kwargs)
             end.record()
             self.events.append((start, end))
             return out
         t0 = time.perf_counter()
-        out = dist.all_to_all_single(*args, **kwargs)
+        out = fn(*args, **kwargs)
         self.seconds.append(time.perf_counter() - t0)
         return out
 
@@ -169,17 +175,41 @@ class _TimedDist:
         return total
 
 
+class _TimedExchange:
+    """A library exchange (DeepEP, Hybrid-EP) whose four calls ``timer`` brackets; the rest passes through.
+
+    The libraries' kernels run on their own stream and the current stream waits for them (no
+    async finish), so the bracket on the current stream is the exposed exchange, as for NCCL.
+    """
+
+    def __init__(self, inner: Any, timer: _TimedDist) -> None:
+        self.inner, self.timer = inner, timer
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if name in ("dispatch", "combine", "dispatch_again", "combine_grads"):
+            return lambda *args, **kwargs: self.timer.bracket(attr, *args, **kwargs)
+        return attr
+
+
 @contextlib.contextmanager
-def _timed_all_to_all(timer: _TimedDist) -> Iterator[None]:
+def _timed_all_to_all(timer: _TimedDist, stack: ProxyStack) -> Iterator[None]:
+    """Time every exchange: ``dist`` in the dispatcher modules, and the library exchanges of the layers."""
     modules: tuple[ModuleType, ...] = (_comm_module, _a2a_module)
     saved = [m.dist for m in modules]  # type: ignore[attr-defined]
+    libraries = [d for d in (layer.dispatcher for layer in stack.layers) if getattr(d, "exchange", None) is not None
+                 and d.exchange.name in ("deepep", "hybridep")]  # fmt: skip
     try:
         for m in modules:
             m.dist = timer  # type: ignore[attr-defined]
+        for d in libraries:
+            d.exchange = _TimedExchange(d.exchange, timer)
         yield
     finally:
         for m, d in zip(modules, saved):
             m.dist = d  # type: ignore[attr-defined]
+        for d in libraries:
+            d.exchange = d.exchange.inner
 
 
 def _time_steps(
@@ -415,7 +445,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     warmup, iters = args.warmup, max(args.iters, 8)
     plain_ms, _ = _time_steps(step, device, warmup, iters)
     timer = _TimedDist(device)
-    with _timed_all_to_all(timer):
+    with _timed_all_to_all(timer, stack):
         timed_ms, a2a_ms = _time_steps(step, device, 1, iters, after=timer.take_ms)
     a2a_calls = timer.calls / (iters + 1)  # the one warm-up step of the timed series included
     load = _load_per_layer(stack, mesh, ep)
@@ -463,7 +493,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "a2a_share": a2a_med / timed_med if timed_med > 0 else 0.0,
         "a2a_share_max_rank": max(float(g[2] / g[1]) if g[1] > 0 else 0.0 for g in gathered),
         "a2a_calls_per_step": a2a_calls,
-        "a2a_method": "CUDA events (perf_counter on CPU) around dist.all_to_all_single, second series of steps",
+        "a2a_method": "CUDA events (perf_counter on CPU) around dist.all_to_all_single and the DeepEP / Hybrid-EP "
+        "exchange calls, second series of steps",
         "load_max_over_mean": max(load),
         "load_max_over_mean_per_layer": load,
         "skew": args.skew,
@@ -511,8 +542,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--dispatcher",
         default="alltoall",
-        choices=["alltoall", "allgather", "deepep", "hybridep"],
-        help="token exchange; the exposed-exchange share is timed around all_to_all_single only (0 for the flex ones)",
+        choices=["alltoall", "alltoall_dedup", "allgather", "deepep", "hybridep"],
+        help="token exchange (the exposed-exchange share brackets all_to_all_single and the library exchanges)",
     )
     p.add_argument("--profile", action="store_true", help="add rank 0's per-kernel device time over 3 steps (CUDA)")
     p.add_argument("--quick", action="store_true", help=f"tiny shapes, CPU smoke test: {QUICK}")

@@ -129,33 +129,40 @@ case "$MODE" in
     LIGHTNING_MOE_TEST_ACCELERATOR=gpu LIGHTNING_MOE_PARITY_RTOL=1e-4 timeout "$(left 200)" python3 -m pytest \
       tests/dist/test_dist_fit.py -k "${N}_ranks" -v -p no:cacheprovider -rf > "$OUT/nccl_parity.log" 2>&1
     grep -E "PASSED|FAILED|ERROR" "$OUT/nccl_parity.log" | cut -c1-160; tail -1 "$OUT/nccl_parity.log"; pack
-    for ep in 1 2 4 8; do
-      [ "$ep" -le "$N" ] || continue
-      timeout "$(left 90)" torchrun --nproc_per_node="$ep" benchmarks/ep_scaling.py --ep "$ep" --profile --out "$OUT/ep$ep.json" \
-        > "$OUT/ep$ep.log" 2>&1 || tail -5 "$OUT/ep$ep.log"
-      grep -E '"(step_ms|tflops_per_gpu|a2a_share|load_max_over_mean)"' "$OUT/ep$ep.json"
+    [ -n "${BUILD:-}" ] && { timeout "$(left 300)" tail --pid="$BUILD" -f /dev/null; tail -3 "$OUT/deepep_build.log"; }
+    for shape in deepseek-v3 qwen3-30b-a3b; do  # parity (closed form) and bandwidth of every dispatcher
+      for ds in alltoall,alltoall_dedup,deepep hybridep; do  # Hybrid-EP alone: a crash there loses nothing else
+        PYTHONFAULTHANDLER=1 timeout "$(left 90)" torchrun --nproc_per_node="$N" benchmarks/dispatch_exchange.py \
+          --shape "$shape" --dispatchers "$ds" --check --out "$OUT/exchange_${shape}_${ds%%,*}.json" \
+          > "$OUT/exchange_${shape}_${ds%%,*}.log" 2>&1; echo "exchange $shape $ds rc=$?"
+        grep -E '^\{' "$OUT/exchange_${shape}_${ds%%,*}.log" | cut -c1-420
+        grep -E "parity failed|Error|Fatal|File \"" "$OUT/exchange_${shape}_${ds%%,*}.log" | head -8 | cut -c1-200
+      done
     done
     pack
-    for flag in "" "--overlap-shared"; do  # shared expert (Qwen3-style width 1536 is illustrative)
+    for ep in ${MULTI_EPS:-1 2 4 8}; do
+      [ "$ep" -le "$N" ] || continue
+      timeout "$(left 90)" torchrun --nproc_per_node="$ep" benchmarks/ep_scaling.py --ep "$ep" --out "$OUT/ep$ep.json" \
+        > "$OUT/ep$ep.log" 2>&1 || tail -5 "$OUT/ep$ep.log"
+      grep -E '"(step_ms|tflops_per_gpu|a2a_share)"' "$OUT/ep$ep.json"
+    done
+    for d in alltoall_dedup deepep hybridep; do  # EP over every GPU with each exchange
+      echo "== ep_scaling --dispatcher $d"
+      timeout "$(left 80)" torchrun --nproc_per_node="$N" benchmarks/ep_scaling.py --dispatcher $d --out "$OUT/$d.json" \
+        > "$OUT/$d.log" 2>&1 || grep -E "Error|error|Fatal" "$OUT/$d.log" | tail -3
+      grep -E '"(step_ms|tflops_per_gpu|a2a_share)"' "$OUT/$d.json" 2>/dev/null
+    done
+    pack
+    for spare in ${ECHO_SPARES:-8}; do  # ECHO under a skewed router: rank load and step time, with and without
+      echo "== ECHO --skew 4 --echo-spare $spare"
+      timeout "$(left 100)" torchrun --nproc_per_node="$N" benchmarks/ep_scaling.py --skew 4 --echo-spare "$spare" \
+        --out "$OUT/echo$spare.json" > "$OUT/echo$spare.log" 2>&1 || tail -5 "$OUT/echo$spare.log"
+      grep -E '"(rank_load_max_over_mean_plain|rank_load_max_over_mean_echo|echo_step_ms|step_ms)"' "$OUT/echo$spare.json"
+    done
+    for flag in ${SHARED_RUNS-"" "--overlap-shared"}; do  # shared expert (Qwen3-style width 1536 is illustrative)
       timeout "$(left 80)" torchrun --nproc_per_node="$N" benchmarks/ep_scaling.py --shared-expert-ffn 1536 $flag \
         --out "$OUT/shared${flag:+_overlap}.json" > "$OUT/shared${flag:+_overlap}.log" 2>&1 || tail -5 "$OUT/shared${flag:+_overlap}.log"
       grep -E '"(step_ms|a2a_share)"' "$OUT/shared${flag:+_overlap}.json"
-    done
-    timeout "$(left 100)" torchrun --nproc_per_node="$N" benchmarks/ep_scaling.py --skew 4 --echo-spare 2 --out "$OUT/echo.json" \
-      > "$OUT/echo.log" 2>&1 || tail -5 "$OUT/echo.log"
-    grep -E '"(rank_load_max_over_mean_plain|rank_load_max_over_mean_echo|echo_step_ms|step_ms)"' "$OUT/echo.json"; pack
-    [ -n "${BUILD:-}" ] && { timeout "$(left 240)" tail --pid="$BUILD" -f /dev/null; tail -3 "$OUT/deepep_build.log"; }
-    ls /tmp/site/deep_ep* -d 2>/dev/null
-    for shape in deepseek-v3 qwen3-30b-a3b; do  # parity (closed form) and bandwidth of every dispatcher
-      timeout "$(left 90)" torchrun --nproc_per_node="$N" benchmarks/dispatch_exchange.py --shape "$shape" --check \
-        --out "$OUT/exchange_$shape.json" > "$OUT/exchange_$shape.log" 2>&1; echo "exchange $shape rc=$?"
-      grep -E '^\{' "$OUT/exchange_$shape.log" | cut -c1-400; grep -E "parity failed|Error" "$OUT/exchange_$shape.log" | head -5
-    done
-    pack
-    for d in deepep hybridep; do
-      timeout "$(left 80)" torchrun --nproc_per_node="$N" benchmarks/ep_scaling.py --dispatcher $d --out "$OUT/$d.json" \
-        > "$OUT/$d.log" 2>&1 || grep -E "Error|error" "$OUT/$d.log" | tail -3
-      grep -E '"(step_ms|tflops_per_gpu|a2a_share)"' "$OUT/$d.json" 2>/dev/null
     done
     pack; (cd "$OUT" && rm -f *.log *.json)
     ;;

@@ -29,9 +29,15 @@ __all__ = [
     "all_gather_rows",
     "all_to_all_rows",
     "copy_to_group",
+    "exchange_rows",
     "reduce_from_group",
     "reduce_scatter_rows",
 ]
+
+
+def exchange_rows(x_RH: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup) -> torch.Tensor:
+    """Uneven all-to-all of rows, no autograd: ``in_splits[j]`` rows to rank j, ``out_splits[j]`` from it."""
+    return _a2a(x_RH, out_splits, in_splits, group)
 
 
 def _a2a(x_RH: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup) -> torch.Tensor:

@@ -100,7 +100,7 @@ class HybridEPExchange:
         ids_Me = torch.where(local_map_Me, torch.arange(e, device=local_map_Me.device), -1)
         w_Me = self._local_probs(probs).to(w_TK.dtype)
         w_Me = w_Me[: x_MH.shape[0]]
-        return x_MH, ids_Me, w_Me, _Layout(handle, ids_TK, probs.shape[1], w_TK.dtype, x_MH.shape[0])
+        return x_MH, ids_Me, w_Me, _Layout(handle, ids_TK, probs.shape[1], x_MH.shape[0], w_TK.dtype)
 
     def combine(self, y_MH: torch.Tensor, layout: _Layout) -> torch.Tensor:
         return self.buffer.combine(hidden=y_MH, probs=None, handle=layout.handle)[0]

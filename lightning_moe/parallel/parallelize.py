@@ -56,8 +56,8 @@ __all__ = [
     "unblock_w13",
 ]
 
-DispatcherKind = Literal["alltoall", "allgather", "deepep", "hybridep"]
-DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather", "deepep", "hybridep")
+DispatcherKind = Literal["alltoall", "alltoall_dedup", "allgather", "deepep", "hybridep"]
+DISPATCHERS: tuple[str, ...] = ("alltoall", "alltoall_dedup", "allgather", "deepep", "hybridep")
 
 
 def check_dispatcher(dispatcher: str, owner: str = "parallelize_moe_model") -> None:
@@ -227,7 +227,7 @@ def parallelize_moe_model(
             _shard_experts(layer.experts, mesh)
             groups = dict(ep_group=mesh.group("ep"), etp_group=mesh.group("etp"))
             num_experts = layer.config.num_experts
-            if dispatcher in ("deepep", "hybridep"):
+            if dispatcher in ("alltoall_dedup", "deepep", "hybridep"):
                 if num_experts not in exchanges:
                     exchanges[num_experts] = _flex_exchange(dispatcher, mesh.group("ep"), num_experts)
                 layer.dispatcher = FlexDispatcher(num_experts, **groups, exchange=exchanges[num_experts])
@@ -268,6 +268,10 @@ def parallelize_moe_model(
 
 def _flex_exchange(dispatcher: str, ep_group: Any, num_experts: int) -> Any:
     """The library adapter behind ``dispatcher`` (its optional package is imported here)."""
+    if dispatcher == "alltoall_dedup":
+        from lightning_moe.moe.exchange_alltoall import AllToAllTokenExchange
+
+        return AllToAllTokenExchange(ep_group)
     if dispatcher == "deepep":
         from lightning_moe.moe.exchange_deepep import DeepEPExchange, make_deep_ep_buffer
 

@@ -75,8 +75,10 @@ class FoldedMoEStrategy(ModelParallelStrategy):
         dp: data-parallel degree of the dense layers, ``"auto"`` = ``W/(tp*cp*pp)``.
         edp: data-parallel degree of the experts, ``"auto"`` = ``W/(etp*ep*pp)``.
         order: rank order, fastest first (Megatron-Core's ``RankGenerator``), e.g. ``"tp-cp-ep-dp-pp"``.
-        dispatcher: ``"alltoall"``, ``"allgather"``, ``"deepep"`` or ``"hybridep"`` (the last two need
-            the optional ``deep_ep`` package, and bf16) token exchange over the EP group.
+        dispatcher: token exchange over the EP group: ``"alltoall"`` (one row per routed slot),
+            ``"alltoall_dedup"`` (one row per token and destination rank, plain NCCL; no ETP),
+            ``"allgather"``, ``"deepep"`` or ``"hybridep"`` (the last two need the optional
+            ``deep_ep`` package, and bf16).
         expert_init_seed: if set, experts are re-initialised per global expert id from this seed
             (layout-independent, every EP rank distinct); always done for meta-device init.
         save_distributed_checkpoint: DCP folder (sharded, reshardable) instead of one file.

@@ -18,6 +18,7 @@ from lightning_moe.moe.dispatch import LocalDispatcher
 from lightning_moe.moe.dispatch_allgather import AllGatherDispatcher
 from lightning_moe.moe.dispatch_alltoall import AllToAllDispatcher
 from lightning_moe.moe.dispatch_flex import FlexDispatcher
+from lightning_moe.moe.exchange_alltoall import AllToAllTokenExchange
 from lightning_moe.moe.exchange_deepep import DeepEPExchange
 from lightning_moe.moe.exchange_hybrid_ep import HybridEPExchange
 from lightning_moe.moe.experts import GroupedExperts
@@ -87,7 +88,9 @@ def main(kind: str, tp: int, ep: int, etp: int) -> None:
                 part.w2.copy_(w2)
             groups = dict(ep_group=mesh.group("ep"), etp_group=mesh.group("etp"))
             ep_group = mesh.group("ep")
-            if kind == "deepep":  # the flex dispatcher over gloo stand-ins for the libraries
+            if kind == "dedup":  # the flex dispatcher over torch.distributed, one row per (token, rank)
+                disp = FlexDispatcher(E, **groups, exchange=AllToAllTokenExchange(ep_group))
+            elif kind == "deepep":  # the flex dispatcher over gloo stand-ins for the libraries
                 disp = FlexDispatcher(E, **groups, exchange=DeepEPExchange(FakeDeepEPBuffer(ep_group)))
             elif kind == "hybridep":
                 fake = lambda h, t: FakeHybridEPBuffer(ep_group, E, h, t)  # noqa: E731

@@ -22,19 +22,19 @@ class _Group:
 def test_missing_deep_ep_names_the_package_and_the_alternative() -> None:
     with pytest.raises(ImportError, match=r"deep_ep is not importable.*dispatcher='alltoall'"):
         make_deep_ep_buffer(None)  # type: ignore[arg-type]
-    with pytest.raises(ImportError, match=r"HybridEpBuffer is not importable.*dispatcher='alltoall'"):
+    with pytest.raises(ImportError, match=r"Hybrid-EP exchange: deep_ep is not importable.*dispatcher='alltoall'"):
         HybridEPExchange(_Group(), 8)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("strategy", [FoldedMoEStrategy, FabricFoldedMoEStrategy])
 def test_unknown_dispatcher_is_refused_at_construction(strategy: type) -> None:
-    with pytest.raises(ValueError, match=r"dispatcher='a2a' is unknown; choose one of \('alltoall', 'allgather', 'deepep', 'hybridep'\)"):
+    with pytest.raises(ValueError, match=r"dispatcher='a2a' is unknown; choose one of \('alltoall', 'alltoall_dedup', 'allgather', 'deepep', 'hybridep'\)"):
         strategy(dispatcher="a2a")
     assert strategy(dispatcher="deepep").dispatcher == "deepep"
 
 
-def test_check_dispatcher_accepts_the_four_kinds() -> None:
-    for kind in ("alltoall", "allgather", "deepep", "hybridep"):
+def test_check_dispatcher_accepts_the_five_kinds() -> None:
+    for kind in ("alltoall", "alltoall_dedup", "allgather", "deepep", "hybridep"):
         check_dispatcher(kind)
     with pytest.raises(ValueError, match="dispatcher='deep_ep' is unknown"):
         check_dispatcher("deep_ep")
