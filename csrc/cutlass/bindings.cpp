@@ -29,11 +29,8 @@ void check(const at::Tensor& t, const char* name, const at::Device& device, at::
   TORCH_CHECK(t.is_contiguous(), kOp, ": ", name, " is not contiguous; pass ", name, ".contiguous().");
 }
 
-int sm_count(int device) {
-  static int cached[64] = {0};
-  if (device < 0 || device >= 64) return at::cuda::getDeviceProperties(device)->multiProcessorCount;
-  if (cached[device] == 0) cached[device] = at::cuda::getDeviceProperties(device)->multiProcessorCount;
-  return cached[device];
+int sm_count(int device) {  // getDeviceProperties caches the properties per device
+  return at::cuda::getDeviceProperties(device)->multiProcessorCount;
 }
 
 // grad[e] += x[lo_e:hi_e]^T @ dy[lo_e:hi_e], lo/hi from the inclusive prefix sums `offsets`.

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_runtime.h>
 
@@ -71,18 +72,19 @@ struct WgradGemm {
   using Shape = ProblemShape::UnderlyingProblemShape;
 };
 
-// The per-group argument arrays, carved out of the front of the workspace.
+// The per-group argument arrays, carved out of the front of the workspace. The epilogue reads C
+// and writes D at the same place (grad[e], beta = 1), so one pointer array and one stride array
+// serve both.
 template <class G>
 struct GroupArrays {
+  static_assert(std::is_same_v<typename G::StrideC, typename G::StrideD>, "C and D share their strides");
   typename G::Shape* problems;
   const Element** a;
   const Element** b;
-  const Element** c;
-  Element** d;
+  Element** d;  // also C
   typename G::StrideA* stride_a;
   typename G::StrideB* stride_b;
-  typename G::StrideC* stride_c;
-  typename G::StrideD* stride_d;
+  typename G::StrideD* stride_d;  // also C's
   size_t bytes;  // through the end of the last array, rounded up to 256
 
   GroupArrays(void* base, int64_t groups) {
@@ -95,11 +97,9 @@ struct GroupArrays {
     problems = static_cast<typename G::Shape*>(take(sizeof(typename G::Shape)));
     a = static_cast<const Element**>(take(sizeof(void*)));
     b = static_cast<const Element**>(take(sizeof(void*)));
-    c = static_cast<const Element**>(take(sizeof(void*)));
     d = static_cast<Element**>(take(sizeof(void*)));
     stride_a = static_cast<typename G::StrideA*>(take(sizeof(typename G::StrideA)));
     stride_b = static_cast<typename G::StrideB*>(take(sizeof(typename G::StrideB)));
-    stride_c = static_cast<typename G::StrideC*>(take(sizeof(typename G::StrideC)));
     stride_d = static_cast<typename G::StrideD*>(take(sizeof(typename G::StrideD)));
     bytes = at;
   }
@@ -115,11 +115,9 @@ __global__ void prepare_groups(GroupArrays<G> arrays, const int32_t* __restrict_
   arrays.problems[e] = typename G::Shape{k > 0 ? m : 0, n, k};
   arrays.a[e] = x + lo * m;
   arrays.b[e] = dy + lo * n;
-  arrays.c[e] = grad + e * static_cast<int64_t>(m) * n;
   arrays.d[e] = grad + e * static_cast<int64_t>(m) * n;
   arrays.stride_a[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, k > 0 ? k : 1, 1});
   arrays.stride_b[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {n, k > 0 ? k : 1, 1});
-  arrays.stride_c[e] = cutlass::make_cute_packed_stride(typename G::StrideC{}, {m, n, 1});
   arrays.stride_d[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, n, 1});
 }
 
@@ -136,7 +134,7 @@ typename G::Gemm::Arguments make_arguments(const GroupArrays<G>& arrays, int64_t
       cutlass::gemm::GemmUniversalMode::kGrouped,
       {static_cast<int>(groups), arrays.problems, nullptr},  // no host problem sizes: K_e lives on the device
       {arrays.a, arrays.stride_a, arrays.b, arrays.stride_b},
-      {fusion, arrays.c, arrays.stride_c, arrays.d, arrays.stride_d},
+      {fusion, const_cast<const Element**>(arrays.d), arrays.stride_d, arrays.d, arrays.stride_d},
       hw};
   return args;
 }
