@@ -6,7 +6,9 @@ received tokens ``[M, H]``, their routing probabilities and a handle whose fifth
 received tokens' local routing map ``[M, e]`` (bool); ``combine(hidden=, probs=, handle=)`` sums
 them back into the source tokens (and the probabilities, dense over the experts). The buffer is
 sized by the hidden size and the tokens per rank, so it is built at the first dispatch (and again
-for a larger batch). Only checked against a stand-in on CPU so far (see tests/dist); where the
+for a larger batch). Checked against a stand-in on CPU (tests/dist); on two H200 the library
+(DeepEP's hybrid-ep branch, 1.2.1) built but its buffer constructor crashed (segmentation fault
+inside ``hybrid_ep_cpp``), so this adapter has not run against the real library yet. Where the
 library's probability layout is ``[M, E]`` rather than ``[M, e]``, the local columns are taken.
 """
 
