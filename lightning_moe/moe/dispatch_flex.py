@@ -11,10 +11,13 @@ NVLink/RDMA kernels, and hand back the received tokens with their routing made l
 ``dispatch``: 1. exchange (the library): ``x_MH``, local expert ids ``ids_MJ`` (``-1``: not on
 this rank) and their weights ``w_MJ``; autograd's backward is the library's combine of the
 gradient (and of the weights' gradient). 2. permute (local): the received slots sorted by local
-expert, ``-1`` slots dropped (``x_RH``).
+expert, ``-1`` slots dropped (``x_RH``). 3. ETP only: ``copy_to_group(ETP)`` marks the rows as
+identical over the expert-tensor-parallel group (its ranks hold the same tokens and exchange them
+in their own EP groups; backward all-reduces the rows' gradient).
 
-``combine``: gather-sum of the rows back to the received tokens over their slots (weighted unless
-the experts applied the weight), then the library's combine sums every rank's partial outputs into
+``combine``: 1. ETP only: all-reduce(ETP) of the partial outputs of the row-parallel ``w2``.
+2. gather-sum of the rows back to the received tokens over their slots (weighted unless the
+experts applied the weight), then the library's combine sums every rank's partial outputs into
 the source tokens (backward: a dispatch of the gradient with the cached layout).
 """
 
@@ -26,6 +29,7 @@ from typing import Any, Protocol
 import torch
 from torch.distributed import ProcessGroup
 
+from lightning_moe.moe.comm import copy_to_group, reduce_from_group
 from lightning_moe.moe.dispatch import DispatchedTokens, row_weights
 from lightning_moe.moe.dispatch_ep import ExpertParallelDispatcher
 from lightning_moe.ops.permute import Permutation, build_permutation, permute_rows, unpermute_sum
@@ -107,7 +111,8 @@ class FlexDispatcher(ExpertParallelDispatcher):
     Args:
         num_experts: routed experts E in total (divisible by the EP group size).
         ep_group: the expert-parallel group.
-        etp_group: must be ``None`` or of size 1 (the libraries exchange whole rows).
+        etp_group: the expert-tensor-parallel group when each expert's F dimension is sharded
+            (``None``: ETP is 1); its ranks must hold identical tokens, as for the all-to-all.
         exchange: the library adapter (``moe.exchange_deepep``, ``moe.exchange_hybrid_ep``).
     """
 
@@ -120,11 +125,6 @@ class FlexDispatcher(ExpertParallelDispatcher):
         etp_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__(num_experts, ep_group=ep_group, etp_group=etp_group)
-        if self.etp_group is not None:
-            raise ValueError(
-                f"FlexDispatcher({exchange.name}): etp={self.etp_group.size()} is not supported (the library "
-                "exchanges whole rows); use etp=1 or dispatcher='alltoall'."
-            )
         self.exchange = exchange
 
     def dispatch(
@@ -143,9 +143,14 @@ class FlexDispatcher(ExpertParallelDispatcher):
         perm = build_permutation(ids_MJ, self.num_local_experts, None)
         x_RH = permute_rows(x_MH, perm)
         w_R = row_weights(w_MJ, perm)
+        if self.etp_group is not None:
+            x_RH = copy_to_group(x_RH, self.etp_group)
+            w_R = copy_to_group(w_R, self.etp_group)
         return DispatchedTokens(x_RH, perm.tokens_per_expert_E, w_R), FlexHandle(perm, w_MJ, box["layout"])
 
     def combine(self, y_RH: torch.Tensor, handle: FlexHandle, weighted: bool) -> torch.Tensor:
+        if self.etp_group is not None:
+            y_RH = reduce_from_group(y_RH, self.etp_group)
         weights_MJ = handle.weights_MJ if weighted else None
         y_MH = unpermute_sum(y_RH, handle.perm, weights_MJ)
         return _Combine.apply(y_MH, self.exchange, handle.layout)

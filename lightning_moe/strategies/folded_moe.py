@@ -76,7 +76,7 @@ class FoldedMoEStrategy(ModelParallelStrategy):
         edp: data-parallel degree of the experts, ``"auto"`` = ``W/(etp*ep*pp)``.
         order: rank order, fastest first (Megatron-Core's ``RankGenerator``), e.g. ``"tp-cp-ep-dp-pp"``.
         dispatcher: token exchange over the EP group: ``"alltoall"`` (one row per routed slot),
-            ``"alltoall_dedup"`` (one row per token and destination rank, plain NCCL; no ETP),
+            ``"alltoall_dedup"`` (one row per token and destination rank, plain NCCL; not with ECHO),
             ``"allgather"``, ``"deepep"`` or ``"hybridep"`` (the last two need the optional
             ``deep_ep`` package, and bf16).
         expert_init_seed: if set, experts are re-initialised per global expert id from this seed

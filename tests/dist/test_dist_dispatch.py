@@ -14,7 +14,8 @@ pytestmark = pytest.mark.dist
 
 CASES = [
     "alltoall:1:4:1", "allgather:1:4:1", "alltoall:2:2:2", "allgather:2:2:2", "alltoall:2:4:1",
-    "dedup:1:4:1", "dedup:2:4:1", "deepep:1:4:1", "deepep:2:4:1", "hybridep:1:4:1", "hybridep:2:4:1",
+    "dedup:1:4:1", "dedup:2:4:1", "dedup:2:2:2", "deepep:1:4:1", "deepep:2:4:1", "deepep:2:2:2",
+    "hybridep:1:4:1", "hybridep:2:4:1",
 ]  # fmt: skip
 
 

@@ -106,7 +106,7 @@ def main(kind: str, tp: int, ep: int, etp: int) -> None:
                 ref.w13.grad, ref.w2.grad, ep_rank=coords["ep"], ep=ep, etp_rank=coords["etp"], etp=etp
             )
             # each expert shard saw every data shard once per tensor-parallel replica that feeds it
-            dup = tp // etp if kind == "alltoall" else tp // etp
+            dup = tp // etp
             check(f"{tag} grad w13", part.w13.grad, dup * g13)
             check(f"{tag} grad w2", part.w2.grad, dup * g2)
     dist.barrier()
