@@ -338,8 +338,6 @@ def run_echo(
     echos = []
     for layer in stack.layers:
         base = layer.dispatcher  # type: ignore[union-attr]
-        if not isinstance(base, AllToAllDispatcher):
-            raise TypeError(f"ep_scaling: --echo-spare needs the all-to-all dispatcher, got {type(base).__name__}.")
         echo = EchoDispatcher(base, layer.experts, spare_slots=spare)  # type: ignore[union-attr]
         layer.dispatcher = echo  # type: ignore[union-attr]
         echos.append(echo)

@@ -7,8 +7,8 @@ same gradients as without cloning (up to summation order), with a flatter load p
 
 Stages (every rank runs them in the same order; collectives over each layer's EP group):
 
-1. ``on_train_start`` (after the strategy sharded the model): wrap every layer's
-   :class:`~lightning_moe.moe.dispatch_alltoall.AllToAllDispatcher` in an
+1. ``on_train_start`` (after the strategy sharded the model): wrap every layer's dispatcher
+   (``dispatcher="alltoall"`` or ``"alltoall_dedup"``) in an
    :class:`~lightning_moe.moe.dispatch_echo.EchoDispatcher` (no clones yet).
 2. ``on_train_batch_end``: add each layer's routed counts (``last_tokens_per_expert``) to an
    ``[L, E]`` accumulator (no communication).
@@ -36,7 +36,6 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_moe.callbacks._layers import require_moe_layers
-from lightning_moe.moe.dispatch_alltoall import AllToAllDispatcher
 from lightning_moe.moe.dispatch_echo import EchoDispatcher
 from lightning_moe.moe.echo_plan import plan_clones
 from lightning_moe.moe.layer import MoELayer
@@ -117,12 +116,10 @@ class ECHOExpertCloning(Callback):
             dispatcher = layer.dispatcher
             if isinstance(dispatcher, EchoDispatcher):
                 dispatcher = dispatcher.base
-            if not isinstance(dispatcher, AllToAllDispatcher):
-                raise NotImplementedError(
-                    f"ECHOExpertCloning: layer {name!r} uses {type(dispatcher).__name__}; cloning needs the "
-                    "all-to-all dispatcher; set FoldedMoEStrategy(dispatcher='alltoall')."
-                )
-            echo = EchoDispatcher(dispatcher, layer.experts, self.spare_slots_per_rank)
+            try:
+                echo = EchoDispatcher(dispatcher, layer.experts, self.spare_slots_per_rank)
+            except NotImplementedError as err:
+                raise NotImplementedError(f"ECHOExpertCloning: layer {name!r}: {err}") from err
             layer.dispatcher = echo
             self._echo.append(echo)
         E = self._layers[0][1].config.num_experts

@@ -1,19 +1,21 @@
-"""ECHO dispatcher: an all-to-all dispatcher whose hot experts also run as clones on other ranks.
+"""ECHO dispatcher: an EP dispatcher whose hot experts also run as clones on other ranks.
 
 Legend: T tokens, H hidden, F expert FFN width, K slots per token, P ranks of the EP group,
 e home experts per rank, S spare slots per rank, R rows this rank's home experts process, C rows
 its clone slots process.
 
-It wraps the layer's :class:`~lightning_moe.moe.dispatch_alltoall.AllToAllDispatcher` and keeps
-the layer unchanged: the layer's experts still see only their e home experts. Without a plan
+It wraps the layer's :class:`~lightning_moe.moe.dispatch_alltoall.AllToAllDispatcher` (or its
+:class:`~lightning_moe.moe.dispatch_flex.FlexDispatcher` over the deduplicating
+``alltoall_dedup`` exchange, which takes any expert count per call) and keeps the layer unchanged: the layer's experts still see only their e home experts. Without a plan
 (``plan is None``) every call goes to the wrapped dispatcher as is.
 
 Stages of ``dispatch`` with a plan (:class:`~lightning_moe.moe.echo_plan.EchoPlan`):
 
 1. physical ids (local): ``plan.physical_ids`` splits each hot expert's slots between its home
    and its clones (no communication);
-2. the physical all-to-all dispatcher over ``P * (e + S)`` expert slots: A2A(EP) of the counts,
-   # SYNC: split sizes to host, A2A(EP) of rows and weights, regroup by slot;
+2. a dispatcher of the wrapped one's kind over ``P * (e + S)`` expert slots (the all-to-all:
+   A2A(EP) of the counts, # SYNC: split sizes to host, A2A(EP) of rows and weights, regroup by
+   slot; the flex one: its exchange, then the local sort by slot);
 3. split (local; # SYNC: the home row count): the first R rows (home experts) go to the layer,
    the last C rows (spare slots) stay in the handle.
 
@@ -44,13 +46,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_moe.moe.dispatch import DispatchedTokens
-from lightning_moe.moe.dispatch_alltoall import AllToAllDispatcher
+from lightning_moe.moe.dispatch_alltoall import AllToAllDispatcher, AllToAllHandle
+from lightning_moe.moe.dispatch_flex import FlexDispatcher
 from lightning_moe.moe.echo_plan import EchoPlan
 from lightning_moe.moe.experts import GroupedExperts
 from lightning_moe.ops.expert_mlp import expert_swiglu_mlp
 from lightning_moe.ops.grouped_gemm import offsets_from_counts
 
-__all__ = ["EchoDispatcher", "EchoHandle"]
+__all__ = ["EchoDispatcher", "EchoHandle", "physical_dispatcher"]
 
 
 @dataclass(frozen=True)
@@ -65,16 +68,42 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+_RESIZABLE_EXCHANGES = ("alltoall_dedup",)  # exchanges that take any expert count per call (checked in tests)
+
+
+def physical_dispatcher(base: Any, num_slots: int) -> AllToAllDispatcher | FlexDispatcher:
+    """A dispatcher of ``base``'s kind, over the same EP group, for ``num_slots`` expert slots."""
+    if isinstance(base, AllToAllDispatcher):
+        return AllToAllDispatcher(num_slots, ep_group=base.ep_group)
+    if isinstance(base, FlexDispatcher) and base.exchange.name in _RESIZABLE_EXCHANGES:
+        return FlexDispatcher(num_slots, ep_group=base.ep_group, exchange=base.exchange)
+    name = base.exchange.name if isinstance(base, FlexDispatcher) else type(base).__name__
+    raise NotImplementedError(
+        f"ECHO: the layer's dispatcher ({name}) cannot carry clones; use FoldedMoEStrategy(dispatcher='alltoall') "
+        "or dispatcher='alltoall_dedup'."
+    )
+
+
+def _rows_per_rank(handle: Any, ids_TK: torch.Tensor, slots_per_rank: int, ranks: int) -> torch.Tensor:
+    """Rows this rank sends to each EP rank's experts (int64 ``[P]``): from the all-to-all's host splits,
+    else counted on the device from the routed slots (no sync)."""
+    if isinstance(handle, AllToAllHandle):
+        return torch.tensor(handle.send_splits, dtype=torch.int64)
+    kept = ids_TK[ids_TK >= 0]
+    return torch.bincount(torch.div(kept, slots_per_rank, rounding_mode="floor"), minlength=ranks)
+
+
 class EchoDispatcher:
     """Expert parallelism with S spare expert slots per EP rank for clones of hot experts.
 
     Args:
-        base: the layer's all-to-all dispatcher (its EP group is reused; ETP is not supported).
+        base: the layer's all-to-all dispatcher, or its flex dispatcher over ``alltoall_dedup`` (its
+            EP group and exchange are reused; ETP is not supported).
         experts: the layer's experts (home weights, GEMM backend and shapes).
         spare_slots: S.
     """
 
-    def __init__(self, base: AllToAllDispatcher, experts: GroupedExperts, spare_slots: int) -> None:
+    def __init__(self, base: AllToAllDispatcher | FlexDispatcher, experts: GroupedExperts, spare_slots: int) -> None:
         if base.etp_group is not None:
             raise NotImplementedError(
                 "EchoDispatcher: expert tensor parallelism (etp > 1) is not supported with ECHO yet; set etp=1."
@@ -98,7 +127,7 @@ class EchoDispatcher:
                 f"EchoDispatcher: local expert weights have shapes {tuple(w13.shape)} / {tuple(w2.shape)}, expected "
                 f"{(e, H, 2 * F)} / {(e, F, H)} (all of this rank's experts, unsharded); ECHO needs edp=1."
             )
-        self.physical = AllToAllDispatcher(self.ep_size * (e + spare_slots), ep_group=base.ep_group)
+        self.physical = physical_dispatcher(base, self.ep_size * (e + spare_slots))
         self.plan: EchoPlan | None = None
         S = spare_slots
         self.clone_w13 = torch.zeros(S, H, 2 * F, dtype=w13.dtype, device=w13.device, requires_grad=True)
@@ -112,12 +141,12 @@ class EchoDispatcher:
     ) -> tuple[DispatchedTokens, EchoHandle]:
         if self.plan is None:
             dispatched, handle = self.base.dispatch(x_TH, topk_ids_TK, topk_weights_TK, capacity)
-            self.last_rows_per_ep_rank = torch.tensor(handle.send_splits, dtype=torch.int64)
+            self.last_rows_per_ep_rank = _rows_per_rank(handle, topk_ids_TK, self.num_local_experts, self.ep_size)
             return dispatched, EchoHandle(handle, None, None, None)
         e = self.num_local_experts
         physical_ids_TK = self.plan.physical_ids(topk_ids_TK)
         dispatched, handle = self.physical.dispatch(x_TH, physical_ids_TK, topk_weights_TK, capacity)
-        self.last_rows_per_ep_rank = torch.tensor(handle.send_splits, dtype=torch.int64)
+        self.last_rows_per_ep_rank = _rows_per_rank(handle, physical_ids_TK, e + self.spare_slots, self.ep_size)
         tokens_per_slot = dispatched.tokens_per_expert_e
         num_home = int(tokens_per_slot[:e].sum())  # SYNC: where the clone rows start
         home = DispatchedTokens(dispatched.x_RH[:num_home], tokens_per_slot[:e], dispatched.weights_R[:num_home])

@@ -44,6 +44,21 @@ def test_monitor_reports_flatter_ep_load_with_echo(results: dict) -> None:
     assert all(c > 0 for c in echo_clones[1:]), echo_clones
 
 
+@pytest.mark.suite4("echo:alltoall_dedup")
+def test_echo_over_the_deduplicating_exchange_matches_plain_and_flattens_load(suite4: Suite) -> None:
+    """(a) and (b) with dispatcher='alltoall_dedup' (the clones ride the same exchange)."""
+    suite4.check("echo:alltoall_dedup")
+    results = torch.load(suite4.out / "echo_alltoall_dedup.pt", weights_only=False)
+    plain, echo = results["plain"], results["echo"]
+    assert echo["dispatchers"] == plain["dispatchers"] == ["FlexDispatcher"]  # the callback unwraps at teardown
+    for (plain_losses, plain_load, _), (echo_losses, echo_load, clones) in zip(plain["per_rank"], echo["per_rank"]):
+        assert max(clones) > 0
+        torch.testing.assert_close(torch.tensor(echo_losses), torch.tensor(plain_losses), **TOL)
+        assert min(plain_load) >= 2.0 and max(echo_load[1:]) <= 1.25, (plain_load, echo_load)
+    for name, want in plain["state"].items():
+        torch.testing.assert_close(echo["state"][name], want, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_checkpoint_with_active_clones_resumes_without_them(results: dict) -> None:
     plain, resumed = results["plain"], results["resumed"]
     assert resumed["dispatchers"] == ["AllToAllDispatcher"]  # no ECHO wrapper left, none restored

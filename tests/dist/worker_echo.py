@@ -85,7 +85,7 @@ class Probe(pl.Callback):
                 trainer.save_checkpoint(self.ckpt)  # at a step boundary, clones active
 
 
-def fit(kind: str, ckpt: Path) -> dict[str, Any]:
+def fit(kind: str, ckpt: Path, dispatcher: str = "alltoall") -> dict[str, Any]:
     torch.manual_seed(0)
     model = BiasedLM()
     monitor = MoEMonitor(heatmap_every_n_steps=None, per_layer=False)
@@ -94,7 +94,7 @@ def fit(kind: str, ckpt: Path) -> dict[str, Any]:
     callbacks: list[Any] = [monitor, probe] if echo is None else [echo, monitor, probe]
     trainer = pl.Trainer(
         accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
-        strategy=FoldedMoEStrategy(ep=4, timeout=timedelta(seconds=90)), max_steps=STEPS,
+        strategy=FoldedMoEStrategy(ep=4, dispatcher=dispatcher, timeout=timedelta(seconds=90)), max_steps=STEPS,
         accumulate_grad_batches=ACCUM, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks,
     )  # fmt: skip
@@ -109,17 +109,21 @@ def fit(kind: str, ckpt: Path) -> dict[str, Any]:
     return {"per_rank": per_rank, "state": state, "dispatchers": sorted(dispatchers)}
 
 
-def run(out: Path) -> None:
-    """The three fits; rank 0 writes ``out/echo.pt`` (also the ``echo`` part of ``worker_suite.py``)."""
-    ckpt = out / "ckpt_step3"
+def run(out: Path, dispatcher: str = "") -> None:
+    """The three fits; rank 0 writes ``out/echo.pt`` (the ``echo`` part of ``worker_suite.py``).
+
+    ``dispatcher`` (the ``echo:<dispatcher>`` part): plain and ECHO fits only, over that dispatcher,
+    into ``out/echo_<dispatcher>.pt``.
+    """
+    ckpt = out / f"ckpt_step3{dispatcher}"
     results = {}
-    for kind in ("plain", "echo", "resumed"):
+    for kind in ("plain", "echo") if dispatcher else ("plain", "echo", "resumed"):
         start = time.perf_counter()
-        results[kind] = fit(kind, ckpt)
+        results[kind] = fit(kind, ckpt, dispatcher or "alltoall")
         if dist.get_rank() == 0:
             print(f"{kind}: {time.perf_counter() - start:.1f} s", flush=True)
     if dist.get_rank() == 0:
-        torch.save(results, out / "echo.pt")
+        torch.save(results, out / (f"echo_{dispatcher}.pt" if dispatcher else "echo.pt"))
         print("DONE echo", flush=True)
 
 

@@ -13,7 +13,8 @@ Parts:
 * ``fit:<layout>`` — ``worker_fit.fit_one`` (Trainer.fit vs one process), e.g. ``fit:tp=2,ep=4``;
 * ``fabric:<string|layout>`` — ``worker_fabric.run`` (Fabric vs one process);
 * ``ckpt:<layout>`` — ``worker_ckpt.run`` (identical resume, reshard on load);
-* ``echo`` — ``worker_echo.run`` (ECHO expert cloning: plain, echo, resumed);
+* ``echo`` — ``worker_echo.run`` (ECHO expert cloning: plain, echo, resumed); ``echo:<dispatcher>``:
+  plain and echo over that dispatcher;
 * ``replay:<layout>[+recompute]`` — ``worker_replay.main`` (RouterReplay record, then replay).
 
 Every Lightning part finds the default process group made here and reuses it (Lightning skips
@@ -54,7 +55,7 @@ def run_part(part: str, out: Path) -> None:
     elif kind == "echo":
         import worker_echo
 
-        worker_echo.run(out)
+        worker_echo.run(out, arg)
     elif kind == "replay":
         import worker_replay
 

@@ -19,6 +19,7 @@ from lightning_moe.callbacks import ECHOExpertCloning
 from lightning_moe.lit import MoELanguageModel
 from lightning_moe.moe.dispatch import LocalDispatcher
 from lightning_moe.moe.dispatch_echo import EchoDispatcher
+from lightning_moe.moe.dispatch_flex import FlexDispatcher
 from lightning_moe.moe.experts import GroupedExperts
 from lightning_moe.moe.utils import find_moe_layers
 
@@ -63,3 +64,21 @@ def test_echo_dispatcher_refuses_expert_tensor_parallel_and_sharded_experts() ->
         EchoDispatcher(base, experts, 1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="spare_slots=0 must be >= 1"):
         EchoDispatcher(SimpleNamespace(etp_group=None), experts, 0)  # type: ignore[arg-type]
+
+
+class _TwoRanks:
+    def size(self) -> int:
+        return 2
+
+    def rank(self) -> int:
+        return 0
+
+
+def test_echo_dispatcher_refuses_a_flex_exchange_that_cannot_carry_clones() -> None:
+    """A library buffer sized for one expert count (Hybrid-EP) or untested with clones (DeepEP)."""
+    experts = GroupedExperts(4, 16, 8, backend="loop")  # this rank's 4 of 8 experts
+    for name in ("deepep", "hybridep"):
+        exchange = SimpleNamespace(name=name, needs_bf16=True)
+        base = FlexDispatcher(8, ep_group=_TwoRanks(), exchange=exchange)  # type: ignore[arg-type]
+        with pytest.raises(NotImplementedError, match=rf"\({name}\) cannot carry clones.*dispatcher='alltoall'"):
+            EchoDispatcher(base, experts, 1)
