@@ -13,7 +13,9 @@ Stages of :func:`parallelize_moe_model` (collectives named with their group):
    rank's experts and become DTensors over the expert mesh (``Shard(0)`` on ep; with ETP,
    ``w13`` column-parallel — each of the gate and up halves sharded, so the local block is
    ``[gate_j | up_j]`` — and ``w2`` row-parallel ``Shard(1)``); ``layer.dispatcher`` is
-   *replaced* by an :class:`AllToAllDispatcher` (or :class:`AllGatherDispatcher`);
+   *replaced* by the ``dispatcher`` kind's (default ``"alltoall_dedup"``: a :class:`FlexDispatcher`
+   over :class:`~lightning_moe.moe.exchange_alltoall.AllToAllTokenExchange`; ``"alltoall"``: an
+   :class:`AllToAllDispatcher`; or :class:`AllGatherDispatcher`, or a library exchange);
    ``layer.aux_loss_group`` becomes the ``dp_cp`` group;
 4. FSDP2 ``fully_shard``: experts over ``edp`` (``Shard(1)``, the H dim, so a rank with few
    experts is never padded), then every block of a ``ModuleList`` and every child of the root
@@ -202,7 +204,7 @@ def parallelize_moe_model(
     module: nn.Module,
     *,
     mesh: FoldedMesh,
-    dispatcher: DispatcherKind = "alltoall",
+    dispatcher: DispatcherKind = "alltoall_dedup",
     fsdp: bool = True,
     reshard_after_forward: bool = True,
     shard_root: bool = False,

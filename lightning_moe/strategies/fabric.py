@@ -113,7 +113,7 @@ class FabricFoldedMoEStrategy(FabricModelParallelStrategy):
         dp: Degree = "auto",
         edp: Degree = "auto",
         order: str = "tp-cp-ep-dp-pp",
-        dispatcher: DispatcherKind = "alltoall",
+        dispatcher: DispatcherKind = "alltoall_dedup",
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,

@@ -75,10 +75,10 @@ class FoldedMoEStrategy(ModelParallelStrategy):
         dp: data-parallel degree of the dense layers, ``"auto"`` = ``W/(tp*cp*pp)``.
         edp: data-parallel degree of the experts, ``"auto"`` = ``W/(etp*ep*pp)``.
         order: rank order, fastest first (Megatron-Core's ``RankGenerator``), e.g. ``"tp-cp-ep-dp-pp"``.
-        dispatcher: token exchange over the EP group: ``"alltoall"`` (one row per routed slot),
-            ``"alltoall_dedup"`` (one row per token and destination rank, plain NCCL; not with ECHO),
-            ``"allgather"``, ``"deepep"`` or ``"hybridep"`` (the last two need the optional
-            ``deep_ep`` package, and bf16).
+        dispatcher: token exchange over the EP group: ``"alltoall_dedup"`` (default: NCCL
+            all-to-all sending each token once per destination rank), ``"alltoall"`` (one row per
+            routed slot), ``"allgather"``, ``"deepep"`` or ``"hybridep"`` (the last two need the
+            optional ``deep_ep`` package, and bf16).
         expert_init_seed: if set, experts are re-initialised per global expert id from this seed
             (layout-independent, every EP rank distinct); always done for meta-device init.
         save_distributed_checkpoint: DCP folder (sharded, reshardable) instead of one file.
@@ -96,7 +96,7 @@ class FoldedMoEStrategy(ModelParallelStrategy):
         dp: Degree = "auto",
         edp: Degree = "auto",
         order: str = "tp-cp-ep-dp-pp",
-        dispatcher: DispatcherKind = "alltoall",
+        dispatcher: DispatcherKind = "alltoall_dedup",
         expert_init_seed: int | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
