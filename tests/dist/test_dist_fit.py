@@ -18,10 +18,10 @@ from _harness import Suite
 
 pytestmark = pytest.mark.dist
 
-W2 = ["ep=2", "tp=2,ep=2", "tp=2,etp=2", "ep=1", "ep=2,dispatcher=alltoall_dedup", "tp=2,etp=2,dispatcher=alltoall_dedup",
+W2 = ["ep=2", "tp=2,ep=2", "tp=2,etp=2", "ep=1", "ep=2,dispatcher=alltoall", "tp=2,etp=2,dispatcher=alltoall",
       "ep=2,bf16=1", "tp=2,ep=2,bf16=1"]
-# DP2·EP2; TP2 EP2; TP2 ETP2; DP2 with the experts FSDP-sharded (EP1); DP2·EP2 and TP2·ETP2 sending each token once
-# per rank; the first two in bf16-mixed
+# DP2·EP2; TP2 EP2; TP2 ETP2; DP2 with the experts FSDP-sharded (EP1) — all with the default
+# (deduplicating) exchange; DP2·EP2 and TP2·ETP2 with the per-slot all-to-all; the first two in bf16-mixed
 W4 = ["ep=4", "ep=2", "tp=2,ep=4", "tp=2,ep=2,etp=2"]  # DP4·EP4; DP4·EP2·EDP2; TP2·DP2 EP4; TP2·DP2 ETP2·EP2
 W8 = ["tp=2,ep=8", "tp=2,ep=4,etp=2"]  # TP2·DP4 EP8; TP2·DP4 ETP2·EP4
 _W8_PARAMS = [pytest.param(s, marks=[pytest.mark.suite8(f"fit:{s}"), pytest.mark.slow]) for s in W8]
