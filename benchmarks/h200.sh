@@ -153,11 +153,14 @@ case "$MODE" in
       grep -E '"(step_ms|tflops_per_gpu|a2a_share)"' "$OUT/$d.json" 2>/dev/null
     done
     pack
-    for spare in ${ECHO_SPARES:-8}; do  # ECHO under a skewed router: rank load and step time, with and without
-      echo "== ECHO --skew 4 --echo-spare $spare"
-      timeout "$(left 100)" torchrun --nproc_per_node="$N" benchmarks/ep_scaling.py --skew 4 --echo-spare "$spare" \
-        --out "$OUT/echo$spare.json" > "$OUT/echo$spare.log" 2>&1 || tail -5 "$OUT/echo$spare.log"
-      grep -E '"(rank_load_max_over_mean_plain|rank_load_max_over_mean_echo|echo_step_ms|step_ms)"' "$OUT/echo$spare.json"
+    for d in ${ECHO_DISPATCHERS:-alltoall alltoall_dedup}; do  # ECHO under a skewed router: load and step, with and without
+      for spare in ${ECHO_SPARES:-8}; do
+        echo "== ECHO --dispatcher $d --skew 4 --echo-spare $spare"
+        timeout "$(left 100)" torchrun --nproc_per_node="$N" benchmarks/ep_scaling.py --dispatcher "$d" --skew 4 \
+          --echo-spare "$spare" --out "$OUT/echo_${d}_$spare.json" > "$OUT/echo_${d}_$spare.log" 2>&1 \
+          || tail -5 "$OUT/echo_${d}_$spare.log"
+        grep -E '"(rank_load_max_over_mean_plain|rank_load_max_over_mean_echo|echo_step_ms|step_ms)"' "$OUT/echo_${d}_$spare.json"
+      done
     done
     for flag in ${SHARED_RUNS-"" "--overlap-shared"}; do  # shared expert (Qwen3-style width 1536 is illustrative)
       timeout "$(left 80)" torchrun --nproc_per_node="$N" benchmarks/ep_scaling.py --shared-expert-ffn 1536 $flag \
