@@ -61,8 +61,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from lightning_moe.moe.dispatch import DispatchedTokens, LocalDispatcher, resolved, row_weights
+from lightning_moe.moe.dispatch import DispatchedTokens, LocalDispatcher, row_weights
 from lightning_moe.moe.layer import MoELayer
+from lightning_moe.ops.deferred import resolved
 from lightning_moe.ops.grouped_gemm import gmm, offsets_from_counts
 from lightning_moe.ops.permute import Permutation, build_permutation, permute_rows_reference
 

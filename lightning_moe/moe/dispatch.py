@@ -17,12 +17,12 @@ Dispatchers are not ``nn.Module``s: they hold no parameters, only process groups
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from lightning_moe.ops.deferred import Deferred, resolved
 from lightning_moe.ops.permute import Permutation, build_permutation, permute_rows, unpermute_sum
 
 __all__ = ["DispatchedTokens", "Dispatcher", "LocalDispatcher", "LocalHandle"]
@@ -63,11 +63,6 @@ def row_weights(topk_weights_TK: torch.Tensor, perm: Permutation, dropless: bool
     return w_R * (slot_R >= 0)
 
 
-def resolved(value: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:
-    """``value``, or what it computes when it is a deferred computation."""
-    return value() if callable(value) else value
-
-
 class LocalDispatcher:
     """All E experts live on this rank.
 
@@ -96,7 +91,7 @@ class LocalDispatcher:
         self,
         x_TH: torch.Tensor,
         topk_ids_TK: torch.Tensor,
-        topk_weights_TK: torch.Tensor | Callable[[], torch.Tensor],
+        topk_weights_TK: Deferred,
         capacity: int | None,
         experts: Any,
     ) -> torch.Tensor:

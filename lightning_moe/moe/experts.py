@@ -11,13 +11,13 @@ These names are the checkpoint format.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from lightning_moe.config import ExpertsBackend
+from lightning_moe.ops.deferred import Deferred
 from lightning_moe.ops.expert_mlp import expert_swiglu_mlp
 from lightning_moe.ops.local_experts import local_experts
 from lightning_moe.ops.permute import Permutation
@@ -94,7 +94,7 @@ class GroupedExperts(nn.Module):
             return expert_swiglu_mlp(x_RH.to(dtype), w13, w2, offs_e, weights_R, backend)
 
     def forward_local(
-        self, x_TH: torch.Tensor, perm: Permutation, weights_R: torch.Tensor | Callable[[], torch.Tensor]
+        self, x_TH: torch.Tensor, perm: Permutation, weights_R: Deferred
     ) -> torch.Tensor:
         """Tokens in token order -> their summed expert outputs (permute and combine fused in).
 

@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from lightning_moe.config import MoEConfig
 from lightning_moe.ops.backend import csrc_extension
+from lightning_moe.ops.deferred import Deferred, resolved
 from lightning_moe.ops.permute import count_per_expert
 from lightning_moe.ops.router_gemm import router_logits
 
@@ -51,7 +52,7 @@ class RouterOutput:
         self,
         logits_TE: torch.Tensor,
         topk_ids_TK: torch.Tensor,  # int64; -1 marks a slot dropped by capacity
-        topk_weights_TK: torch.Tensor | Callable[[], torch.Tensor],  # fp32 (router dtype), 0 where dropped
+        topk_weights_TK: Deferred,  # fp32 (router dtype), 0 where dropped
         tokens_per_expert_E: torch.Tensor | None,
         routed_ids_TK: torch.Tensor,  # top-k ids before capacity drops (what the balancing losses count)
     ) -> None:
@@ -63,8 +64,7 @@ class RouterOutput:
 
     @property
     def topk_weights_TK(self) -> torch.Tensor:
-        if callable(self._topk_weights_TK):
-            self._topk_weights_TK = self._topk_weights_TK()
+        self._topk_weights_TK = resolved(self._topk_weights_TK)
         return self._topk_weights_TK
 
     @property
@@ -189,7 +189,7 @@ class TopKRouter(nn.Module):
                 logits_TE, ids_TK, cfg.score_func, cfg.pre_softmax, cfg.norm_topk_prob, cfg.scaling_factor
             )
 
-        topk_weights_TK: torch.Tensor | Callable[[], torch.Tensor] = weights
+        topk_weights_TK: Deferred = weights
         tokens_per_expert_E = None  # counted when first read (RouterOutput)
         if self.expert_bias is not None and self.training:
             tokens_per_expert_E = count_per_expert(topk_ids_TK, cfg.num_experts)

@@ -27,11 +27,10 @@ gradient added there by the weight-gradient GEMMs themselves (``ops/wgrad_accumu
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from lightning_moe.ops import wgrad_cutlass
+from lightning_moe.ops.deferred import Deferred, resolved
 from lightning_moe.ops.grouped_gemm import GemmBackend, gmm, gmm_wgrad
 from lightning_moe.ops.permute import Permutation, _permute_rows_impl, _unpermute_sum_impl
 from lightning_moe.ops.swiglu import weighted_swiglu_backward, weighted_swiglu_forward
@@ -154,7 +153,7 @@ def local_experts(
     x_TH: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
-    w_R: torch.Tensor | Callable[[], torch.Tensor],
+    w_R: Deferred,
     perm: Permutation,
     offs_E: torch.Tensor,
     backend: GemmBackend = "torch",
@@ -181,8 +180,7 @@ def local_experts(
     h_R2F = _PermuteUp.apply(x_TH, w13, perm, offs_E, backend, not rebuild_x, fusion)
     if fusion is not None:
         fusion.copy_offsets()
-    if callable(w_R):  # deferred by the caller until the first GEMM is launched
-        w_R = w_R()
+    w_R = resolved(w_R)  # deferred by the caller until the first GEMM is launched
     return _DownCombine.apply(h_R2F, w2, w_R, perm, offs_E, backend, not rebuild_a, fusion)
 
 

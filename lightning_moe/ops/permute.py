@@ -22,11 +22,10 @@ Each has a torch reference (the spec) and, on CUDA, the csrc kernel when it buil
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from lightning_moe.ops.backend import csrc_extension
+from lightning_moe.ops.deferred import Deferred, resolved
 
 __all__ = [
     "Permutation",
@@ -56,7 +55,7 @@ class Permutation:
 
     def __init__(
         self,
-        slot_of_row_R: torch.Tensor | Callable[[], torch.Tensor],
+        slot_of_row_R: Deferred,
         slot_row_TK: torch.Tensor,
         tokens_per_expert_E: torch.Tensor,
         top_k: int,
@@ -74,8 +73,7 @@ class Permutation:
 
     @property
     def slot_of_row_R(self) -> torch.Tensor:
-        if callable(self._slot_of_row_R):
-            self._slot_of_row_R = self._slot_of_row_R()
+        self._slot_of_row_R = resolved(self._slot_of_row_R)
         return self._slot_of_row_R
 
     @property
