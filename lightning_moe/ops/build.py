@@ -112,15 +112,24 @@ def _load_or_warn() -> ModuleType | None:
     return ops
 
 
-def _sources() -> list[Path]:
-    root = csrc_dir()
+def _sources(root: Path | None = None) -> list[Path]:
+    """The ``.cu`` files and the binding of ``root`` (default: ``csrc/``)."""
+    root = csrc_dir() if root is None else root
     return sorted(root.glob("*.cu")) + [root / "bindings.cpp"]
 
 
-def _build_key(sources: list[Path]) -> str:
-    """Directory name for one build: changes with any source, header, flag or version."""
-    files = sorted(sources) + sorted(csrc_dir().glob("*.cuh")) + sorted(csrc_dir().glob("*.h"))
-    return _hashed_key(files, (_CUDA_FLAGS, _CXX_FLAGS))
+def _build_key(
+    sources: list[Path],
+    root: Path | None = None,
+    flags: object = (_CUDA_FLAGS, _CXX_FLAGS),
+    prefix: str = "",
+    extra: tuple[Path, ...] = (),
+) -> str:
+    """Directory name for one build: changes with any source, header of ``root`` (default: ``csrc/``),
+    ``extra`` file, flag or version."""
+    root = csrc_dir() if root is None else root
+    files = sorted(sources) + sorted(root.glob("*.cuh")) + sorted(root.glob("*.h")) + list(extra)
+    return _hashed_key(files, flags, prefix)
 
 
 def _hashed_key(files: list[Path], flags: object, prefix: str = "") -> str:

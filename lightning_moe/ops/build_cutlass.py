@@ -59,10 +59,13 @@ def cutlass_include_dirs() -> tuple[Path, Path] | None:
     return include, util
 
 
+def _root() -> Path:
+    return build.csrc_dir() / "cutlass"
+
+
 def cutlass_sources() -> list[Path]:
     """The ``.cu`` files and the binding of ``csrc/cutlass/``."""
-    root = build.csrc_dir() / "cutlass"
-    return sorted(root.glob("*.cu")) + [root / "bindings.cpp"]
+    return build._sources(_root())
 
 
 def cutlass_unavailable_reason() -> str | None:
@@ -80,14 +83,13 @@ def cutlass_unavailable_reason() -> str | None:
     if toolchain is not None:
         return toolchain
     if not all(p.exists() for p in cutlass_sources()):
-        return f"kernel sources not found under {build.csrc_dir() / 'cutlass'} (use a source checkout of lightning-moe)"
+        return f"kernel sources not found under {_root()} (use a source checkout of lightning-moe)"
     return None
 
 
 def _build_key(include: Path) -> str:
-    root = build.csrc_dir() / "cutlass"
-    files = sorted(cutlass_sources()) + sorted(root.glob("*.cuh")) + sorted(root.glob("*.h"))
-    return build._hashed_key(files + [include / "cutlass" / "version.h"], CUDA_FLAGS, prefix="cutlass-")
+    version = include / "cutlass" / "version.h"
+    return build._build_key(cutlass_sources(), _root(), CUDA_FLAGS, prefix="cutlass-", extra=(version,))
 
 
 @functools.cache
