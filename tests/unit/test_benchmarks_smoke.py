@@ -9,6 +9,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
+
+from lightning_moe.moe.dispatch import LocalDispatcher
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -84,3 +87,26 @@ def test_step_timeline_finds_idle_time_and_the_host_ops_before_the_first_long_ke
     assert t["gaps"][0] == [0.26, "small", "gemm"]  # 1040 -> 1300
     with pytest.raises(ValueError, match="record_function"):
         profiling.step_timeline({"traceEvents": []})
+
+
+def test_closed_form_matches_a_token_loop_and_the_local_dispatcher() -> None:
+    """The closed form of the GPU parity check against a per-token loop and ``LocalDispatcher``;
+    a wrong expert scale must push the error far past the tolerance."""
+    bench = _load("dispatch_exchange")
+    E = 8
+    x, ids, w, grad = bench.routed_tokens(40, 16, E, 3, seed=1, device=torch.device("cpu"), dtype=torch.float32)
+    scales = bench.expert_scales(E, x.device)
+    y, dx, dw = bench.closed_form(x, ids, w, grad, scales)
+    for t in range(x.shape[0]):  # the definition, token by token
+        factor = sum(float(w[t, k]) * float(scales[ids[t, k]]) for k in range(3))
+        torch.testing.assert_close(y[t], factor * x[t].float())
+        torch.testing.assert_close(dw[t], scales[ids[t]].float() * float((x[t] * grad[t]).sum()))
+    x_ = x.clone().requires_grad_(True)
+    w_ = w.clone().requires_grad_(True)
+    got, _ = bench._round_trip(LocalDispatcher(E), x_, ids, w_, scales)
+    got.backward(grad)
+    torch.testing.assert_close(got, y, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x_.grad, dx, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w_.grad, dw, rtol=1e-5, atol=1e-6)
+    wrong, _ = bench._round_trip(LocalDispatcher(E), x, ids, w, scales.flip(0))  # experts mixed up
+    assert (wrong - y).abs().max() / y.abs().max() > 0.05
