@@ -7,11 +7,18 @@ This measures that path with CUDA events (one recorded at the step start, one ju
 first expert GEMM is launched), plus the host time per call of the router's GEMM variants.
 
     python benchmarks/host_path.py --shapes qwen3-30b-a3b,deepseek-v3
+    python benchmarks/host_path.py --shapes qwen3-30b-a3b --fuse-wgrad --profile-host 20
+
+``--profile-host N`` runs N synchronised steps under cProfile and prints the functions with the
+most host time of their own: where the host's path goes, function by function.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import json
 import statistics
 import sys
@@ -71,15 +78,34 @@ def host_us(fn, calls: int = 200) -> float:  # noqa: ANN001
     return round((t1 - t0) / calls * 1e6, 1)
 
 
+def profile_host(layer: torch.nn.Module, x: torch.Tensor, go: torch.Tensor, steps: int, top: int = 35) -> str:
+    """cProfile over ``steps`` synchronised steps: the top functions by their own host time."""
+    for _ in range(3):
+        layer(x).backward(go)
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    for _ in range(steps):
+        profiler.enable()
+        layer(x).backward(go)
+        profiler.disable()
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3")
+    ap.add_argument("--fuse-wgrad", action="store_true", help="MoEConfig(fuse_wgrad_accumulation=True)")
+    ap.add_argument("--profile-host", type=int, default=0, metavar="N", help="also cProfile N steps (host time)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("host_path.py times a CUDA step; no GPU is visible.")
     for name in a.shapes.split(","):
         T, H, Fh, E, k = peers.SHAPES[name]
-        layer = ours(H, Fh, E, k, "cuda", 0.0)
+        layer = ours(H, Fh, E, k, "cuda", 0.0, fuse_wgrad=a.fuse_wgrad)
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         go = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         w = layer.router.weight.detach()
@@ -90,6 +116,9 @@ def main() -> None:
         row["router_forward_us"] = host_us(lambda: layer.router(x))
         row["layer_forward_us"] = host_us(lambda: layer(x), calls=20)
         print(json.dumps(row), flush=True)
+        if a.profile_host:
+            print(f"== host profile, {name}, {a.profile_host} steps", flush=True)
+            print(profile_host(layer, x, go, a.profile_host), flush=True)
         del layer, x, go
         torch.cuda.empty_cache()
 

@@ -241,18 +241,25 @@ def peer_makers(H: int, Fh: int, E: int, k: int, dev: str) -> dict:
 
 
 def _with_wgrad_kernel(kernel: str):  # noqa: ANN202
-    """A forward call with ``LIGHTNING_MOE_WGRAD_KERNEL=kernel`` (read when the forward builds its fusion)."""
+    """A forward call with ``LIGHTNING_MOE_WGRAD_KERNEL=kernel`` (read when the forward builds its fusion).
+
+    ``cutlass@<tiling>`` also sets ``LIGHTNING_MOE_WGRAD_CUTLASS_TILE`` (also read in the forward)."""
+    kernel, _, tiling = kernel.partition("@")
+    settings = {"LIGHTNING_MOE_WGRAD_KERNEL": kernel, "LIGHTNING_MOE_WGRAD_CUTLASS_TILE": tiling or None}
 
     def call(m, x):  # noqa: ANN001, ANN202
-        before = os.environ.get("LIGHTNING_MOE_WGRAD_KERNEL")
-        os.environ["LIGHTNING_MOE_WGRAD_KERNEL"] = kernel
+        before = {name: os.environ.get(name) for name in settings}
+        for name, value in settings.items():
+            if value is not None:
+                os.environ[name] = value
         try:
             return m(x)
         finally:
-            if before is None:
-                del os.environ["LIGHTNING_MOE_WGRAD_KERNEL"]
-            else:
-                os.environ["LIGHTNING_MOE_WGRAD_KERNEL"] = before
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
     return call
 
@@ -280,7 +287,8 @@ def main() -> None:
                     help=f"also run it keeping x_RH and a_RF for backward (row {FUSED}-keep)")
     ap.add_argument("--fuse-wgrad-kernels", default="",
                     help=f"comma list of LIGHTNING_MOE_WGRAD_KERNEL values: one more {FUSED} row each, "
-                    "in the same process (rows named like lightning-moe-fused-wgrad[streams])")
+                    "in the same process (rows named like lightning-moe-fused-wgrad[streams]); cutlass@<tiling> "
+                    "also picks the CUTLASS tiling")
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = QUICK if a.quick else SHAPES

@@ -24,8 +24,12 @@ enum class WgradTile : int {
   kCooperative256x128Cluster1x2 = 0,
   kCooperative256x128 = 1,
   kCooperative128x256 = 2,
+  kCooperative256x128Cluster1x2Epilogue128x64 = 3,
+  kCooperative256x128Epilogue128x64 = 4,
+  kCooperative128x256Epilogue128x64 = 5,
+  kCooperative256x128Cluster1x2Epilogue128x128 = 6,
 };
-constexpr int kTilings = 3;
+constexpr int kTilings = 7;
 
 // Bytes of device workspace grouped_wgrad_accumulate needs for `num_experts` groups on a GPU
 // with `sm_count` multiprocessors.

@@ -41,10 +41,15 @@ using LayoutB = cutlass::layout::RowMajor;     // dy_e: N contiguous
 using LayoutC = cutlass::layout::RowMajor;     // grad[e]
 constexpr int kAlignment = 8;                   // 16 bytes of bf16: TMA's unit
 
-template <int TileM, int TileN, int ClusterM, int ClusterN>
+// EpiN: the epilogue's sub-tile width (128 x EpiN; 0 = CUTLASS's choice, 128 x 32 here). The epilogue
+// prefetches up to four sub-tiles of the old gradient (C) while the tile's MMAs run; with K_e of only a
+// few hundred rows the tile is epilogue-bound, so wider sub-tiles let all of C arrive before it is needed.
+template <int TileM, int TileN, int ClusterM, int ClusterN, int EpiN = 0>
 struct Cooperative {
   using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::_64>;
   using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
+  using EpilogueTile = std::conditional_t<EpiN == 0, cutlass::epilogue::collective::EpilogueTileAuto,
+                                          cute::Shape<cute::_128, cute::Int<EpiN>>>;
   using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
@@ -53,7 +58,7 @@ template <class Config>
 struct WgradGemm {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, Accumulator, Accumulator, Element, LayoutC*, kAlignment,
+      typename Config::EpilogueTile, Accumulator, Accumulator, Element, LayoutC*, kAlignment,
       Element, LayoutC*, kAlignment, typename Config::EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>::CollectiveOp;
 

@@ -181,6 +181,7 @@ class WgradFusion:
         if (kernel == "triton" and not wgrad_triton.supported(x)) or (kernel == "streams" and not x.is_cuda):
             kernel = "loop"
         self.kernel = kernel
+        self.cutlass_tile = wgrad_cutlass.tile() if kernel == "cutlass" else None  # the tiling, chosen once
         self.host: HostOffsets | None = None  # copy_offsets(), once the forward's first GEMM is launched
 
     def copy_offsets(self) -> None:
@@ -196,7 +197,7 @@ class WgradFusion:
     def accumulate_(self, grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, weight: str) -> None:
         """``grad_EDO[e] += x_e^T dy_e``; ``weight`` (``"w13"``/``"w2"``) picks the stream count."""
         if self.kernel == "cutlass":
-            wgrad_cutlass.grouped_wgrad_accumulate_(grad_EDO, x_RD, dy_RO, self.offs_E)
+            wgrad_cutlass.grouped_wgrad_accumulate_(grad_EDO, x_RD, dy_RO, self.offs_E, self.cutlass_tile)
             return
         if self.kernel == "triton":
             wgrad_triton.grouped_wgrad_accumulate_(grad_EDO, x_RD, dy_RO, self.offs_E)

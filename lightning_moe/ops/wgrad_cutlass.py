@@ -27,7 +27,15 @@ from lightning_moe.ops.build_cutlass import load_cutlass_extension
 
 __all__ = ["TILES", "grouped_wgrad_accumulate_", "reference_accumulate_", "supported", "tile"]
 
-TILES = {"cooperative-c1x2": 0, "cooperative": 1, "cooperative-128x256": 2}
+TILES = {
+    "cooperative-c1x2": 0,
+    "cooperative": 1,
+    "cooperative-128x256": 2,
+    "cooperative-c1x2-e64": 3,
+    "cooperative-e64": 4,
+    "cooperative-128x256-e64": 5,
+    "cooperative-c1x2-e128": 6,
+}
 DEFAULT_TILE = "cooperative-c1x2"
 
 

@@ -1,0 +1,11 @@
+// One tiling of the grouped weight-gradient GEMM (grouped_wgrad_sm90.cuh): cooperative, 256 x 128 tiles, clusters of two along N, 128 x 128 epilogue sub-tiles.
+#include "grouped_wgrad_sm90.cuh"
+
+namespace lightning_moe {
+namespace cutlass_kernels {
+
+using Tiling_cooperative_c1x2_e128 = sm90::Cooperative<256, 128, 1, 2, 128>;  // (commas cannot go through the macro)
+LMOE_DEFINE_WGRAD_TILING(cooperative_c1x2_e128, Tiling_cooperative_c1x2_e128)
+
+}  // namespace cutlass_kernels
+}  // namespace lightning_moe
