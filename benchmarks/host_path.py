@@ -9,6 +9,9 @@ first expert GEMM is launched), plus the host time per call of the router's GEMM
     python benchmarks/host_path.py --shapes qwen3-30b-a3b,deepseek-v3
     python benchmarks/host_path.py --shapes qwen3-30b-a3b --fuse-wgrad --profile-host 20
 
+``--stages`` stamps the host clock when each stage of the forward starts (router GEMM, top-k,
+permutation, fusion set-up, gather, first expert GEMM, ...) and prints the median microseconds
+from the step's start: the host's path itemised, without a profiler's overhead.
 ``--profile-host N`` runs N synchronised steps under cProfile and prints the functions with the
 most host time of their own: where the host's path goes, function by function.
 """
@@ -78,6 +81,60 @@ def host_us(fn, calls: int = 200) -> float:  # noqa: ANN001
     return round((t1 - t0) / calls * 1e6, 1)
 
 
+# (module, attribute) pairs whose calls --stages stamps; a class attribute stamps a method.
+_STAGES = (
+    ("lightning_moe.moe.router", "router_logits"),
+    ("lightning_moe.moe.router:TopKRouter", "_select"),
+    ("lightning_moe.moe.dispatch", "build_permutation"),
+    ("lightning_moe.moe.experts:GroupedExperts", "forward_local"),
+    ("lightning_moe.ops.local_experts", "WgradFusion"),
+    ("lightning_moe.ops.local_experts", "_permute_rows_impl"),
+    ("lightning_moe.ops.local_experts", "gmm"),
+    ("lightning_moe.ops.local_experts", "weighted_swiglu_forward"),
+    ("lightning_moe.ops.local_experts", "_unpermute_sum_impl"),
+)
+
+
+def stage_us(layer: torch.nn.Module, x: torch.Tensor, go: torch.Tensor, steps: int = 20) -> dict:
+    """Median host µs from the step's start to each stamped call's entry (first call of each), and
+    to the forward's return."""
+    import importlib
+
+    stamps: dict[str, float] = {}
+    patched = []
+    for where, name in _STAGES:
+        module_name, _, cls = where.partition(":")
+        owner = importlib.import_module(module_name)
+        owner = getattr(owner, cls) if cls else owner
+        original = getattr(owner, name)
+
+        def stamped(*args, __original=original, __label=f"{cls or module_name.rsplit('.', 1)[-1]}.{name}", **kwargs):  # noqa: ANN002, ANN003, ANN202
+            stamps.setdefault(__label, time.perf_counter())
+            return __original(*args, **kwargs)
+
+        setattr(owner, name, stamped)
+        patched.append((owner, name, original))
+    rows: dict[str, list[float]] = {}
+    try:
+        for i in range(steps + 3):
+            stamps.clear()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = layer(x)
+            t_forward = time.perf_counter()
+            out.backward(go)
+            t_backward = time.perf_counter()
+            torch.cuda.synchronize()
+            if i >= 3:
+                for label, t in {**stamps, "forward returned": t_forward, "backward returned": t_backward}.items():
+                    rows.setdefault(label, []).append((t - t0) * 1e6)
+    finally:
+        for owner, name, original in patched:
+            setattr(owner, name, original)
+    order = sorted(rows, key=lambda label: statistics.median(rows[label]))
+    return {label: round(statistics.median(rows[label]), 1) for label in order}
+
+
 def profile_host(layer: torch.nn.Module, x: torch.Tensor, go: torch.Tensor, steps: int, top: int = 35) -> str:
     """cProfile over ``steps`` synchronised steps: the top functions by their own host time."""
     for _ in range(3):
@@ -99,6 +156,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3")
     ap.add_argument("--fuse-wgrad", action="store_true", help="MoEConfig(fuse_wgrad_accumulation=True)")
+    ap.add_argument("--stages", action="store_true", help="also stamp the forward's stages (host µs from step start)")
     ap.add_argument("--profile-host", type=int, default=0, metavar="N", help="also cProfile N steps (host time)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -116,6 +174,8 @@ def main() -> None:
         row["router_forward_us"] = host_us(lambda: layer.router(x))
         row["layer_forward_us"] = host_us(lambda: layer(x), calls=20)
         print(json.dumps(row), flush=True)
+        if a.stages:
+            print(json.dumps({"shape": name, "host_us_from_step_start": stage_us(layer, x, go)}), flush=True)
         if a.profile_host:
             print(f"== host profile, {name}, {a.profile_host} steps", flush=True)
             print(profile_host(layer, x, go, a.profile_host), flush=True)
