@@ -306,12 +306,12 @@ std::tuple<at::Tensor, at::Tensor> router_topk_op(const at::Tensor& logits,
                 "] so that every kept group contributes and enough experts stay selectable.");
   }
   const c10::cuda::CUDAGuard guard(dev);
-  at::Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kInt));
+  at::Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kLong));  // the router's id dtype: no conversion after
   at::Tensor weights = at::empty({T, top_k}, logits.options());
   check_launch(router_topk(logits.data_ptr<float>(),
                            bias.has_value() ? bias->data_ptr<float>() : nullptr, T, E, top_k, sf,
                            pre_softmax, norm_topk_prob, static_cast<float>(scaling_factor),
-                           num_groups, group_topk, ids.data_ptr<int32_t>(),
+                           num_groups, group_topk, ids.data_ptr<int64_t>(),
                            weights.data_ptr<float>(), current_stream()),
                op);
   return {ids, weights};

@@ -105,7 +105,7 @@ constexpr int64_t kMaxRouterGroups = 32;
 cudaError_t router_topk(const float* logits, const float* bias, int64_t num_tokens,
                         int64_t num_experts, int64_t top_k, ScoreFunc score_func, bool pre_softmax,
                         bool norm_topk_prob, float scaling_factor, int64_t num_groups,
-                        int64_t group_topk, int32_t* topk_ids, float* topk_weights,
+                        int64_t group_topk, int64_t* topk_ids, float* topk_weights,
                         cudaStream_t stream);
 
 }  // namespace lightning_moe

@@ -291,7 +291,7 @@ __global__ void __launch_bounds__(256)
     router_topk_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
                        int64_t num_tokens, int num_experts, int top_k, int score_func,
                        bool pre_softmax, bool norm_topk_prob, float scaling_factor,
-                       int num_groups, int group_topk, int32_t* __restrict__ topk_ids,
+                       int num_groups, int group_topk, int64_t* __restrict__ topk_ids,
                        float* __restrict__ topk_weights) {
   constexpr int kWarps = 256 / 32;
   const int lane = threadIdx.x & 31;
@@ -452,7 +452,7 @@ cudaError_t build_permutation(const void* topk_ids, bool ids_are_int64, int64_t 
 cudaError_t router_topk(const float* logits, const float* bias, int64_t num_tokens,
                         int64_t num_experts, int64_t top_k, ScoreFunc score_func, bool pre_softmax,
                         bool norm_topk_prob, float scaling_factor, int64_t num_groups,
-                        int64_t group_topk, int32_t* topk_ids, float* topk_weights,
+                        int64_t group_topk, int64_t* topk_ids, float* topk_weights,
                         cudaStream_t stream) {
   if (num_experts < 1 || num_experts > kMaxRouterExperts || top_k < 1 || top_k > kMaxRouterTopK ||
       top_k > num_experts || num_groups < 0 || num_groups > kMaxRouterGroups) {

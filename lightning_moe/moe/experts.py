@@ -103,11 +103,11 @@ class GroupedExperts(nn.Module):
         w13, w2, dtype = self._compute_weights(device_type)
         offs_e = perm.offsets_E if perm.offsets_E is not None else offsets_from_counts(perm.tokens_per_expert_E)
         backend = self.gemm_backend(x_TH.device, dtype)
+        args = (x_TH.to(dtype), w13, w2, weights_R, perm, offs_e, backend, self.lean_backward, self.fuse_wgrad_accumulation)
+        if not torch.is_autocast_enabled(device_type):  # no context to enter on the path to the first GEMM
+            return local_experts(*args)
         with torch.autocast(device_type=device_type, enabled=False):
-            return local_experts(
-                x_TH.to(dtype), w13, w2, weights_R, perm, offs_e, backend, self.lean_backward,
-                self.fuse_wgrad_accumulation,
-            )
+            return local_experts(*args)
 
     def extra_repr(self) -> str:
         return (

@@ -179,7 +179,10 @@ class TopKRouter(nn.Module):
     def forward(self, x_TH: torch.Tensor) -> RouterOutput:
         cfg = self.config
         rdtype = cfg.router_torch_dtype
-        with torch.autocast(device_type=x_TH.device.type, enabled=False):
+        if torch.is_autocast_enabled(x_TH.device.type):  # the router runs in its own dtype
+            with torch.autocast(device_type=x_TH.device.type, enabled=False):
+                logits_TE = router_logits(x_TH, self.weight, rdtype)
+        else:  # no context to enter: this is on the host's path to the first expert GEMM
             logits_TE = router_logits(x_TH, self.weight, rdtype)
         topk_ids_TK = self._select(logits_TE.detach())
         if self._override is not None:
@@ -212,7 +215,7 @@ class TopKRouter(nn.Module):
                 logits_TE.contiguous(), bias, cfg.top_k, cfg.score_func, cfg.pre_softmax, cfg.norm_topk_prob,
                 float(cfg.scaling_factor or 1.0), int(cfg.num_groups or 0), int(cfg.group_topk or 0),
             )
-            return ids_TK.long()
+            return ids_TK  # int64, written by the kernel
         scores_TE = selection_scores(logits_TE, cfg.score_func, cfg.pre_softmax)
         if self.expert_bias is not None:
             scores_TE = scores_TE + self.expert_bias.to(scores_TE.dtype)

@@ -51,13 +51,13 @@ class Permutation:
     that launch is step time while the device waits for it).
     """
 
-    __slots__ = ("_slot_of_row_R", "slot_row_TK", "tokens_per_expert_E", "top_k", "src_token_R", "padded", "offsets_E")
+    __slots__ = ("_slot_of_row_R", "slot_row_TK", "_tokens_per_expert_E", "top_k", "src_token_R", "padded", "offsets_E")
 
     def __init__(
         self,
         slot_of_row_R: Deferred,
         slot_row_TK: torch.Tensor,
-        tokens_per_expert_E: torch.Tensor,
+        tokens_per_expert_E: Deferred,
         top_k: int,
         src_token_R: torch.Tensor,
         padded: bool = False,  # capacity-padded: rows with ``slot_of_row == -1`` exist (known without a sync)
@@ -65,7 +65,7 @@ class Permutation:
     ) -> None:
         self._slot_of_row_R = slot_of_row_R
         self.slot_row_TK = slot_row_TK
-        self.tokens_per_expert_E = tokens_per_expert_E
+        self._tokens_per_expert_E = tokens_per_expert_E
         self.top_k = top_k
         self.src_token_R = src_token_R
         self.padded = padded
@@ -75,6 +75,11 @@ class Permutation:
     def slot_of_row_R(self) -> torch.Tensor:
         self._slot_of_row_R = resolved(self._slot_of_row_R)
         return self._slot_of_row_R
+
+    @property
+    def tokens_per_expert_E(self) -> torch.Tensor:
+        self._tokens_per_expert_E = resolved(self._tokens_per_expert_E)
+        return self._tokens_per_expert_E
 
     @property
     def num_rows(self) -> int:
@@ -184,7 +189,7 @@ def build_permutation(
         slot_of_row_R = torch.empty(T * K, dtype=torch.long, device=topk_ids_TK.device)
         return slot_of_row_R.scatter_(0, slot_row_TK.reshape(-1).long(), torch.arange(T * K, device=topk_ids_TK.device))
 
-    return Permutation(slot_of_row, slot_row_TK, counts_E.long(), K, src_idx_N, offsets_E=offsets_E)
+    return Permutation(slot_of_row, slot_row_TK, counts_E.long, K, src_idx_N, offsets_E=offsets_E)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -399,9 +399,10 @@ def test_router_topk_matches_reference(ops, name, T) -> None:
     bias_E = (torch.rand(E, generator=gen).argsort().float() / E - 0.5) * 0.37 if with_bias else None
     ids_ref, w_ref, margin_T = router_topk_reference(logits_TE, bias_E, K, score_func, pre, norm, scaling, G, gk)
     args = (logits_TE.to(DEV), None if bias_E is None else bias_E.to(DEV), K, score_func, pre, norm, scaling, G, gk)
-    ids_TK, w_TK = _call_poisoned(lambda: ops.router_topk(*args), [((T, K), torch.int32), ((T, K), torch.float32)])
-    ids_TK, w_TK = ids_TK.cpu().long(), w_TK.cpu()
-    assert ids_TK.dtype == torch.long and bool(((ids_TK >= 0) & (ids_TK < E)).all()), "ids out of range (unwritten?)"
+    ids_TK, w_TK = _call_poisoned(lambda: ops.router_topk(*args), [((T, K), torch.int64), ((T, K), torch.float32)])
+    assert ids_TK.dtype == torch.int64, "the kernel writes the router's id dtype (int64)"
+    ids_TK, w_TK = ids_TK.cpu(), w_TK.cpu()
+    assert bool(((ids_TK >= 0) & (ids_TK < E)).all()), "ids out of range (unwritten?)"
     assert all(len(set(row)) == K for row in ids_TK.tolist()), "an expert was chosen twice for one token"
     # Rows whose selection boundary is far from a tie must match exactly; all rows are checked
     # for weights against the reference weights of the kernel's own choice.
