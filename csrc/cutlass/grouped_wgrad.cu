@@ -16,10 +16,6 @@ namespace cutlass_kernels {
 LMOE_WGRAD_ENTRY_POINTS(cooperative_c1x2)
 LMOE_WGRAD_ENTRY_POINTS(cooperative)
 LMOE_WGRAD_ENTRY_POINTS(cooperative_128x256)
-LMOE_WGRAD_ENTRY_POINTS(cooperative_c1x2_e64)
-LMOE_WGRAD_ENTRY_POINTS(cooperative_e64)
-LMOE_WGRAD_ENTRY_POINTS(cooperative_128x256_e64)
-LMOE_WGRAD_ENTRY_POINTS(cooperative_c1x2_e128)
 
 namespace {
 
@@ -34,10 +30,6 @@ constexpr Tiling kTable[kTilings] = {
     {&workspace_bytes_cooperative_c1x2, &accumulate_cooperative_c1x2},
     {&workspace_bytes_cooperative, &accumulate_cooperative},
     {&workspace_bytes_cooperative_128x256, &accumulate_cooperative_128x256},
-    {&workspace_bytes_cooperative_c1x2_e64, &accumulate_cooperative_c1x2_e64},
-    {&workspace_bytes_cooperative_e64, &accumulate_cooperative_e64},
-    {&workspace_bytes_cooperative_128x256_e64, &accumulate_cooperative_128x256_e64},
-    {&workspace_bytes_cooperative_c1x2_e128, &accumulate_cooperative_c1x2_e128},
 };
 
 bool known(WgradTile tile) { return static_cast<int>(tile) >= 0 && static_cast<int>(tile) < kTilings; }

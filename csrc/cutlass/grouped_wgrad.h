@@ -18,18 +18,15 @@ namespace cutlass_kernels {
 // The GEMM tilings built (output tile M x N; "cooperative": both consumer warp groups share one
 // tile; a cluster of two along N shares the x_e^T tile's loads through TMA multicast). H200,
 // benchmarks/wgrad_kernels.py: the clustered 256 x 128 tiling was fastest summed over both weights
-// on DeepSeek-V3, Qwen3-30B-A3B and Mixtral; pingpong 128 x 128 tiles and clusters along M were
-// slower everywhere and are not built.
+// on DeepSeek-V3, Qwen3-30B-A3B and Mixtral; pingpong 128 x 128 tiles, clusters along M and wider
+// epilogue sub-tiles (128 x 64, 128 x 128: the Cooperative template's EpiN) were not faster
+// summed over both weights anywhere and are not built.
 enum class WgradTile : int {
   kCooperative256x128Cluster1x2 = 0,
   kCooperative256x128 = 1,
   kCooperative128x256 = 2,
-  kCooperative256x128Cluster1x2Epilogue128x64 = 3,
-  kCooperative256x128Epilogue128x64 = 4,
-  kCooperative128x256Epilogue128x64 = 5,
-  kCooperative256x128Cluster1x2Epilogue128x128 = 6,
 };
-constexpr int kTilings = 7;
+constexpr int kTilings = 3;
 
 // Bytes of device workspace grouped_wgrad_accumulate needs for `num_experts` groups on a GPU
 // with `sm_count` multiprocessors.

@@ -42,8 +42,10 @@ using LayoutC = cutlass::layout::RowMajor;     // grad[e]
 constexpr int kAlignment = 8;                   // 16 bytes of bf16: TMA's unit
 
 // EpiN: the epilogue's sub-tile width (128 x EpiN; 0 = CUTLASS's choice, 128 x 32 here). The epilogue
-// prefetches up to four sub-tiles of the old gradient (C) while the tile's MMAs run; with K_e of only a
-// few hundred rows the tile is epilogue-bound, so wider sub-tiles let all of C arrive before it is needed.
+// prefetches up to four sub-tiles of the old gradient (C) while the tile's MMAs run. Wider sub-tiles
+// (all of a 256 x 128 tile's C in flight) were measured on the H200 and did not pay: DeepSeek-V3 w13
+// 12.42 (128 x 64) and 14.24 ms (128 x 128) vs 12.28 with 128 x 32; w2 5.79-5.86 vs 6.13 ms; Qwen3
+// both weights slower. The knob stays for the next tiling experiment.
 template <int TileM, int TileN, int ClusterM, int ClusterN, int EpiN = 0>
 struct Cooperative {
   using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::_64>;

@@ -37,8 +37,9 @@ blocking (:class:`HostOffsets`), so the backward never drains the device queue:
   do not pay there: :func:`fusion_pays`); otherwise ``streams`` on CUDA from 16 experts on, else
   ``loop``. Measured in one process on the H200 (``benchmarks/moe_layer.py --fuse-wgrad
   --fuse-wgrad-kernels streams``): Qwen3-30B-A3B 8.75 ms with ``cutlass`` vs 9.27 unfused;
-  DeepSeek-V3 47.5 ms with ``streams`` vs 50.2 with ``cutlass`` (although alone, on random data,
-  the CUTLASS kernel takes 18.6 ms for both weights and the two-stream loop 20.9); Mixtral a tie.
+  DeepSeek-V3 47.05 ms with ``streams`` vs 48.75 with ``cutlass``: inside the step the loop's
+  GEMMs take 18.2 ms for both weights and CUTLASS 20.0 (``benchmarks/wgrad_in_layer.py``; alone,
+  started from an idle device, the loop is paced by its host launches and looks slower); Mixtral a tie.
   ``LIGHTNING_MOE_WGRAD_STREAMS`` sets the stream count, for both weights (``3``) or each (``w13=3,w2=1``).
 * ``triton`` (CUDA, Triton importable) — one grouped Triton kernel that reads the row ranges from
   the device offsets (``ops/wgrad_triton.py``): one launch, no host sync, but on the H200 no

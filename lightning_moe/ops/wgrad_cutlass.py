@@ -5,9 +5,12 @@ Legend: R rows grouped by expert, D input width, O output width, E experts.
 ``grad_EDO[e] += x_e^T @ dy_e`` for all experts in one warp-specialised launch that reads each
 expert's row range from the device offsets (no host sync) and adds the old gradient in its
 epilogue (beta = 1): the gradient is read once and written once, with no per-expert launch,
-memset or host bound. H200 (``benchmarks/wgrad_kernels.py --cutlass-only``), both weights of one
-layer: DeepSeek-V3 18.6 ms vs 20.9 for the two-stream cuBLAS loop; Qwen3-30B-A3B 2.23 ms vs 2.85
-for the grouped GEMM plus autograd's addition; Mixtral 17.8 ms, as the loop.
+memset or host bound. H200, both weights of one layer: Qwen3-30B-A3B 2.16 ms vs 2.81 for the
+grouped GEMM plus autograd's addition (``benchmarks/wgrad_kernels.py --cutlass-only``), so the
+fusion uses it for narrow experts. For wide experts it does not win where it counts: timed
+inside the DeepSeek-V3 layer step (``benchmarks/wgrad_in_layer.py``) it takes 20.0 ms vs 18.2 for
+the two-stream cuBLAS loop (alone, with a synchronised start each time, the loop's 512 launches
+are paced by the host and it looked slower: 21.5 vs 18.4).
 Source: ``csrc/cutlass/``; build: ``ops/build_cutlass.py`` (optional: needs the CUTLASS headers
 and an sm_90 GPU).
 
@@ -27,15 +30,7 @@ from lightning_moe.ops.build_cutlass import load_cutlass_extension
 
 __all__ = ["TILES", "grouped_wgrad_accumulate_", "reference_accumulate_", "supported", "tile"]
 
-TILES = {
-    "cooperative-c1x2": 0,
-    "cooperative": 1,
-    "cooperative-128x256": 2,
-    "cooperative-c1x2-e64": 3,
-    "cooperative-e64": 4,
-    "cooperative-128x256-e64": 5,
-    "cooperative-c1x2-e128": 6,
-}
+TILES = {"cooperative-c1x2": 0, "cooperative": 1, "cooperative-128x256": 2}
 DEFAULT_TILE = "cooperative-c1x2"
 
 
