@@ -88,7 +88,7 @@ _STAGES = (
     ("lightning_moe.moe.dispatch", "build_permutation"),
     ("lightning_moe.moe.experts:GroupedExperts", "forward_local"),
     ("lightning_moe.ops.local_experts", "WgradFusion"),
-    ("lightning_moe.ops.local_experts", "_permute_rows_impl"),
+    ("lightning_moe.ops.local_experts", "_expert_rows_impl"),
     ("lightning_moe.ops.local_experts", "gmm"),
     ("lightning_moe.ops.local_experts", "weighted_swiglu_forward"),
     ("lightning_moe.ops.local_experts", "_unpermute_sum_impl"),

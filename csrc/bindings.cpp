@@ -115,6 +115,29 @@ at::Tensor permute_rows_op(const at::Tensor& x, const at::Tensor& src_idx,
   return out;
 }
 
+// out[R, H] with out[slot_row[t, k]] = x[t]: the gather of permute_rows when every row has exactly
+// one slot (the caller's promise: rows no slot names are left unwritten).
+at::Tensor scatter_rows_op(const at::Tensor& x, const at::Tensor& slot_row, int64_t num_rows) {
+  constexpr const char* op = "scatter_rows";
+  const at::Device dev = x.device();
+  check_tensor(x, op, "x", dev);
+  check_tensor(slot_row, op, "slot_row", dev);
+  check_dim(x, op, "x", 2, "[T, H]");
+  check_dim(slot_row, op, "slot_row", 2, "[T, K]");
+  check_dtype(slot_row, op, "slot_row", at::kInt);
+  const DType dt = activation_dtype(x, op, "x");
+  TORCH_CHECK(slot_row.size(0) == x.size(0), "lightning_moe_C.", op, ": slot_row has ", num(slot_row.size(0)),
+              " tokens, x has ", num(x.size(0)), "; both are [T, ...].");
+  TORCH_CHECK(num_rows >= 0 && num_rows <= kInt32Max, "lightning_moe_C.", op, ": num_rows=", num(num_rows),
+              " must be in [0, ", num(kInt32Max), "] (int32 row indices).");
+  const c10::cuda::CUDAGuard guard(dev);
+  at::Tensor out = at::empty({num_rows, x.size(1)}, x.options());
+  check_launch(scatter_rows(x.data_ptr(), slot_row.data_ptr<int32_t>(), out.data_ptr(), x.size(0),
+                            slot_row.size(1), num_rows, x.size(1), dt, current_stream()),
+               op);
+  return out;
+}
+
 // out[T, H] = sum_k w[t, k] * y[slot_row[t, k]] (rows -1 skipped; fp32 accumulation).
 at::Tensor unpermute_sum_op(const at::Tensor& y, const at::Tensor& slot_row,
                             const std::optional<at::Tensor>& weights) {
@@ -324,6 +347,7 @@ std::tuple<at::Tensor, at::Tensor> router_topk_op(const at::Tensor& logits,
 // allocated here; no op mutates an input.
 TORCH_LIBRARY(lightning_moe_C, m) {
   m.def("permute_rows(Tensor x, Tensor src_idx, Tensor? row_scale=None) -> Tensor");
+  m.def("scatter_rows(Tensor x, Tensor slot_row, int num_rows) -> Tensor");
   m.def("unpermute_sum(Tensor y, Tensor slot_row, Tensor? weights=None) -> Tensor");
   m.def("unpermute_weight_grad(Tensor grad_out, Tensor y, Tensor slot_row) -> Tensor");
   m.def("weighted_swiglu_fwd(Tensor h, Tensor? w=None) -> Tensor");
@@ -344,6 +368,7 @@ TORCH_LIBRARY(lightning_moe_C, m) {
 // dispatcher's generic "Could not run ... with arguments from the 'CPU' backend".
 #define LMOE_REGISTER_OPS(m)                                                    \
   m.impl("permute_rows", &lightning_moe::permute_rows_op);                      \
+  m.impl("scatter_rows", &lightning_moe::scatter_rows_op);                      \
   m.impl("unpermute_sum", &lightning_moe::unpermute_sum_op);                    \
   m.impl("unpermute_weight_grad", &lightning_moe::unpermute_weight_grad_op);    \
   m.impl("weighted_swiglu_fwd", &lightning_moe::weighted_swiglu_fwd_op);        \

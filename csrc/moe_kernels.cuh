@@ -40,6 +40,12 @@ cudaError_t permute_rows(const void* x, const int32_t* src_idx, const float* row
                          int64_t num_rows, int64_t num_src_rows, int64_t hidden, DType dtype,
                          cudaStream_t stream);
 
+// out[slot_row[t, k], :] = x[t, :] for every slot_row >= 0: permute_rows' result (unscaled) when
+// every row r < R is the destination of exactly one slot; rows no slot names are left unwritten.
+// Reads each of x's rows once. x: [T, H], slot_row: [T, K] (entries < R or -1), out: [R, H].
+cudaError_t scatter_rows(const void* x, const int32_t* slot_row, void* out, int64_t num_tokens,
+                         int64_t top_k, int64_t num_rows, int64_t hidden, DType dtype, cudaStream_t stream);
+
 // out[t, :] = sum_k w[t, k] * y[slot_row[t, k], :] over k with slot_row >= 0 (w = 1 when null).
 // Accumulates in fp32, in increasing k (deterministic, no atomics); all -1 gives a zero row.
 // y: [R, H], slot_row: [T, K], w: [T, K] fp32 or null, out: [T, H].

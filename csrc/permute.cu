@@ -61,6 +61,38 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   }
 }
 
+// out[slot_row[t,k]] = x[t] for every slot with a row: the same result as the gather when every
+// row is the destination of exactly one slot (dropless, or drops without capacity padding), with
+// each source row read once instead of once per slot. The gather reads x's rows in expert order,
+// a token's K reads far apart, so they miss L2 once x outgrows it; this reads x in order.
+template <typename Tag, int kN>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    scatter_rows_kernel(const typename Tag::storage* __restrict__ x,
+                        const int32_t* __restrict__ slot_row, typename Tag::storage* __restrict__ out,
+                        int64_t num_tokens, int64_t top_k, int64_t num_rows, int64_t vecs_per_row,
+                        int tpr_log2) {
+  using V = Vec<Tag, kN>;
+  const int64_t tpr = int64_t{1} << tpr_log2;
+  const int64_t lane = threadIdx.x & (tpr - 1);
+  const int64_t rows_per_block = kThreads >> tpr_log2;
+  const int64_t pitch = vecs_per_row * kN;
+  for (int64_t t = blockIdx.x * rows_per_block + (threadIdx.x >> tpr_log2); t < num_tokens;
+       t += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+    const int32_t* rows = slot_row + t * top_k;  // same address across the group: one broadcast
+    const typename Tag::storage* src = x + t * pitch;
+#pragma unroll 2
+    for (int64_t j = lane; j < vecs_per_row; j += tpr) {
+      const auto v = V::load(src + j * kN);  // bit-exact copy, no conversion
+      for (int64_t k = 0; k < top_k; ++k) {
+        const int64_t r = rows[k];
+        if (r < 0) continue;  // dropped slot
+        assert(r < num_rows);  // a corrupt index would write another allocation silently
+        V::store(out + r * pitch + j * kN, v);
+      }
+    }
+  }
+}
+
 // out[t] = sum_k w[t,k] * y[slot_row[t,k]]. Each thread keeps kN fp32 accumulators and adds the
 // K rows in increasing k: a fixed order, so the result is bitwise reproducible, and no atomics
 // (each output element has exactly one writer).
@@ -159,6 +191,20 @@ cudaError_t permute_rows(const void* x, const int32_t* src_idx, const float* row
           static_cast<const St<Tag>*>(x), src_idx, row_scale, static_cast<St<Tag>*>(out), num_rows,
           num_src_rows, rl.vecs, rl.log2_threads_per_row);
     });
+  });
+}
+
+cudaError_t scatter_rows(const void* x, const int32_t* slot_row, void* out, int64_t num_tokens,
+                         int64_t top_k, int64_t num_rows, int64_t hidden, DType dtype, cudaStream_t stream) {
+  if (num_tokens <= 0 || hidden <= 0 || num_rows <= 0) return cudaSuccess;
+  const int eb = detail::elem_bytes(dtype);
+  const int vb = detail::pick_vec_bytes(eb, {hidden * eb}, {x, out});
+  return launch_rows(dtype, vb, hidden, num_tokens, [&](auto tag, auto n, const RowLaunch& rl) {
+    using Tag = decltype(tag);
+    constexpr int kN = decltype(n)::value;
+    scatter_rows_kernel<Tag, kN><<<rl.grid, kThreads, 0, stream>>>(
+        static_cast<const St<Tag>*>(x), slot_row, static_cast<St<Tag>*>(out), num_tokens, top_k, num_rows,
+        rl.vecs, rl.log2_threads_per_row);
   });
 }
 

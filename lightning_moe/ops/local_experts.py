@@ -32,7 +32,7 @@ import torch
 from lightning_moe.ops import wgrad_cutlass
 from lightning_moe.ops.deferred import Deferred, resolved
 from lightning_moe.ops.grouped_gemm import GemmBackend, gmm, gmm_wgrad
-from lightning_moe.ops.permute import Permutation, _permute_rows_impl, _unpermute_sum_impl
+from lightning_moe.ops.permute import Permutation, _expert_rows_impl, _unpermute_sum_impl
 from lightning_moe.ops.swiglu import weighted_swiglu_backward, weighted_swiglu_forward
 from lightning_moe.ops.wgrad_accumulation import WgradFusion, accumulation_target, fusion_pays, wgrad_kernel
 
@@ -51,7 +51,7 @@ class _PermuteUp(torch.autograd.Function):
         keep_gathered: bool,
         fusion: WgradFusion | None,
     ) -> torch.Tensor:
-        x_RH = _permute_rows_impl(x_TH, perm.src_token_R)
+        x_RH = _expert_rows_impl(x_TH, perm)
         h_R2F = gmm(x_RH, w13, offs_E, backend)
         ctx.perm, ctx.backend, ctx.keep_gathered = perm, backend, keep_gathered
         # The weight itself, not its saved copy: saved-tensor hooks (offload, checkpoints) may unpack
@@ -68,7 +68,7 @@ class _PermuteUp(torch.autograd.Function):
         grad_h_R2F = grad_h_R2F.contiguous()
         grad_w13 = None
         if ctx.needs_input_grad[1]:
-            x_RH = x_saved if ctx.keep_gathered else _permute_rows_impl(x_saved, perm.src_token_R)
+            x_RH = x_saved if ctx.keep_gathered else _expert_rows_impl(x_saved, perm)
             grad_w13 = _weight_grad(ctx, x_RH, grad_h_R2F, offs_E, "w13")
             del x_RH
         grad_x_TH = None
@@ -104,7 +104,7 @@ class _DownCombine(torch.autograd.Function):
         h_R2F, w2, w_R, offs_E, a_RF = ctx.saved_tensors
         perm: Permutation = ctx.perm
         backend: GemmBackend = ctx.backend
-        grad_y_RH = _permute_rows_impl(grad_TH.contiguous(), perm.src_token_R)
+        grad_y_RH = _expert_rows_impl(grad_TH, perm)
         grad_w2 = None
         if ctx.needs_input_grad[1]:  # before grad_a_RF exists: a_RF is freed first (lower peak)
             if a_RF is None:

@@ -35,6 +35,7 @@ __all__ = [
     "permute_rows",
     "permute_rows_reference",
     "reorder_rows",
+    "scatter_rows_reference",
     "unpermute_sum",
     "unpermute_sum_reference",
     "unpermute_weight_grad_reference",
@@ -206,6 +207,19 @@ def permute_rows_reference(x_SH: torch.Tensor, src_R: torch.Tensor) -> torch.Ten
     return x_SH.index_select(0, src_R.long())
 
 
+def scatter_rows_reference(x_TH: torch.Tensor, slot_row_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``x_RH[slot_row_TK[t, k]] = x_TH[t]`` for every slot with a row (``>= 0``); rows no slot
+    names are zero here (the kernel leaves them unwritten: callers use it only when every row
+    has exactly one slot, where it equals :func:`permute_rows_reference`)."""
+    T, K = slot_row_TK.shape
+    rows_N = slot_row_TK.reshape(-1).long()
+    kept_N = rows_N >= 0
+    token_N = torch.arange(T, device=x_TH.device).repeat_interleave(K)
+    out = x_TH.new_zeros(num_rows, x_TH.shape[-1])
+    out.index_copy_(0, rows_N[kept_N], x_TH.index_select(0, token_N[kept_N]))
+    return out
+
+
 def unpermute_sum_reference(
     y_RH: torch.Tensor, slot_row_TK: torch.Tensor, weights_TK: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -230,7 +244,7 @@ class _PermuteRows(torch.autograd.Function):
     def forward(ctx, x_SH: torch.Tensor, perm: Permutation) -> torch.Tensor:  # type: ignore[override]
         ctx.perm = perm
         ctx.num_src = x_SH.shape[0]
-        return _permute_rows_impl(x_SH, perm.src_token_R)
+        return _expert_rows_impl(x_SH, perm)
 
     @staticmethod
     def backward(ctx, grad_RH: torch.Tensor):  # type: ignore[override]
@@ -254,7 +268,7 @@ class _UnpermuteSum(torch.autograd.Function):
         perm: Permutation = ctx.perm
         y_RH, weights_TK = ctx.saved_tensors
         grad_TH = grad_TH.contiguous()
-        grad_RH = _permute_rows_impl(grad_TH, perm.src_token_R)
+        grad_RH = _expert_rows_impl(grad_TH, perm)
         kept_R = perm.slot_of_row_R >= 0
         if not ctx.has_weights:
             if perm.padded:  # padding rows take no gradient
@@ -292,6 +306,21 @@ def _permute_rows_impl(x_SH: torch.Tensor, src_R: torch.Tensor) -> torch.Tensor:
     if ext is None:
         return permute_rows_reference(x_SH, src_R)
     return ext.permute_rows(x_SH.contiguous(), src_R.int(), None)
+
+
+def _expert_rows_impl(x_TH: torch.Tensor, perm: Permutation) -> torch.Tensor:
+    """``x_TH``'s rows in expert order (``x_RH``), however is fastest for ``perm``.
+
+    Without capacity padding every row is the destination of exactly one slot, so the csrc
+    kernel scatters each token's row to its K rows, reading ``x_TH`` once in order; the gather
+    reads it once per slot in expert order (H200, Qwen3-30B-A3B: 0.24 ms per call). Padded
+    permutations (rows without a slot must be zero), rows that are not the permutation's tokens
+    and the torch path gather.
+    """
+    ext = csrc_extension(x_TH)
+    if ext is None or perm.padded or x_TH.shape[0] != perm.slot_row_TK.shape[0]:
+        return _permute_rows_impl(x_TH, perm.src_token_R)
+    return ext.scatter_rows(x_TH.contiguous(), perm.slot_row_TK.int().contiguous(), perm.num_rows)
 
 
 def _unpermute_sum_impl(

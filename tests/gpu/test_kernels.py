@@ -269,6 +269,34 @@ def test_permute_rows_gathers_rows_and_zeroes_padding(ops, T, H, K, E, dtype, sc
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("T", "H", "K", "E"), SHAPES_THKE)
+@pytest.mark.parametrize("drop", [0.0, 0.1], ids=["dropless", "drops"])
+def test_scatter_rows_writes_every_row_like_the_gather(ops, T, H, K, E, dtype, drop) -> None:
+    """Dropless: every row has one slot, so every row is written (poisoned memory catches a miss)
+    and equals the gather bit for bit. With drops the -1 tail rows have no slot; the rest match."""
+    src_idx_R, slot_row_TK, gen = _routing(T, K, E, seed=5 * T + H, drop=drop)
+    x_TH = torch.randn(T, H, generator=gen).to(dtype).to(DEV)
+    R = src_idx_R.shape[0]
+    out_RH = _call_poisoned(lambda: ops.scatter_rows(x_TH, slot_row_TK, R), [((R, H), dtype)])
+    expected = permute_rows_reference(x_TH, src_idx_R, None)
+    kept = src_idx_R >= 0
+    assert bool(kept.all()) or drop > 0
+    assert torch.equal(out_RH[kept], expected[kept]), "scatter_rows must copy rows bit for bit"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scatter_rows_handles_misaligned_storage(ops, dtype) -> None:
+    T, K, H = 33, 2, 64
+    base = torch.randn(T * H + 1, device=DEV).to(dtype)
+    x_TH = base[1:].view(T, H)
+    assert x_TH.data_ptr() % 16 != 0
+    slot_row_TK = torch.randperm(T * K, device=DEV).int().view(T, K)
+    src_R = torch.empty(T * K, dtype=torch.long, device=DEV)
+    src_R[slot_row_TK.flatten().long()] = torch.arange(T, device=DEV).repeat_interleave(K)
+    assert torch.equal(ops.scatter_rows(x_TH, slot_row_TK, T * K), x_TH[src_R])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_permute_rows_handles_misaligned_storage(ops, dtype) -> None:
     # A contiguous view starting one element into its storage is not 16-byte aligned: the
     # launcher must fall back to narrower accesses.
@@ -442,6 +470,10 @@ _BAD_CALLS = {
                    lambda ops, x: ops.permute_rows(x.cpu(), torch.zeros(2, dtype=torch.int32), None)),
     "not_contiguous": (r"not contiguous",
                        lambda ops, x: ops.permute_rows(x.t(), torch.zeros(2, dtype=torch.int32, device=DEV), None)),
+    "scatter_tokens_mismatch": (r"slot_row has 3 tokens, x has 4",
+                                lambda ops, x: ops.scatter_rows(x, torch.zeros(3, 2, dtype=torch.int32, device=DEV), 6)),
+    "scatter_index_dtype": (r"slot_row\.dtype=Long must be Int",
+                            lambda ops, x: ops.scatter_rows(x, torch.zeros(4, 2, dtype=torch.long, device=DEV), 8)),
     "float64": (r"x\.dtype=Double is not supported",
                 lambda ops, x: ops.permute_rows(x.double(), torch.zeros(2, dtype=torch.int32, device=DEV), None)),
     "odd_swiglu_width": (r"h has 7 columns", lambda ops, x: ops.weighted_swiglu_fwd(torch.randn(2, 7, device=DEV), None)),

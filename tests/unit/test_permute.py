@@ -18,6 +18,8 @@ from lightning_moe.ops.permute import (
     build_permutation,
     build_permutation_reference,
     permute_rows,
+    permute_rows_reference,
+    scatter_rows_reference,
     unpermute_sum,
 )
 
@@ -123,6 +125,30 @@ def test_permute_rows_matches_naive_gather(seed: int, padded: bool) -> None:
     kept = perm.slot_of_row_R >= 0
     assert x_R.shape == (len(slot_of_row), 4)
     torch.testing.assert_close(x_R[kept], naive_permute(x, slot_of_row, 2)[kept], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("drops", [False, True], ids=["dropless", "drops"])
+def test_scatter_rows_equals_the_gather_when_every_row_has_one_slot(seed: int, drops: bool) -> None:
+    """The csrc scatter's spec: each token's row written to its K rows is the gather, for
+    permutations without capacity padding (dropless, or drops: rows are the kept slots)."""
+    ids = _random_ids(seed, T=9, K=3, E=5, drop=0.0)
+    if drops:
+        ids[0, 1] = ids[4, 0] = ids[8, 2] = -1
+    perm = build_permutation_reference(ids, 5, None, dropless=not drops)
+    x = torch.randn(9, 6, generator=torch.Generator().manual_seed(seed))
+    scattered = scatter_rows_reference(x, perm.slot_row_TK, perm.num_rows)
+    assert scattered.shape == (27 - 3 * drops, 6)
+    torch.testing.assert_close(scattered, permute_rows_reference(x, perm.src_token_R), atol=0, rtol=0)
+
+
+def test_scatter_rows_reference_leaves_rows_without_a_slot_zero() -> None:
+    perm = build_permutation_reference(HAND_IDS, 4, capacity=2)  # padded: expert 3's rows have no slot
+    x = torch.randn(3, 4)
+    out = scatter_rows_reference(x, perm.slot_row_TK, perm.num_rows)
+    kept = perm.slot_of_row_R >= 0
+    assert bool((~kept).any()) and torch.equal(out[~kept], torch.zeros_like(out[~kept]))
+    torch.testing.assert_close(out[kept], permute_rows_reference(x, perm.src_token_R)[kept], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "unweighted"])
