@@ -339,9 +339,10 @@ def test_triton_kernel_choice_fuses_narrow_experts_too(monkeypatch: pytest.Monke
     monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", "triton")
     w13 = torch.zeros(2, 8, 6, requires_grad=True)
     w2 = torch.zeros(2, 3, 8, requires_grad=True)
-    assert not fusion_pays(8, 3, 4) and local_ops._may_fuse(w13, w2)
+    x = torch.zeros(5, 8)
+    assert not fusion_pays(8, 3, 4) and local_ops._may_fuse(w13, w2, x)
     monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", "loop")
-    assert not local_ops._may_fuse(w13, w2)
+    assert not local_ops._may_fuse(w13, w2, x)
 
 
 
