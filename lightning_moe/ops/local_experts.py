@@ -2,7 +2,7 @@
 
 Legend: T tokens, H hidden, F expert FFN width, E experts, K top-k, R rows grouped by expert.
 
-    x_RH  = x_TH[src_R]                      # permute (gather)
+    x_RH  = x_TH[src_R]                      # permute (each token's row scattered to its K rows)
     h_R2F = gmm(x_RH, w13)                   # [gate | up]
     a_RF  = silu(gate) * up * w_R            # weighted SwiGLU (memory-efficient permutation)
     y_RH  = gmm(a_RF, w2)

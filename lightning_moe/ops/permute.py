@@ -47,9 +47,10 @@ class Permutation:
 
     ``src_token_R`` (token each row reads; padding rows read token 0 and carry weight 0) and
     ``slot_row_TK`` are int32 — the kernels' index type — and ``slot_of_row_R`` is int64.
-    ``slot_of_row_R`` may be given as a function that builds it on first read: only the row
-    weights need it, and they are read after the first expert GEMM is launched (every op before
-    that launch is step time while the device waits for it).
+    ``slot_of_row_R`` and ``tokens_per_expert_E`` may be given as functions that build them on
+    first read: only the row weights need the former, and they are read after the first expert
+    GEMM is launched (every op before that launch is step time while the device waits for it);
+    the fused local path needs neither (it takes ``offsets_E``).
     """
 
     __slots__ = ("_slot_of_row_R", "slot_row_TK", "_tokens_per_expert_E", "top_k", "src_token_R", "padded", "offsets_E")
