@@ -240,7 +240,7 @@ def peer_makers(H: int, Fh: int, E: int, k: int, dev: str) -> dict:
     }
 
 
-def _with_wgrad_kernel(kernel: str):  # noqa: ANN202
+def with_wgrad_kernel(kernel: str):  # noqa: ANN202
     """A forward call with ``LIGHTNING_MOE_WGRAD_KERNEL=kernel`` (read when the forward builds its fusion).
 
     ``cutlass@<tiling>`` also sets ``LIGHTNING_MOE_WGRAD_CUTLASS_TILE`` (also read in the forward)."""
@@ -320,7 +320,7 @@ def main() -> None:
                     results.append(r)
             for kernel in filter(None, a.fuse_wgrad_kernels.split(",")):
                 make = lambda: ours(H, Fh, E, k, dev, skew, fuse_wgrad=True)  # noqa: E731
-                r = bench(f"{FUSED}[{kernel}]", make, T, H, dev, flops, skew, call=_with_wgrad_kernel(kernel))
+                r = bench(f"{FUSED}[{kernel}]", make, T, H, dev, flops, skew, call=with_wgrad_kernel(kernel))
                 r["shape"] = tag
                 results.append(r)
             for pname, (make, call) in peer_makers(H, Fh, E, k, dev).items():

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402  (benchmarks/peers.py: shapes)
-from moe_layer import ours  # noqa: E402
+from moe_layer import with_wgrad_kernel, ours  # noqa: E402
 
 import lightning_moe.ops.wgrad_accumulation as wacc  # noqa: E402
 from lightning_moe.ops import wgrad_cutlass  # noqa: E402
@@ -39,7 +38,7 @@ class _Arm:
         self.name = spec
         self.w2_cutlass_tile: str | None = None
         if spec.startswith("w2=cutlass@"):  # w13: the two-stream loop; w2: CUTLASS with this tiling
-            self.kernel, self.w2_cutlass_tile = "streams", spec.split("@", 1)[1]
+            self.kernel, self.tile, self.w2_cutlass_tile = "streams", "", spec.split("@", 1)[1]
             if self.w2_cutlass_tile not in wgrad_cutlass.TILES:
                 raise SystemExit(f"--arms: tiling {self.w2_cutlass_tile!r} is unknown; choose one of {tuple(wgrad_cutlass.TILES)}")
         else:
@@ -47,11 +46,9 @@ class _Arm:
             if self.kernel not in wacc.WGRAD_KERNELS:
                 raise SystemExit(f"--arms: {spec!r} is not streams, loop, cutlass@<tiling> or w2=cutlass@<tiling>")
 
-    def env(self) -> dict[str, str]:
-        env = {"LIGHTNING_MOE_WGRAD_KERNEL": self.kernel}
-        if self.kernel == "cutlass" and self.tile:
-            env["LIGHTNING_MOE_WGRAD_CUTLASS_TILE"] = self.tile
-        return env
+    def forward_kernel(self) -> str:
+        """What the forward asks for (``moe_layer.py``'s ``kernel[@tiling]``); the w2 override acts in backward."""
+        return self.kernel if self.w2_cutlass_tile is not None or not self.tile else f"{self.kernel}@{self.tile}"
 
 
 def run(shape: str, specs: list[str], rounds: int, steps_per_round: int) -> list[dict]:
@@ -81,22 +78,13 @@ def run(shape: str, specs: list[str], rounds: int, steps_per_round: int) -> list
         for r in range(rounds + 1):  # round 0 warms every arm up (grads exist from then on)
             for arm in arms:
                 current["arm"] = arm
+                forward = with_wgrad_kernel(arm.forward_kernel())
                 for _ in range(steps_per_round):
                     current["events"] = []
-                    before = {n: os.environ.get(n) for n in arm.env()}
-                    os.environ.update(arm.env())
-                    try:
-                        torch.cuda.synchronize()
-                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        start.record()
-                        out = layer(x)
-                    finally:
-                        for n, v in before.items():
-                            if v is None:
-                                os.environ.pop(n, None)
-                            else:
-                                os.environ[n] = v
-                    out.backward(go)
+                    torch.cuda.synchronize()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    forward(layer, x).backward(go)
                     end.record()
                     torch.cuda.synchronize()
                     if r == 0:

@@ -361,6 +361,24 @@ struct RowLaunch {
   int grid;                  // blocks: one wave at most (grid_size)
 };
 
+// The same layout seen from inside a row kernel: this thread's group owns row first(), then every
+// step() rows after it; the group's threads walk the row's vectors tpr apart, starting at lane.
+// row_in(base) is the group's row in the step starting at base (for loops whose bound must stay
+// uniform across the block).
+struct RowGroups {
+  int log2;
+  int64_t tpr, lane, per_block;
+  __device__ __forceinline__ explicit RowGroups(int tpr_log2)
+      : log2(tpr_log2),
+        tpr(int64_t{1} << tpr_log2),
+        lane(threadIdx.x & ((int64_t{1} << tpr_log2) - 1)),
+        per_block(kThreads >> tpr_log2) {}
+  __device__ __forceinline__ int64_t first_base() const { return blockIdx.x * per_block; }
+  __device__ __forceinline__ int64_t row_in(int64_t base) const { return base + (threadIdx.x >> log2); }
+  __device__ __forceinline__ int64_t first() const { return row_in(first_base()); }
+  __device__ __forceinline__ int64_t step() const { return static_cast<int64_t>(gridDim.x) * per_block; }
+};
+
 inline RowLaunch row_launch(int64_t width, int kN, int64_t rows) {
   RowLaunch p;
   p.vecs = width / kN;

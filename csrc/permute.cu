@@ -17,9 +17,9 @@ using detail::kMinBlocks;
 using detail::kThreads;
 using detail::Vec;
 
-// Thread layout shared by the row kernels: a block of 256 threads is cut into groups of
-// 2^tpr_log2 threads; each group owns one row per grid-stride step and walks the row's kN-wide
-// vectors. Short rows (few vectors) then pack several rows per block instead of idling threads.
+// Thread layout shared by the row kernels (detail::RowGroups): a block of 256 threads is cut into
+// groups of 2^tpr_log2 threads; each group owns one row per grid-stride step and walks the row's
+// kN-wide vectors. Short rows (few vectors) then pack several rows per block instead of idling threads.
 
 // out[r] = x[src_idx[r]] (* row_scale[r]); a negative source index writes a zero row (padding
 // rows of capacity-bounded buffers).
@@ -30,23 +30,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
                         typename Tag::storage* __restrict__ out, int64_t num_rows,
                         int64_t num_src_rows, int64_t vecs_per_row, int tpr_log2) {
   using V = Vec<Tag, kN>;
-  const int64_t tpr = int64_t{1} << tpr_log2;
-  const int64_t lane = threadIdx.x & (tpr - 1);
-  const int64_t rows_per_block = kThreads >> tpr_log2;
+  const detail::RowGroups g(tpr_log2);
   const int64_t pitch = vecs_per_row * kN;
-  for (int64_t r = blockIdx.x * rows_per_block + (threadIdx.x >> tpr_log2); r < num_rows;
-       r += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+  for (int64_t r = g.first(); r < num_rows; r += g.step()) {
     const int64_t s = src_idx[r];
     assert(s < num_src_rows);  // a corrupt index would read another allocation silently
     typename Tag::storage* dst = out + r * pitch;
     if (s < 0) {
-      for (int64_t j = lane; j < vecs_per_row; j += tpr) V::store(dst + j * kN, V::zero());
+      for (int64_t j = g.lane; j < vecs_per_row; j += g.tpr) V::store(dst + j * kN, V::zero());
       continue;
     }
     const float scale = kScale ? row_scale[r] : 1.0f;
     const typename Tag::storage* src = x + s * pitch;
 #pragma unroll 2
-    for (int64_t j = lane; j < vecs_per_row; j += tpr) {
+    for (int64_t j = g.lane; j < vecs_per_row; j += g.tpr) {
       if (kScale) {
         // Scale in fp32 and round once, as torch's `(x.float() * s).to(dtype)`.
         float f[kN];
@@ -72,16 +69,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
                         int64_t num_tokens, int64_t top_k, int64_t num_rows, int64_t vecs_per_row,
                         int tpr_log2) {
   using V = Vec<Tag, kN>;
-  const int64_t tpr = int64_t{1} << tpr_log2;
-  const int64_t lane = threadIdx.x & (tpr - 1);
-  const int64_t rows_per_block = kThreads >> tpr_log2;
+  const detail::RowGroups g(tpr_log2);
   const int64_t pitch = vecs_per_row * kN;
-  for (int64_t t = blockIdx.x * rows_per_block + (threadIdx.x >> tpr_log2); t < num_tokens;
-       t += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+  for (int64_t t = g.first(); t < num_tokens; t += g.step()) {
     const int32_t* rows = slot_row + t * top_k;  // same address across the group: one broadcast
     const typename Tag::storage* src = x + t * pitch;
 #pragma unroll 2
-    for (int64_t j = lane; j < vecs_per_row; j += tpr) {
+    for (int64_t j = g.lane; j < vecs_per_row; j += g.tpr) {
       const auto v = V::load(src + j * kN);  // bit-exact copy, no conversion
       for (int64_t k = 0; k < top_k; ++k) {
         const int64_t r = rows[k];
@@ -103,14 +97,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
                          typename Tag::storage* __restrict__ out, int64_t num_tokens,
                          int64_t top_k, int64_t vecs_per_row, int tpr_log2) {
   using V = Vec<Tag, kN>;
-  const int64_t tpr = int64_t{1} << tpr_log2;
-  const int64_t lane = threadIdx.x & (tpr - 1);
-  const int64_t rows_per_block = kThreads >> tpr_log2;
+  const detail::RowGroups g(tpr_log2);
   const int64_t pitch = vecs_per_row * kN;
-  for (int64_t t = blockIdx.x * rows_per_block + (threadIdx.x >> tpr_log2); t < num_tokens;
-       t += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+  for (int64_t t = g.first(); t < num_tokens; t += g.step()) {
     const int32_t* rows = slot_row + t * top_k;  // same address across the group: one broadcast
-    for (int64_t j = lane; j < vecs_per_row; j += tpr) {
+    for (int64_t j = g.lane; j < vecs_per_row; j += g.tpr) {
       float acc[kN];
 #pragma unroll
       for (int i = 0; i < kN; ++i) acc[i] = 0.0f;

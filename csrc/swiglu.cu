@@ -36,16 +36,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
                       St<Tag>* __restrict__ a, int64_t num_rows, int64_t vecs_per_row,
                       int tpr_log2) {
   using V = Vec<Tag, kN>;
-  const int64_t tpr = int64_t{1} << tpr_log2;
-  const int64_t lane = threadIdx.x & (tpr - 1);
-  const int64_t rows_per_block = kThreads >> tpr_log2;
+  const detail::RowGroups g(tpr_log2);
   const int64_t ffn = vecs_per_row * kN;
-  for (int64_t r = blockIdx.x * rows_per_block + (threadIdx.x >> tpr_log2); r < num_rows;
-       r += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+  for (int64_t r = g.first(); r < num_rows; r += g.step()) {
     const float wr = kWeighted ? w[r] : 1.0f;
     const St<Tag>* gate_row = h + r * 2 * ffn;
     const St<Tag>* up_row = gate_row + ffn;
-    for (int64_t j = lane; j < vecs_per_row; j += tpr) {
+    for (int64_t j = g.lane; j < vecs_per_row; j += g.tpr) {
       float g[kN], u[kN], o[kN];
       V::load_float(gate_row + j * kN, g);
       V::load_float(up_row + j * kN, u);
@@ -72,15 +69,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
                       int tpr_log2) {
   using V = Vec<Tag, kN>;
   __shared__ float warp_partial[kThreads / 32];
-  const int64_t tpr = int64_t{1} << tpr_log2;
-  const int64_t lane = threadIdx.x & (tpr - 1);
-  const int64_t rows_per_block = kThreads >> tpr_log2;
+  const detail::RowGroups g(tpr_log2);
   const int64_t ffn = vecs_per_row * kN;
   // `base` is uniform across the block, so every thread reaches the shuffles and barriers
   // below, including threads whose row is past the end.
-  for (int64_t base = blockIdx.x * rows_per_block; base < num_rows;
-       base += static_cast<int64_t>(gridDim.x) * rows_per_block) {
-    const int64_t r = base + (threadIdx.x >> tpr_log2);
+  for (int64_t base = g.first_base(); base < num_rows; base += g.step()) {
+    const int64_t r = g.row_in(base);
     float partial = 0.0f;
     if (r < num_rows) {
       const float wr = kWeighted ? w[r] : 1.0f;
@@ -88,7 +82,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       const St<Tag>* up_row = gate_row + ffn;
       St<Tag>* dgate_row = grad_h + r * 2 * ffn;
       St<Tag>* dup_row = dgate_row + ffn;
-      for (int64_t j = lane; j < vecs_per_row; j += tpr) {
+      for (int64_t j = g.lane; j < vecs_per_row; j += g.tpr) {
         float g[kN], u[kN], da[kN], dg[kN], du[kN];
         V::load_float(gate_row + j * kN, g);
         V::load_float(up_row + j * kN, u);
@@ -107,16 +101,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       }
     }
     if (kGradW) {
-      const int seg = tpr < 32 ? static_cast<int>(tpr) : 32;
+      const int seg = g.tpr < 32 ? static_cast<int>(g.tpr) : 32;
       for (int o = seg >> 1; o > 0; o >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, o);
-      if (tpr <= 32) {
-        if (lane == 0 && r < num_rows) grad_w[r] = partial;
+      if (g.tpr <= 32) {
+        if (g.lane == 0 && r < num_rows) grad_w[r] = partial;
       } else {
         if ((threadIdx.x & 31) == 0) warp_partial[threadIdx.x >> 5] = partial;
         __syncthreads();
-        if (lane == 0 && r < num_rows) {
+        if (g.lane == 0 && r < num_rows) {
           float total = 0.0f;
-          for (int k = 0; k < static_cast<int>(tpr >> 5); ++k) total += warp_partial[(threadIdx.x >> 5) + k];
+          for (int k = 0; k < static_cast<int>(g.tpr >> 5); ++k) total += warp_partial[(threadIdx.x >> 5) + k];
           grad_w[r] = total;
         }
         __syncthreads();  // warp_partial is rewritten by the next step
