@@ -110,3 +110,14 @@ def test_closed_form_matches_a_token_loop_and_the_local_dispatcher() -> None:
     torch.testing.assert_close(w_.grad, dw, rtol=1e-5, atol=1e-6)
     wrong, _ = bench._round_trip(LocalDispatcher(E), x, ids, w, scales.flip(0))  # experts mixed up
     assert (wrong - y).abs().max() / y.abs().max() > 0.05
+
+
+def test_wgrad_in_layer_arms_ask_the_forward_for_the_right_kernel() -> None:
+    """The arms' spec language: what the forward is asked for, and the backward-only w2 override."""
+    bench = _load("wgrad_in_layer")
+    arms = {spec: bench._Arm(spec) for spec in ("streams", "cutlass@cooperative", "w2=cutlass@cooperative-c1x2")}
+    assert [a.forward_kernel() for a in arms.values()] == ["streams", "cutlass@cooperative", "streams"]
+    assert [a.w2_cutlass_tile for a in arms.values()] == [None, None, "cooperative-c1x2"]
+    for bad in ("w2=cutlass@nope", "fastest"):
+        with pytest.raises(SystemExit, match="--arms"):
+            bench._Arm(bad)

@@ -285,3 +285,40 @@ def test_reorder_rows_rejects_an_order_of_the_wrong_length() -> None:
 
     with pytest.raises(ValueError, match="x has 4 rows, order \\(3,\\)"):
         reorder_rows(torch.zeros(4, 2), torch.arange(3), torch.arange(3))
+
+
+class _RecordingExtension:
+    """Stands in for the csrc extension on CPU: records which row kernel the facade picks."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def scatter_rows(self, x: torch.Tensor, slot_row: torch.Tensor, num_rows: int) -> torch.Tensor:
+        self.calls.append("scatter")
+        return scatter_rows_reference(x, slot_row, num_rows)
+
+    def permute_rows(self, x: torch.Tensor, src: torch.Tensor, scale: None) -> torch.Tensor:
+        self.calls.append("gather")
+        return permute_rows_reference(x, src)
+
+
+@pytest.mark.parametrize(
+    ("capacity", "rows_of", "expected"),
+    [(None, "tokens", "scatter"), (6, "tokens", "gather"), (None, "other", "gather")],
+    ids=["dropless", "padded", "rows_not_the_tokens"],
+)
+def test_expert_rows_scatter_only_where_every_row_has_one_slot(monkeypatch, capacity, rows_of, expected) -> None:  # noqa: ANN001
+    """The scatter leaves rows without a slot unwritten: padded permutations (and sources that
+    are not the permutation's tokens) must take the gather."""
+    import lightning_moe.ops.permute as permute_ops
+
+    ext = _RecordingExtension()
+    monkeypatch.setattr(permute_ops, "csrc_extension", lambda t: ext)
+    ids = _random_ids(0, T=7, K=2, E=5, drop=0.0)
+    perm = build_permutation_reference(ids, 5, capacity, dropless=capacity is None)
+    x = torch.randn(7 if rows_of == "tokens" else 9, 4)
+    out = permute_ops._expert_rows_impl(x, perm)
+    assert ext.calls == [expected] and out.shape == (perm.num_rows, 4)
+    if rows_of == "tokens":
+        kept = perm.slot_of_row_R >= 0
+        torch.testing.assert_close(out[kept], permute_rows_reference(x, perm.src_token_R)[kept], atol=0, rtol=0)
