@@ -10,6 +10,8 @@
 #                                     # the best tile (WGRAD_TRITON_LAYERS=shapes), kernels, stream counts (WGRAD_LAYER_STREAMS)
 #   bash benchmarks/h200.sh cutlass   # CUTLASS grouped wgrad: all GPU tests, kernel race vs cuBLAS, fused layers (CUTLASS_LAYERS)
 #   bash benchmarks/h200.sh liger     # Liger alone with a long timeout; carry .tcache/ (from tcache.tgz) afterwards
+#   bash benchmarks/h200.sh inlayer   # the fused wgrad kernels timed inside the DeepSeek-V3 step (INLAYER_ARMS)
+#   bash benchmarks/h200.sh host      # the host's path to the first expert GEMM, stage by stage (qwen3, deepseek)
 #   bash benchmarks/h200.sh multi     # issue 8 on a multi-GPU kind: NCCL parity, EP scaling, overlap, ECHO, DeepEP
 #                                     # (carry .deepep/: DeepEP's source as src.tar; built here by build_deepep.sh)
 #   bash benchmarks/h200.sh all       # GPU tests, e2e with profile, callbacks, mixtral, Liger (results_MODE.tgz)
@@ -222,6 +224,17 @@ PY
         --shapes "$shape" --fuse-wgrad --peers torch-grouped_mm-ref --json "$OUT/layer_$shape.json" > "$OUT/layer_$shape.log" 2>&1
       grep -A40 "^device" "$OUT/layer_$shape.log" | grep -v "^ \{28\}" | cut -c1-250; pack
     done
+    ;;
+  inlayer)  # wgrad kernels inside the layer step, arms interleaved (benchmarks/wgrad_in_layer.py)
+    timeout 200 python3 benchmarks/wgrad_in_layer.py --shape "${SHAPE:-deepseek-v3}" --rounds 4 \
+      --arms "${INLAYER_ARMS:-streams,cutlass@cooperative-c1x2,w2=cutlass@cooperative-c1x2}" \
+      --json "$OUT/inlayer.json" > "$OUT/inlayer.log" 2>&1; tail -6 "$OUT/inlayer.log" | cut -c1-220; pack
+    ;;
+  host)  # host µs from the step's start to each forward stage, then a cProfile of qwen3's steps
+    timeout 150 python3 benchmarks/host_path.py --shapes "${SHAPES:-qwen3-30b-a3b,deepseek-v3}" --fuse-wgrad --stages \
+      > "$OUT/host.log" 2>&1; grep -h '^{' "$OUT/host.log" | cut -c1-900
+    timeout 90 python3 benchmarks/host_path.py --shapes qwen3-30b-a3b --fuse-wgrad --profile-host 20 \
+      > "$OUT/host_profile.log" 2>&1; grep -A45 "== host profile" "$OUT/host_profile.log" | cut -c1-180; pack
     ;;
   liger)  # Liger's fused MoE alone, long enough for its autotuning; its Triton cache comes back
     timeout "${LIGER_S:-420}" python3 benchmarks/moe_layer.py --shapes "${SHAPES:-qwen3-30b-a3b}" \
