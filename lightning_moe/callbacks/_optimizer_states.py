@@ -148,7 +148,11 @@ class OptimizerStateOffloader:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        assert self._original is not None, "OptimizerStateOffloader.step called before attach()"
+        if self._original is None:
+            raise RuntimeError(
+                "OptimizerStateOffloader.step was called before attach(); attach the offloader to the optimizer "
+                "first (the CPUOffload callback does it when fit starts, through wrap_optimizers)."
+            )
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers check
         chunks = self._chunks()
         groups = self.optimizer.param_groups

@@ -266,3 +266,10 @@ def test_model_without_moe_layers_raises(tmp_path: Path) -> None:
 def test_bad_arguments_raise_at_construction(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         CPUOffload(**kwargs)
+
+
+def test_optimizer_state_offloader_step_before_attach_names_the_fix() -> None:
+    w = torch.nn.Parameter(torch.zeros(4))
+    offloader = OptimizerStateOffloader(torch.optim.Adam([w]), CPU)
+    with pytest.raises(RuntimeError, match=r"called before attach\(\).*wrap_optimizers"):
+        offloader.step()
