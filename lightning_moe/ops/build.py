@@ -125,16 +125,11 @@ def _build_key(
     prefix: str = "",
     extra: tuple[Path, ...] = (),
 ) -> str:
-    """Directory name for one build: changes with any source, header of ``root`` (default: ``csrc/``),
-    ``extra`` file, flag or version."""
+    """Directory name for one build, ``{prefix}{versions}-{hash}``: changes with any source, header of
+    ``root`` (default: ``csrc/``), ``extra`` file, flag or the torch / CUDA / Python version, so a
+    stale build is never loaded."""
     root = csrc_dir() if root is None else root
     files = sorted(sources) + sorted(root.glob("*.cuh")) + sorted(root.glob("*.h")) + list(extra)
-    return _hashed_key(files, flags, prefix)
-
-
-def _hashed_key(files: list[Path], flags: object, prefix: str = "") -> str:
-    """``{prefix}{versions}-{hash}``: the hash of ``files`` (names and bytes), ``flags`` and the
-    torch / CUDA / Python versions, so a stale build is never loaded."""
     h = hashlib.sha256()
     for path in files:
         h.update(path.name.encode())

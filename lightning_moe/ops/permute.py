@@ -244,7 +244,6 @@ class _PermuteRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_SH: torch.Tensor, perm: Permutation) -> torch.Tensor:  # type: ignore[override]
         ctx.perm = perm
-        ctx.num_src = x_SH.shape[0]
         return _expert_rows_impl(x_SH, perm)
 
     @staticmethod
