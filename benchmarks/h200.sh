@@ -12,6 +12,7 @@
 #   bash benchmarks/h200.sh liger     # Liger alone with a long timeout; carry .tcache/ (from tcache.tgz) afterwards
 #   bash benchmarks/h200.sh inlayer   # the fused wgrad kernels timed inside the DeepSeek-V3 step (INLAYER_ARMS)
 #   bash benchmarks/h200.sh host      # the host's path to the first expert GEMM, stage by stage (qwen3, deepseek)
+#   bash benchmarks/h200.sh probe     # CUTLASS wgrad race + its counters (ncu), router GEMM host cost, then GPU tests
 #   bash benchmarks/h200.sh multi     # issue 8 on a multi-GPU kind: NCCL parity, EP scaling, overlap, ECHO, DeepEP
 #                                     # (carry .deepep/: DeepEP's source as src.tar; built here by build_deepep.sh)
 #   bash benchmarks/h200.sh all       # GPU tests, e2e with profile, callbacks, mixtral, Liger (results_MODE.tgz)
@@ -235,6 +236,26 @@ PY
       > "$OUT/host.log" 2>&1; grep -h '^{' "$OUT/host.log" | cut -c1-900
     timeout 90 python3 benchmarks/host_path.py --shapes qwen3-30b-a3b --fuse-wgrad --profile-host 20 \
       > "$OUT/host_profile.log" 2>&1; grep -A45 "== host profile" "$OUT/host_profile.log" | cut -c1-180; pack
+    ;;
+  probe)  # where the wgrad kernels' time goes: race (incl. new tilings), ncu counters, router host cost, tests
+    timeout 150 python3 benchmarks/wgrad_kernels.py --shapes ${WGRAD_SHAPES:-deepseek-v3 qwen3-30b-a3b} --tiles none \
+      --cutlass-only --json "$OUT/wgrad.json" > "$OUT/wgrad.log" 2>&1; grep -E '"arm"|^best' "$OUT/wgrad.log" | cut -c1-160; pack
+    timeout 150 python3 benchmarks/wgrad_in_layer.py --shape deepseek-v3 --rounds 3 \
+      --arms "${INLAYER_ARMS:-streams,cutlass@cooperative-c1x2,cutlass@cooperative-c1x2-c8,cutlass@cooperative-c2x2,cutlass@cooperative-128x128-c1x2}" \
+      --json "$OUT/inlayer.json" > "$OUT/inlayer.log" 2>&1; tail -7 "$OUT/inlayer.log" | cut -c1-220; pack
+    for arm in ${NCU_ARMS:-cutlass:cooperative-c1x2 grouped-fresh}; do
+      echo "== ncu deepseek-v3 w13 $arm"
+      timeout 100 ncu --clock-control none -k regex:device_kernel --launch-skip 1 --launch-count 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        --section WarpStateStats --section LaunchStats --section Occupancy \
+        python3 benchmarks/wgrad_counters.py --shape deepseek-v3 --weight w13 --arm "$arm" > "$OUT/ncu_${arm#*:}.log" 2>&1
+      grep -E "Throughput|Duration|Busy|Pipe|Warp Cycles|Stall|Registers|Shared Memory Config|Achieved Occ|Block Limit|Hit Rate|Bandwidth|Elapsed Cycles|Issued" \
+        "$OUT/ncu_${arm#*:}.log" | cut -c1-130 | head -45; pack
+    done
+    timeout 120 python3 benchmarks/host_path.py --shapes qwen3-30b-a3b --fuse-wgrad --router-variants \
+      > "$OUT/host.log" 2>&1; grep -h '^{' "$OUT/host.log" | cut -c1-1500; pack
+    timeout "${PROBE_TESTS_S:-200}" python3 -m pytest tests/gpu -q -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1
+    grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" | tail -8; tail -1 "$OUT/gpu_tests.log"; pack
     ;;
   liger)  # Liger's fused MoE alone, long enough for its autotuning; its Triton cache comes back
     timeout "${LIGER_S:-420}" python3 benchmarks/moe_layer.py --shapes "${SHAPES:-qwen3-30b-a3b}" \

@@ -12,6 +12,9 @@ first expert GEMM is launched), plus the host time per call of the router's GEMM
 ``--stages`` stamps the host clock when each stage of the forward starts (router GEMM, top-k,
 permutation, fusion set-up, gather, first expert GEMM, ...) and prints the median microseconds
 from the step's start: the host's path itemised, without a profiler's overhead.
+``--router-variants`` times the host's cost of one call of each way to get the router's logits,
+right after a synchronised layer step (cold, as in the step) and in a warm loop, with each cuBLAS
+back end torch offers: which call is worth its host time on the path to the first GEMM.
 ``--profile-host N`` runs N synchronised steps under cProfile and prints the functions with the
 most host time of their own: where the host's path goes, function by function.
 """
@@ -135,6 +138,46 @@ def stage_us(layer: torch.nn.Module, x: torch.Tensor, go: torch.Tensor, steps: i
     return {label: round(statistics.median(rows[label]), 1) for label in order}
 
 
+def cold_us(layer: torch.nn.Module, x: torch.Tensor, go: torch.Tensor, fn, steps: int = 15) -> float:  # noqa: ANN001
+    """Median host µs of one ``fn()`` issued right after a synchronised layer step (cold caches)."""
+    times = []
+    for i in range(steps + 2):
+        layer(x).backward(go)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append((t1 - t0) * 1e6)
+    return round(statistics.median(times), 1)
+
+
+def router_variants(layer: torch.nn.Module, x: torch.Tensor, go: torch.Tensor) -> dict:
+    """Host µs of each way to get the logits, cold and warm, under each cuBLAS back end."""
+    xd, w = x.detach(), layer.router.weight.detach()
+    calls = {
+        "mm_out_fp32": lambda: torch.mm(xd, w.t(), out_dtype=torch.float32),
+        "linear_bf16": lambda: F.linear(xd, w),
+        "mm_fp32_upcast": lambda: torch.mm(xd.float(), w.float().t()),
+        "router_forward": lambda: layer.router(x),
+    }
+    out: dict = {}
+    backend = torch.backends.cuda.preferred_blas_library()
+    try:
+        for lib in ("default", "cublas", "cublaslt"):
+            if lib != "default":
+                torch.backends.cuda.preferred_blas_library(lib)
+            for name, fn in calls.items():
+                try:
+                    out[f"{lib}/{name}"] = {"cold_us": cold_us(layer, x, go, fn), "warm_us": host_us(fn)}
+                except RuntimeError as e:  # a back end without this call
+                    out[f"{lib}/{name}"] = {"error": str(e)[:120]}
+    finally:
+        torch.backends.cuda.preferred_blas_library(backend)
+    return out
+
+
 def profile_host(layer: torch.nn.Module, x: torch.Tensor, go: torch.Tensor, steps: int, top: int = 35) -> str:
     """cProfile over ``steps`` synchronised steps: the top functions by their own host time."""
     for _ in range(3):
@@ -157,6 +200,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3")
     ap.add_argument("--fuse-wgrad", action="store_true", help="MoEConfig(fuse_wgrad_accumulation=True)")
     ap.add_argument("--stages", action="store_true", help="also stamp the forward's stages (host µs from step start)")
+    ap.add_argument("--router-variants", action="store_true", help="also time the router GEMM's calls (host µs)")
     ap.add_argument("--profile-host", type=int, default=0, metavar="N", help="also cProfile N steps (host time)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -176,6 +220,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         if a.stages:
             print(json.dumps({"shape": name, "host_us_from_step_start": stage_us(layer, x, go)}), flush=True)
+        if a.router_variants:
+            print(json.dumps({"shape": name, "router_logits_host_us": router_variants(layer, x, go)}), flush=True)
         if a.profile_host:
             print(f"== host profile, {name}, {a.profile_host} steps", flush=True)
             print(profile_host(layer, x, go, a.profile_host), flush=True)

@@ -25,8 +25,11 @@ enum class WgradTile : int {
   kCooperative256x128Cluster1x2 = 0,
   kCooperative256x128 = 1,
   kCooperative128x256 = 2,
+  kCooperative256x128Cluster1x2PrefetchC8 = 3,  // all eight C sub-tiles ahead, D's buffers apart
+  kCooperative128x128Cluster1x2 = 4,
+  kCooperative256x128Cluster2x2 = 5,
 };
-constexpr int kTilings = 3;
+constexpr int kTilings = 6;
 
 // Bytes of device workspace grouped_wgrad_accumulate needs for `num_experts` groups on a GPU
 // with `sm_count` multiprocessors.

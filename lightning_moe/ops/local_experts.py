@@ -34,7 +34,7 @@ from lightning_moe.ops.deferred import Deferred, resolved
 from lightning_moe.ops.grouped_gemm import GemmBackend, gmm, gmm_wgrad
 from lightning_moe.ops.permute import Permutation, _expert_rows_impl, _unpermute_sum_impl
 from lightning_moe.ops.swiglu import weighted_swiglu_backward, weighted_swiglu_forward
-from lightning_moe.ops.wgrad_accumulation import WgradFusion, accumulation_target, fusion_pays, wgrad_kernel
+from lightning_moe.ops.wgrad_accumulation import WgradFusion, accumulation_target, wgrad_kernel, wide_experts
 
 __all__ = ["local_experts"]
 
@@ -168,7 +168,7 @@ def local_experts(
     rebuild is cheap for the shape (:func:`rebuild_is_cheap`).
 
     ``fuse_wgrad=True``: when ``w13``/``w2`` are leaves that already hold a ``.grad`` at backward
-    time and the shape is wide enough for it to pay (``ops.wgrad_accumulation.fusion_pays``), their
+    time and the shape is wide enough for it to pay (``ops.wgrad_accumulation.wide_experts``), their
     gradients are added into ``.grad`` by the weight-gradient GEMMs (see that module for when it is
     safe); otherwise, and by default, they are returned to autograd.
     """
@@ -194,4 +194,4 @@ def _may_fuse(w13: torch.Tensor, w2: torch.Tensor, x_TH: torch.Tensor) -> bool:
     kernel = wgrad_kernel()
     if kernel == "triton" or (kernel in ("auto", "cutlass") and wgrad_cutlass.supported(x_TH, w13, w2)):
         return True
-    return fusion_pays(w2.shape[-1], w2.shape[-2], w2.element_size())
+    return wide_experts(w2)

@@ -68,6 +68,7 @@ __all__ = [
     "accumulate_wgrad_",
     "accumulation_target",
     "fusion_pays",
+    "wide_experts",
     "wgrad_streams",
     "wgrad_kernel",
 ]
@@ -114,7 +115,7 @@ class HostOffsets:
 WGRAD_KERNELS = ("auto", "loop", "streams", "triton", "cutlass")
 
 
-def _wide(w2: torch.Tensor) -> bool:
+def wide_experts(w2: torch.Tensor) -> bool:
     """Whether the experts (down-projection ``[E, F, H]``) are wide enough for per-expert GEMMs to pay."""
     return fusion_pays(w2.shape[-1], w2.shape[-2], w2.element_size())
 
@@ -175,7 +176,7 @@ class WgradFusion:
     def __init__(self, offs_E: torch.Tensor, x: torch.Tensor, weights: tuple[torch.Tensor, ...] = ()) -> None:
         self.offs_E = offs_E
         kernel = wgrad_kernel()
-        if kernel == "cutlass" or (kernel == "auto" and weights and not _wide(weights[-1])):
+        if kernel == "cutlass" or (kernel == "auto" and weights and not wide_experts(weights[-1])):
             kernel = "cutlass" if wgrad_cutlass.supported(x, *weights) else auto_kernel(offs_E.numel())
         elif kernel == "auto":
             kernel = auto_kernel(offs_E.numel())

@@ -41,7 +41,7 @@ def _count_fused_accumulations() -> list[int]:
 
     calls: list[int] = []
     original = wacc.WgradFusion.accumulate_
-    local_ops.fusion_pays = lambda h, f, size: True  # type: ignore[assignment]
+    local_ops.wide_experts = lambda w2: True  # type: ignore[assignment]
 
     def counted(self: wacc.WgradFusion, *args: Any) -> None:
         calls.append(1)

@@ -99,7 +99,7 @@ def test_fused_wgrad_accumulation_matches_autograd_accumulation(dtype, tol, kern
     monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", kernel)
     if streams:
         monkeypatch.setenv("LIGHTNING_MOE_WGRAD_STREAMS", streams)
-    monkeypatch.setattr(local_ops, "fusion_pays", lambda h, f, size: True)  # the test shape is narrow
+    monkeypatch.setattr(local_ops, "wide_experts", lambda w2: True)  # the test shape is narrow
     taken: list[str] = []
     original = wacc.WgradFusion.accumulate_
     monkeypatch.setattr(

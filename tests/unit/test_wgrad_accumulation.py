@@ -30,7 +30,7 @@ def _layer(fuse: bool, backend: str = "torch", num_experts: int = 8, **kw: Any) 
 @pytest.fixture
 def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Make the tiny test shapes count as wide, and count the in-place accumulations."""
-    monkeypatch.setattr(local_ops, "fusion_pays", lambda h, f, size: True)
+    monkeypatch.setattr(local_ops, "wide_experts", lambda w2: True)
     calls: list[int] = []
     original = wacc.WgradFusion.accumulate_
 
