@@ -13,6 +13,7 @@
 #   bash benchmarks/h200.sh inlayer   # the fused wgrad kernels timed inside the DeepSeek-V3 step (INLAYER_ARMS)
 #   bash benchmarks/h200.sh host      # the host's path to the first expert GEMM, stage by stage (qwen3, deepseek)
 #   bash benchmarks/h200.sh probe     # CUTLASS wgrad race + its counters (ncu), router GEMM host cost, then GPU tests
+#   bash benchmarks/h200.sh rows      # bandwidth-bound kernels vs a copy, per row layout; their tests; layers with the best
 #   bash benchmarks/h200.sh multi     # issue 8 on a multi-GPU kind: NCCL parity, EP scaling, overlap, ECHO, DeepEP
 #                                     # (carry .deepep/: DeepEP's source as src.tar; built here by build_deepep.sh)
 #   bash benchmarks/h200.sh all       # GPU tests, e2e with profile, callbacks, mixtral, Liger (results_MODE.tgz)
@@ -256,6 +257,21 @@ PY
       > "$OUT/host.log" 2>&1; grep -h '^{' "$OUT/host.log" | cut -c1-1500; pack
     timeout "${PROBE_TESTS_S:-200}" python3 -m pytest tests/gpu -q -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1
     grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" | tail -8; tail -1 "$OUT/gpu_tests.log"; pack
+    ;;
+  rows)  # the row kernels' TB/s per LIGHTNING_MOE_ROW_VECS_PER_THREAD, their tests there, then the layers
+    for m in ${ROW_VPT:-1 2 4}; do
+      LIGHTNING_MOE_ROW_VECS_PER_THREAD=$m timeout 90 python3 benchmarks/row_kernels.py --json "$OUT/rows_$m.json" \
+        > "$OUT/rows_$m.log" 2>&1; grep -h '^{' "$OUT/rows_$m.log" | cut -c1-160
+      [ "$m" = 1 ] || LIGHTNING_MOE_ROW_VECS_PER_THREAD=$m timeout 120 python3 -m pytest tests/gpu/test_kernels.py -q \
+        -p no:cacheprovider -rf -k "swiglu or scatter or unpermute or permute" > "$OUT/rows_tests_$m.log" 2>&1
+      [ "$m" = 1 ] || { grep -hE "FAILED|ERROR" "$OUT/rows_tests_$m.log" | tail -4; tail -1 "$OUT/rows_tests_$m.log"; }
+    done; pack
+    for m in ${ROW_LAYER_VPT:-2 1}; do
+      echo "== layers, LIGHTNING_MOE_ROW_VECS_PER_THREAD=$m"
+      LIGHTNING_MOE_ROW_VECS_PER_THREAD=$m timeout 200 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b,deepseek-v3 \
+        --fuse-wgrad --peers torch-grouped_mm-ref --json "$OUT/layer_$m.json" > "$OUT/layer_$m.log" 2>&1
+      grep -h '^{"peer\|peer ms /\|GEMMs alone fwd+bwd\|^ \{26\}' "$OUT/layer_$m.log" | cut -c1-200; pack
+    done
     ;;
   liger)  # Liger's fused MoE alone, long enough for its autotuning; its Triton cache comes back
     timeout "${LIGER_S:-420}" python3 benchmarks/moe_layer.py --shapes "${SHAPES:-qwen3-30b-a3b}" \

@@ -18,6 +18,8 @@
 // a bad launch configuration surfaces at the call site. Zero-sized problems launch nothing.
 #pragma once
 
+#include <cstdlib>
+
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
@@ -379,10 +381,35 @@ struct RowGroups {
   __device__ __forceinline__ int64_t step() const { return static_cast<int64_t>(gridDim.x) * per_block; }
 };
 
+// Vectors each thread should own per row (LIGHTNING_MOE_ROW_VECS_PER_THREAD, read once; default 1):
+// 1 gives a row the power of two of threads at or above its vector count (a row of 96 vectors
+// gets 128 threads, 32 of them idle); m > 1 gives it the power of two of threads, at most
+// vecs / m, that leaves the fewest idle lanes (96 vectors, m = 2: 32 threads, 3 vectors each).
+inline int min_vecs_per_thread() {
+  static const int m = [] {
+    const char* v = std::getenv("LIGHTNING_MOE_ROW_VECS_PER_THREAD");
+    const int parsed = v ? std::atoi(v) : 1;
+    return parsed >= 1 && parsed <= 16 ? parsed : 1;
+  }();
+  return m;
+}
+
+inline int threads_per_row_log2_at_least(int64_t vecs, int m) {
+  if (m <= 1 || vecs < 2) return threads_per_row_log2(vecs);
+  int best = 0;
+  double best_use = 0.0;
+  for (int l = 0; l <= 8 && (int64_t{1} << l) * m <= vecs; ++l) {
+    const int64_t p = int64_t{1} << l;
+    const double use = static_cast<double>(vecs) / static_cast<double>(p * ((vecs + p - 1) / p));
+    if (use >= best_use) best = l, best_use = use;  // ties: more threads
+  }
+  return best;
+}
+
 inline RowLaunch row_launch(int64_t width, int kN, int64_t rows) {
   RowLaunch p;
   p.vecs = width / kN;
-  p.log2_threads_per_row = threads_per_row_log2(p.vecs);
+  p.log2_threads_per_row = threads_per_row_log2_at_least(p.vecs, min_vecs_per_thread());
   const int64_t rows_per_block = kThreads >> p.log2_threads_per_row;
   p.grid = grid_size((rows + rows_per_block - 1) / rows_per_block);
   return p;

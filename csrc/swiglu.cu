@@ -42,6 +42,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     const float wr = kWeighted ? w[r] : 1.0f;
     const St<Tag>* gate_row = h + r * 2 * ffn;
     const St<Tag>* up_row = gate_row + ffn;
+#pragma unroll 2
     for (int64_t j = g.lane; j < vecs_per_row; j += g.tpr) {
       float g[kN], u[kN], o[kN];
       V::load_float(gate_row + j * kN, g);
@@ -82,6 +83,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       const St<Tag>* up_row = gate_row + ffn;
       St<Tag>* dgate_row = grad_h + r * 2 * ffn;
       St<Tag>* dup_row = dgate_row + ffn;
+#pragma unroll 2
       for (int64_t j = g.lane; j < vecs_per_row; j += g.tpr) {
         float g[kN], u[kN], da[kN], dg[kN], du[kN];
         V::load_float(gate_row + j * kN, g);
