@@ -13,7 +13,8 @@
 #   bash benchmarks/h200.sh inlayer   # the fused wgrad kernels timed inside the DeepSeek-V3 step (INLAYER_ARMS)
 #   bash benchmarks/h200.sh host      # the host's path to the first expert GEMM, stage by stage (qwen3, deepseek)
 #   bash benchmarks/h200.sh probe     # CUTLASS wgrad race + its counters (ncu), router GEMM host cost, then GPU tests
-#   bash benchmarks/h200.sh rows      # bandwidth-bound kernels vs a copy, per row layout; their tests; layers with the best
+#   bash benchmarks/h200.sh rows      # the bandwidth-bound kernels (scatter, gather-sum, SwiGLU) vs a copy; their tests
+#   bash benchmarks/h200.sh close     # a session's last call: all GPU tests, then every shape beside every peer
 #   bash benchmarks/h200.sh multi     # issue 8 on a multi-GPU kind: NCCL parity, EP scaling, overlap, ECHO, DeepEP
 #                                     # (carry .deepep/: DeepEP's source as src.tar; built here by build_deepep.sh)
 #   bash benchmarks/h200.sh all       # GPU tests, e2e with profile, callbacks, mixtral, Liger (results_MODE.tgz)
@@ -238,11 +239,11 @@ PY
     timeout 90 python3 benchmarks/host_path.py --shapes qwen3-30b-a3b --fuse-wgrad --profile-host 20 \
       > "$OUT/host_profile.log" 2>&1; grep -A45 "== host profile" "$OUT/host_profile.log" | cut -c1-180; pack
     ;;
-  probe)  # where the wgrad kernels' time goes: race (incl. new tilings), ncu counters, router host cost, tests
+  probe)  # where the wgrad kernels' time goes: race, in-layer arms, ncu counters, router host cost, tests
     timeout 150 python3 benchmarks/wgrad_kernels.py --shapes ${WGRAD_SHAPES:-deepseek-v3 qwen3-30b-a3b} --tiles none \
       --cutlass-only --json "$OUT/wgrad.json" > "$OUT/wgrad.log" 2>&1; grep -E '"arm"|^best' "$OUT/wgrad.log" | cut -c1-160; pack
     timeout 150 python3 benchmarks/wgrad_in_layer.py --shape deepseek-v3 --rounds 3 \
-      --arms "${INLAYER_ARMS:-streams,cutlass@cooperative-c1x2,cutlass@cooperative-c1x2-c8,cutlass@cooperative-c2x2,cutlass@cooperative-128x128-c1x2}" \
+      --arms "${INLAYER_ARMS:-streams,cutlass@cooperative-c1x2}" \
       --json "$OUT/inlayer.json" > "$OUT/inlayer.log" 2>&1; tail -7 "$OUT/inlayer.log" | cut -c1-220; pack
     for arm in ${NCU_ARMS:-cutlass:cooperative-c1x2 grouped-fresh}; do
       echo "== ncu deepseek-v3 w13 $arm"
@@ -258,20 +259,22 @@ PY
     timeout "${PROBE_TESTS_S:-200}" python3 -m pytest tests/gpu -q -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1
     grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" | tail -8; tail -1 "$OUT/gpu_tests.log"; pack
     ;;
-  rows)  # the row kernels' TB/s per LIGHTNING_MOE_ROW_VECS_PER_THREAD, their tests there, then the layers
-    for m in ${ROW_VPT:-1 2 4}; do
-      LIGHTNING_MOE_ROW_VECS_PER_THREAD=$m timeout 90 python3 benchmarks/row_kernels.py --json "$OUT/rows_$m.json" \
-        > "$OUT/rows_$m.log" 2>&1; grep -h '^{' "$OUT/rows_$m.log" | cut -c1-160
-      [ "$m" = 1 ] || LIGHTNING_MOE_ROW_VECS_PER_THREAD=$m timeout 120 python3 -m pytest tests/gpu/test_kernels.py -q \
-        -p no:cacheprovider -rf -k "swiglu or scatter or unpermute or permute" > "$OUT/rows_tests_$m.log" 2>&1
-      [ "$m" = 1 ] || { grep -hE "FAILED|ERROR" "$OUT/rows_tests_$m.log" | tail -4; tail -1 "$OUT/rows_tests_$m.log"; }
-    done; pack
-    for m in ${ROW_LAYER_VPT:-2 1}; do
-      echo "== layers, LIGHTNING_MOE_ROW_VECS_PER_THREAD=$m"
-      LIGHTNING_MOE_ROW_VECS_PER_THREAD=$m timeout 200 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b,deepseek-v3 \
-        --fuse-wgrad --peers torch-grouped_mm-ref --json "$OUT/layer_$m.json" > "$OUT/layer_$m.log" 2>&1
-      grep -h '^{"peer\|peer ms /\|GEMMs alone fwd+bwd\|^ \{26\}' "$OUT/layer_$m.log" | cut -c1-200; pack
-    done
+  rows)  # the bandwidth-bound kernels' TB/s against a copy, then their GPU tests
+    timeout 90 python3 benchmarks/row_kernels.py --json "$OUT/rows.json" > "$OUT/rows.log" 2>&1
+    grep -h '^{' "$OUT/rows.log" | cut -c1-160
+    timeout 120 python3 -m pytest tests/gpu/test_kernels.py -q -p no:cacheprovider -rf \
+      -k "swiglu or scatter or unpermute or permute" > "$OUT/rows_tests.log" 2>&1
+    grep -hE "FAILED|ERROR" "$OUT/rows_tests.log" | tail -4; tail -1 "$OUT/rows_tests.log"; pack
+    ;;
+  close)  # all GPU tests; qwen3 + deepseek (breakdown, GEMMs alone) and mixtral beside torch, HF and Megatron-Core
+    timeout "${CLOSE_TESTS_S:-180}" python3 -m pytest tests/gpu -q -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1
+    grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" | tail -8; tail -1 "$OUT/gpu_tests.log"; pack
+    peers=${CLOSE_PEERS:-torch-grouped_mm-ref,hf-grouped_mm,mcore-sequential}
+    timeout 230 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b,deepseek-v3 --fuse-wgrad --peers "$peers" \
+      --json "$OUT/layers.json" > "$OUT/layers.log" 2>&1
+    grep -h '^{"peer\|peer ms /\|GEMMs alone fwd+bwd\|^ \{26\}' "$OUT/layers.log" | cut -c1-220; pack
+    timeout 100 python3 benchmarks/moe_layer.py --shapes mixtral-8x7b --fuse-wgrad --no-breakdown --peers "$peers" \
+      --json "$OUT/mixtral.json" > "$OUT/mixtral.log" 2>&1; grep -h '^{"peer\|peer ms /' "$OUT/mixtral.log" | cut -c1-200; pack
     ;;
   liger)  # Liger's fused MoE alone, long enough for its autotuning; its Triton cache comes back
     timeout "${LIGER_S:-420}" python3 benchmarks/moe_layer.py --shapes "${SHAPES:-qwen3-30b-a3b}" \

@@ -7,14 +7,12 @@ timer (median of 20 after warm-up, CUDA events) and its bytes (each buffer read 
 are divided by that time; ``copy`` is ``torch.Tensor.copy_`` of an R x H buffer, the ceiling.
 
     python benchmarks/row_kernels.py --shapes qwen3-30b-a3b,deepseek-v3
-    LIGHTNING_MOE_ROW_VECS_PER_THREAD=2 python benchmarks/row_kernels.py   # the row layout's knob
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -53,8 +51,7 @@ def run_shape(name: str) -> list[dict]:
     rows = []
     for arm, (fn, nbytes) in arms.items():
         ms = peers.timeit(fn, 3, 20)
-        row = {"shape": name, "arm": arm, "ms": round(ms, 4), "tb_s": round(nbytes / ms / 1e9, 2),
-               "vecs_per_thread": os.environ.get("LIGHTNING_MOE_ROW_VECS_PER_THREAD", "1")}
+        row = {"shape": name, "arm": arm, "ms": round(ms, 4), "tb_s": round(nbytes / ms / 1e9, 2)}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

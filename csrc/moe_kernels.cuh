@@ -18,8 +18,6 @@
 // a bad launch configuration surfaces at the call site. Zero-sized problems launch nothing.
 #pragma once
 
-#include <cstdlib>
-
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
@@ -381,19 +379,9 @@ struct RowGroups {
   __device__ __forceinline__ int64_t step() const { return static_cast<int64_t>(gridDim.x) * per_block; }
 };
 
-// Vectors each thread should own per row (LIGHTNING_MOE_ROW_VECS_PER_THREAD, read once; default 1):
-// 1 gives a row the power of two of threads at or above its vector count (a row of 96 vectors
-// gets 128 threads, 32 of them idle); m > 1 gives it the power of two of threads, at most
-// vecs / m, that leaves the fewest idle lanes (96 vectors, m = 2: 32 threads, 3 vectors each).
-inline int min_vecs_per_thread() {
-  static const int m = [] {
-    const char* v = std::getenv("LIGHTNING_MOE_ROW_VECS_PER_THREAD");
-    const int parsed = v ? std::atoi(v) : 1;
-    return parsed >= 1 && parsed <= 16 ? parsed : 1;
-  }();
-  return m;
-}
-
+// Threads per row (log2) when each thread should own at least `m` of the row's `vecs` vectors:
+// the power of two, at most vecs / m, that leaves the fewest idle lanes (ties: more threads).
+// 96 vectors, m = 2: 32 threads, 3 vectors each (threads_per_row_log2 gives 128, 32 of them idle).
 inline int threads_per_row_log2_at_least(int64_t vecs, int m) {
   if (m <= 1 || vecs < 2) return threads_per_row_log2(vecs);
   int best = 0;
@@ -406,23 +394,24 @@ inline int threads_per_row_log2_at_least(int64_t vecs, int m) {
   return best;
 }
 
-inline RowLaunch row_launch(int64_t width, int kN, int64_t rows) {
+inline RowLaunch row_launch(int64_t width, int kN, int64_t rows, int min_vecs_per_thread) {
   RowLaunch p;
   p.vecs = width / kN;
-  p.log2_threads_per_row = threads_per_row_log2_at_least(p.vecs, min_vecs_per_thread());
+  p.log2_threads_per_row = threads_per_row_log2_at_least(p.vecs, min_vecs_per_thread);
   const int64_t rows_per_block = kThreads >> p.log2_threads_per_row;
   p.grid = grid_size((rows + rows_per_block - 1) / rows_per_block);
   return p;
 }
 
 // The row launchers' common part: dispatches dtype and vector width, then calls
-// f(Tag{}, IntTag<kN>{}, row_launch(width, kN, rows)), which launches, and returns
-// cudaGetLastError(). `width` is the row length in elements, `rows` the number of rows.
+// f(Tag{}, IntTag<kN>{}, row_launch(width, kN, rows, min_vecs_per_thread)), which launches, and returns
+// cudaGetLastError(). `width` is the row length in elements, `rows` the number of rows;
+// `min_vecs_per_thread` > 1 gives each thread several of a row's vectors (row_launch).
 template <typename Fn>
-cudaError_t launch_rows(DType dt, int vec_bytes, int64_t width, int64_t rows, Fn&& f) {
+cudaError_t launch_rows(DType dt, int vec_bytes, int64_t width, int64_t rows, Fn&& f, int min_vecs_per_thread = 1) {
   return dispatch_dtype(dt, [&](auto tag) {
     return dispatch_vec<decltype(tag)>(vec_bytes, [&](auto n) {
-      f(tag, n, row_launch(width, decltype(n)::value, rows));
+      f(tag, n, row_launch(width, decltype(n)::value, rows, min_vecs_per_thread));
       return cudaGetLastError();
     });
   });

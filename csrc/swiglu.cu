@@ -29,7 +29,13 @@ using St = typename Tag::storage;
 
 __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 
-// Layout as in permute.cu: groups of 2^tpr_log2 threads own one row per grid-stride step.
+// Layout as in permute.cu: groups of 2^tpr_log2 threads own one row per grid-stride step, here
+// with at least two of the row's vectors per thread (kVecsPerThread): H200, bf16,
+// benchmarks/row_kernels.py — Qwen3-30B-A3B (F = 768: 96 vectors a row, which one vector per thread
+// spread over 128 threads, 32 idle) forward 0.204 -> 0.174 ms, backward 0.331 -> 0.260 ms
+// (3.0 -> 3.5 and 3.9 TB/s; a copy: 4.1); DeepSeek-V3 backward 0.382 -> 0.350 ms. Four per thread
+// gained nothing more; the permute kernels were not faster with two (they keep one).
+constexpr int kVecsPerThread = 2;
 template <typename Tag, int kN, bool kWeighted>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     swiglu_fwd_kernel(const St<Tag>* __restrict__ h, const float* __restrict__ w,
@@ -137,7 +143,7 @@ cudaError_t weighted_swiglu_fwd(const void* h, const float* w, void* a, int64_t 
           static_cast<const St<Tag>*>(h), w, static_cast<St<Tag>*>(a), num_rows, rl.vecs,
           rl.log2_threads_per_row);
     });
-  });
+  }, kVecsPerThread);
 }
 
 cudaError_t weighted_swiglu_bwd(const void* h, const float* w, const void* grad_a, void* grad_h,
@@ -162,7 +168,7 @@ cudaError_t weighted_swiglu_bwd(const void* h, const float* w, const void* grad_
                 static_cast<St<Tag>*>(grad_h), grad_w, num_rows, rl.vecs, rl.log2_threads_per_row);
       });
     });
-  });
+  }, kVecsPerThread);
 }
 
 }  // namespace lightning_moe

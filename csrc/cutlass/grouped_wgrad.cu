@@ -16,9 +16,6 @@ namespace cutlass_kernels {
 LMOE_WGRAD_ENTRY_POINTS(cooperative_c1x2)
 LMOE_WGRAD_ENTRY_POINTS(cooperative)
 LMOE_WGRAD_ENTRY_POINTS(cooperative_128x256)
-LMOE_WGRAD_ENTRY_POINTS(cooperative_c1x2_c8)
-LMOE_WGRAD_ENTRY_POINTS(cooperative_128x128_c1x2)
-LMOE_WGRAD_ENTRY_POINTS(cooperative_c2x2)
 
 namespace {
 
@@ -33,9 +30,6 @@ constexpr Tiling kTable[kTilings] = {
     {&workspace_bytes_cooperative_c1x2, &accumulate_cooperative_c1x2},
     {&workspace_bytes_cooperative, &accumulate_cooperative},
     {&workspace_bytes_cooperative_128x256, &accumulate_cooperative_128x256},
-    {&workspace_bytes_cooperative_c1x2_c8, &accumulate_cooperative_c1x2_c8},
-    {&workspace_bytes_cooperative_128x128_c1x2, &accumulate_cooperative_128x128_c1x2},
-    {&workspace_bytes_cooperative_c2x2, &accumulate_cooperative_c2x2},
 };
 
 bool known(WgradTile tile) { return static_cast<int>(tile) >= 0 && static_cast<int>(tile) < kTilings; }

@@ -19,17 +19,15 @@ namespace cutlass_kernels {
 // tile; a cluster of two along N shares the x_e^T tile's loads through TMA multicast). H200,
 // benchmarks/wgrad_kernels.py: the clustered 256 x 128 tiling was fastest summed over both weights
 // on DeepSeek-V3, Qwen3-30B-A3B and Mixtral; pingpong 128 x 128 tiles, clusters along M and wider
-// epilogue sub-tiles (128 x 64, 128 x 128: the Cooperative template's EpiN) were not faster
-// summed over both weights anywhere and are not built.
+// epilogue sub-tiles (128 x 64, 128 x 128: the Cooperative template's EpiN), 128 x 128 cooperative
+// tiles, 2 x 2 clusters and all of C loaded ahead (StagesC) were not faster summed over both
+// weights anywhere and are not built.
 enum class WgradTile : int {
   kCooperative256x128Cluster1x2 = 0,
   kCooperative256x128 = 1,
   kCooperative128x256 = 2,
-  kCooperative256x128Cluster1x2PrefetchC8 = 3,  // all eight C sub-tiles ahead, D's buffers apart
-  kCooperative128x128Cluster1x2 = 4,
-  kCooperative256x128Cluster2x2 = 5,
 };
-constexpr int kTilings = 6;
+constexpr int kTilings = 3;
 
 // Bytes of device workspace grouped_wgrad_accumulate needs for `num_experts` groups on a GPU
 // with `sm_count` multiprocessors.

@@ -48,7 +48,13 @@ constexpr int kAlignment = 8;                   // 16 bytes of bf16: TMA's unit
 // both weights slower. The knob stays for the next tiling experiment.
 // StagesC (0 = CUTLASS's choice: min(sub-tiles, 4), C and D sharing those buffers): how many C
 // sub-tiles the producer may load ahead; with ReuseSmemC = false, D gets two buffers of its own, so
-// loading the next tile's C never waits for this tile's stores to leave shared memory.
+// loading the next tile's C never waits for this tile's stores to leave shared memory. Measured
+// (H200, `benchmarks/h200.sh probe`): all eight C sub-tiles ahead in buffers of their own was slower
+// (DeepSeek-V3 w13 13.29 vs 12.51 ms; Qwen3 1.60 vs 1.44), as were 128 x 128 tiles (12.49 / 1.61)
+// and 2 x 2 clusters (15.68 / 1.71): the old gradient's loads are not what holds the kernel back.
+// Nsight Compute on the default tiling (DeepSeek-V3 w13): DRAM 57 % of peak (2.7 TB/s), tensor pipe
+// 38 %, 1 block of 3 warp groups per SM; neither bound is reached, the tile's epilogue and its
+// MMAs take turns. Both knobs stay for the next experiment (a ping-pong schedule with 64-row tiles).
 template <int TileM, int TileN, int ClusterM, int ClusterN, int EpiN = 0, int StagesC = 0, bool ReuseSmemC = true>
 struct Cooperative {
   using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::_64>;

@@ -30,14 +30,7 @@ from lightning_moe.ops.build_cutlass import load_cutlass_extension
 
 __all__ = ["TILES", "grouped_wgrad_accumulate_", "reference_accumulate_", "supported", "tile"]
 
-TILES = {
-    "cooperative-c1x2": 0,
-    "cooperative": 1,
-    "cooperative-128x256": 2,
-    "cooperative-c1x2-c8": 3,
-    "cooperative-128x128-c1x2": 4,
-    "cooperative-c2x2": 5,
-}
+TILES = {"cooperative-c1x2": 0, "cooperative": 1, "cooperative-128x256": 2}
 DEFAULT_TILE = "cooperative-c1x2"
 
 
