@@ -15,6 +15,7 @@
 #   bash benchmarks/h200.sh probe     # CUTLASS wgrad race + its counters (ncu), router GEMM host cost, then GPU tests
 #   bash benchmarks/h200.sh rows      # the bandwidth-bound kernels (scatter, gather-sum, SwiGLU) vs a copy; their tests
 #   bash benchmarks/h200.sh close     # a session's last call: all GPU tests, then every shape beside every peer
+#   bash benchmarks/h200.sh blas      # the cuBLAS wgrad loop per BLAS back end (memsets?), a cold launch's host cost
 #   bash benchmarks/h200.sh multi     # issue 8 on a multi-GPU kind: NCCL parity, EP scaling, overlap, ECHO, DeepEP
 #                                     # (carry .deepep/: DeepEP's source as src.tar; built here by build_deepep.sh)
 #   bash benchmarks/h200.sh all       # GPU tests, e2e with profile, callbacks, mixtral, Liger (results_MODE.tgz)
@@ -265,6 +266,11 @@ PY
     timeout 120 python3 -m pytest tests/gpu/test_kernels.py -q -p no:cacheprovider -rf \
       -k "swiglu or scatter or unpermute or permute" > "$OUT/rows_tests.log" 2>&1
     grep -hE "FAILED|ERROR" "$OUT/rows_tests.log" | tail -4; tail -1 "$OUT/rows_tests.log"; pack
+    ;;
+  blas)  # the two-stream cuBLAS wgrad loop under cublas / cublaslt, with what it runs; cold host cost of launches
+    timeout 150 python3 benchmarks/wgrad_blas.py --shape deepseek-v3 > "$OUT/blas.log" 2>&1; grep -h '^{' "$OUT/blas.log" | cut -c1-700
+    ROUTER_VARIANTS_DEFAULT_ONLY=1 timeout 100 python3 benchmarks/host_path.py --shapes qwen3-30b-a3b --fuse-wgrad \
+      --router-variants > "$OUT/host.log" 2>&1; grep -h '^{' "$OUT/host.log" | cut -c1-900; pack
     ;;
   close)  # all GPU tests; qwen3 + deepseek (breakdown, GEMMs alone) and mixtral beside torch, HF and Megatron-Core
     timeout "${CLOSE_TESTS_S:-180}" python3 -m pytest tests/gpu -q -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1

@@ -26,6 +26,7 @@ import cProfile
 import io
 import pstats
 import json
+import os
 import statistics
 import sys
 import time
@@ -161,11 +162,12 @@ def router_variants(layer: torch.nn.Module, x: torch.Tensor, go: torch.Tensor) -
         "linear_bf16": lambda: F.linear(xd, w),
         "mm_fp32_upcast": lambda: torch.mm(xd.float(), w.float().t()),
         "router_forward": lambda: layer.router(x),
+        "fill_kernel": lambda: torch.ones(1, device=xd.device),  # no cuBLAS: a cold launch's own cost
     }
     out: dict = {}
     backend = torch.backends.cuda.preferred_blas_library()
     try:
-        for lib in ("default", "cublas", "cublaslt"):
+        for lib in ("default", "cublas", "cublaslt")[: 1 if os.environ.get("ROUTER_VARIANTS_DEFAULT_ONLY") else 3]:
             if lib != "default":
                 torch.backends.cuda.preferred_blas_library(lib)
             for name, fn in calls.items():
