@@ -4,7 +4,8 @@ Per BENCHMARKS.md shape, on a random (about balanced) routing: the row scatter (
 expert order: the forward's permute and the combine's backward), the gather-sum (the combine and
 the permute's backward), the weighted SwiGLU forward and backward. Each is timed with the protocol's
 timer (median of 20 after warm-up, CUDA events) and its bytes (each buffer read or written once)
-are divided by that time; ``copy`` is ``torch.Tensor.copy_`` of an R x H buffer, the ceiling.
+are divided by that time; ``copy`` is ``torch.Tensor.copy_`` of an R x H buffer, the ceiling for a
+half-read half-written pass, and ``write`` (``fill_``) and ``read`` (``sum``) the one-sided ones.
 
     python benchmarks/row_kernels.py --shapes qwen3-30b-a3b,deepseek-v3
 """
@@ -43,6 +44,8 @@ def run_shape(name: str) -> list[dict]:
     copy_dst = torch.empty_like(y)
     arms = {
         "copy R x H": (lambda: copy_dst.copy_(y), 2 * R * H * 2),
+        "write R x H (fill)": (lambda: copy_dst.fill_(1.0), R * H * 2),  # the scatter is 8/9 writes
+        "read R x H (sum)": (lambda: y.sum(dtype=torch.float32), R * H * 2),  # the gather-sum 8/9 reads
         "scatter x -> rows": (lambda: ext.scatter_rows(x, slot_row, R), (T + R) * H * 2),
         "gather-sum rows -> x": (lambda: ext.unpermute_sum(y, slot_row, None), (T + R) * H * 2),
         "swiglu fwd": (lambda: ext.weighted_swiglu_fwd(h, w), R * 3 * F * 2 + R * 4),

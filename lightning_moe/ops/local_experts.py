@@ -18,7 +18,7 @@ weight gradients are the biggest transient buffers of the step:
 
     _DownCombine (h, w2, w_R -> y_TH)      backward: grad_y_RH = grad_out[src_R] -> grad_a,
         grad_w2 (with a) -> grad_h, grad_w_R = swiglu_bwd(h, w_R, grad_a)
-    _PermuteUp (x_TH, w13 -> h)            backward: grad_w13 (with x_RH);
+    _PermuteUp (x_TH, x_RH, w13 -> h)      backward: grad_w13 (with x_RH);
         grad_x_RH = gmm(grad_h, w13^T) -> grad_x_TH = gather-sum over the K slots
 
 With ``fuse_wgrad`` (and a shape where it pays), a weight that already has a ``.grad`` gets its
@@ -44,6 +44,7 @@ class _PermuteUp(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx,
         x_TH: torch.Tensor,
+        x_RH: torch.Tensor,  # x_TH's rows in expert order (_expert_rows_impl), moved by the caller
         w13: torch.Tensor,
         perm: Permutation,
         offs_E: torch.Tensor,
@@ -51,7 +52,6 @@ class _PermuteUp(torch.autograd.Function):
         keep_gathered: bool,
         fusion: WgradFusion | None,
     ) -> torch.Tensor:
-        x_RH = _expert_rows_impl(x_TH, perm)
         h_R2F = gmm(x_RH, w13, offs_E, backend)
         ctx.perm, ctx.backend, ctx.keep_gathered = perm, backend, keep_gathered
         # The weight itself, not its saved copy: saved-tensor hooks (offload, checkpoints) may unpack
@@ -67,7 +67,7 @@ class _PermuteUp(torch.autograd.Function):
         backend: GemmBackend = ctx.backend
         grad_h_R2F = grad_h_R2F.contiguous()
         grad_w13 = None
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[2]:  # w13 (x_RH, input 1, is the caller's detached copy)
             x_RH = x_saved if ctx.keep_gathered else _expert_rows_impl(x_saved, perm)
             grad_w13 = _weight_grad(ctx, x_RH, grad_h_R2F, offs_E, "w13")
             del x_RH
@@ -75,7 +75,7 @@ class _PermuteUp(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x_RH = gmm(grad_h_R2F, w13.transpose(1, 2), offs_E, backend)
             grad_x_TH = _unpermute_sum_impl(grad_x_RH, perm.slot_row_TK, None)
-        return grad_x_TH, grad_w13, None, None, None, None, None
+        return grad_x_TH, None, grad_w13, None, None, None, None, None
 
 
 class _DownCombine(torch.autograd.Function):
@@ -172,12 +172,16 @@ def local_experts(
     gradients are added into ``.grad`` by the weight-gradient GEMMs (see that module for when it is
     safe); otherwise, and by default, they are returned to autograd.
     """
+    # The rows are moved first: the device copies them while the host sets up the fusion and the
+    # autograd node below (host time before the first GEMM's launch is idle device time).
+    x_RH = _expert_rows_impl(x_TH.detach(), perm)
     if lean is None:
         rebuild_x, rebuild_a = rebuild_is_cheap(x_TH.shape[-1], w2.shape[-2])
     else:
         rebuild_x = rebuild_a = lean
     fusion = WgradFusion(offs_E, x_TH, (w13, w2)) if fuse_wgrad and _may_fuse(w13, w2, x_TH) else None
-    h_R2F = _PermuteUp.apply(x_TH, w13, perm, offs_E, backend, not rebuild_x, fusion)
+    h_R2F = _PermuteUp.apply(x_TH, x_RH, w13, perm, offs_E, backend, not rebuild_x, fusion)
+    del x_RH  # held by the node only when it keeps the gathered rows
     if fusion is not None:
         fusion.copy_offsets()
     w_R = resolved(w_R)  # deferred by the caller until the first GEMM is launched
