@@ -89,7 +89,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 
 // out[t] = sum_k w[t,k] * y[slot_row[t,k]]. Each thread keeps kN fp32 accumulators and adds the
 // K rows in increasing k: a fixed order, so the result is bitwise reproducible, and no atomics
-// (each output element has exactly one writer).
+// (each output element has exactly one writer). The rows are read kBatch at a time as raw vectors,
+// all of a batch's loads issued before the first is converted (eight 16-byte loads in flight per
+// thread for top-8 routing, in 32 registers): the pass is 8/9 reads, and with four in flight it
+// reached ~80 % of a plain read's bandwidth on the H200.
 template <typename Tag, int kN, bool kWeighted>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     unpermute_sum_kernel(const typename Tag::storage* __restrict__ y,
@@ -97,6 +100,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
                          typename Tag::storage* __restrict__ out, int64_t num_tokens,
                          int64_t top_k, int64_t vecs_per_row, int tpr_log2) {
   using V = Vec<Tag, kN>;
+  constexpr int kBatch = 8;
   const detail::RowGroups g(tpr_log2);
   const int64_t pitch = vecs_per_row * kN;
   for (int64_t t = g.first(); t < num_tokens; t += g.step()) {
@@ -105,20 +109,27 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       float acc[kN];
 #pragma unroll
       for (int i = 0; i < kN; ++i) acc[i] = 0.0f;
-      // Unrolled so that several rows' loads are in flight at once (memory-level parallelism).
-#pragma unroll 4
-      for (int64_t k = 0; k < top_k; ++k) {
-        const int64_t r = rows[k];
-        if (r < 0) continue;  // dropped slot
-        float v[kN];
-        V::load_float(y + r * pitch + j * kN, v);
-        if (kWeighted) {
-          const float wk = w[t * top_k + k];
+      for (int64_t k0 = 0; k0 < top_k; k0 += kBatch) {
+        typename V::raw_t v[kBatch];
+        int64_t r[kBatch];
 #pragma unroll
-          for (int i = 0; i < kN; ++i) acc[i] = fmaf(wk, v[i], acc[i]);
-        } else {
+        for (int u = 0; u < kBatch; ++u) {
+          r[u] = k0 + u < top_k ? rows[k0 + u] : -1;
+          v[u] = r[u] >= 0 ? V::load(y + r[u] * pitch + j * kN) : V::zero();
+        }
 #pragma unroll
-          for (int i = 0; i < kN; ++i) acc[i] += v[i];
+        for (int u = 0; u < kBatch; ++u) {
+          if (r[u] < 0) continue;  // dropped slot (or past K): adds nothing, as before
+          float f[kN];
+          V::to_float(v[u], f);
+          if (kWeighted) {
+            const float wk = w[t * top_k + k0 + u];
+#pragma unroll
+            for (int i = 0; i < kN; ++i) acc[i] = fmaf(wk, f[i], acc[i]);
+          } else {
+#pragma unroll
+            for (int i = 0; i < kN; ++i) acc[i] += f[i];
+          }
         }
       }
       V::store_float(out + t * pitch + j * kN, acc);
