@@ -84,6 +84,20 @@ void check_launch(cudaError_t err, const char* op) {
 
 cudaStream_t current_stream() { return at::cuda::getCurrentCUDAStream().stream(); }
 
+// The checks the row ops begin with, in this order: `rows` (activations, [*, H]) and its int32
+// index tensor on rows' CUDA device and contiguous, both of their stated ranks; returns rows' dtype.
+DType check_rows_and_index(const at::Tensor& rows, const char* rows_name, const char* rows_shape,
+                           const at::Tensor& index, const char* index_name, int64_t index_dim,
+                           const char* index_shape, const char* op) {
+  const at::Device dev = rows.device();
+  check_tensor(rows, op, rows_name, dev);
+  check_tensor(index, op, index_name, dev);
+  check_dim(rows, op, rows_name, 2, rows_shape);
+  check_dim(index, op, index_name, index_dim, index_shape);
+  check_dtype(index, op, index_name, at::kInt);
+  return activation_dtype(rows, op, rows_name);
+}
+
 // ---------------------------------------------------------------------------------------------
 
 // out[R, H] = x[src_idx[r]] (* row_scale[r]); src_idx[r] = -1 gives a zero row.
@@ -91,12 +105,7 @@ at::Tensor permute_rows_op(const at::Tensor& x, const at::Tensor& src_idx,
                            const std::optional<at::Tensor>& row_scale) {
   constexpr const char* op = "permute_rows";
   const at::Device dev = x.device();
-  check_tensor(x, op, "x", dev);
-  check_tensor(src_idx, op, "src_idx", dev);
-  check_dim(x, op, "x", 2, "[S, H]");
-  check_dim(src_idx, op, "src_idx", 1, "[R]");
-  check_dtype(src_idx, op, "src_idx", at::kInt);
-  const DType dt = activation_dtype(x, op, "x");
+  const DType dt = check_rows_and_index(x, "x", "[S, H]", src_idx, "src_idx", 1, "[R]", op);
   const int64_t R = src_idx.size(0);
   TORCH_CHECK(x.size(0) <= kInt32Max, "lightning_moe_C.", op, ": x has ", num(x.size(0)),
               " rows; int32 row indices address at most ", num(kInt32Max), ".");
@@ -120,12 +129,7 @@ at::Tensor permute_rows_op(const at::Tensor& x, const at::Tensor& src_idx,
 at::Tensor scatter_rows_op(const at::Tensor& x, const at::Tensor& slot_row, int64_t num_rows) {
   constexpr const char* op = "scatter_rows";
   const at::Device dev = x.device();
-  check_tensor(x, op, "x", dev);
-  check_tensor(slot_row, op, "slot_row", dev);
-  check_dim(x, op, "x", 2, "[T, H]");
-  check_dim(slot_row, op, "slot_row", 2, "[T, K]");
-  check_dtype(slot_row, op, "slot_row", at::kInt);
-  const DType dt = activation_dtype(x, op, "x");
+  const DType dt = check_rows_and_index(x, "x", "[T, H]", slot_row, "slot_row", 2, "[T, K]", op);
   TORCH_CHECK(slot_row.size(0) == x.size(0), "lightning_moe_C.", op, ": slot_row has ", num(slot_row.size(0)),
               " tokens, x has ", num(x.size(0)), "; both are [T, ...].");
   TORCH_CHECK(num_rows >= 0 && num_rows <= kInt32Max, "lightning_moe_C.", op, ": num_rows=", num(num_rows),
@@ -143,12 +147,7 @@ at::Tensor unpermute_sum_op(const at::Tensor& y, const at::Tensor& slot_row,
                             const std::optional<at::Tensor>& weights) {
   constexpr const char* op = "unpermute_sum";
   const at::Device dev = y.device();
-  check_tensor(y, op, "y", dev);
-  check_tensor(slot_row, op, "slot_row", dev);
-  check_dim(y, op, "y", 2, "[R, H]");
-  check_dim(slot_row, op, "slot_row", 2, "[T, K]");
-  check_dtype(slot_row, op, "slot_row", at::kInt);
-  const DType dt = activation_dtype(y, op, "y");
+  const DType dt = check_rows_and_index(y, "y", "[R, H]", slot_row, "slot_row", 2, "[T, K]", op);
   if (weights.has_value()) {
     check_tensor(*weights, op, "weights", dev);
     check_dtype(*weights, op, "weights", at::kFloat);
