@@ -46,16 +46,14 @@ constexpr int kAlignment = 8;                   // 16 bytes of bf16: TMA's unit
 // (all of a 256 x 128 tile's C in flight) were measured on the H200 and did not pay: DeepSeek-V3 w13
 // 12.42 (128 x 64) and 14.24 ms (128 x 128) vs 12.28 with 128 x 32; w2 5.79-5.86 vs 6.13 ms; Qwen3
 // both weights slower. The knob stays for the next tiling experiment.
-// StagesC (0 = CUTLASS's choice: min(sub-tiles, 4), C and D sharing those buffers): how many C
-// sub-tiles the producer may load ahead; with ReuseSmemC = false, D gets two buffers of its own, so
-// loading the next tile's C never waits for this tile's stores to leave shared memory. Measured
-// (H200, `benchmarks/h200.sh probe`): all eight C sub-tiles ahead in buffers of their own was slower
-// (DeepSeek-V3 w13 13.29 vs 12.51 ms; Qwen3 1.60 vs 1.44), as were 128 x 128 tiles (12.49 / 1.61)
-// and 2 x 2 clusters (15.68 / 1.71): the old gradient's loads are not what holds the kernel back.
-// Nsight Compute on the default tiling (DeepSeek-V3 w13): DRAM 57 % of peak (2.7 TB/s), tensor pipe
-// 38 %, 1 block of 3 warp groups per SM; neither bound is reached, the tile's epilogue and its
-// MMAs take turns. Both knobs stay for the next experiment (a ping-pong schedule with 64-row tiles).
-template <int TileM, int TileN, int ClusterM, int ClusterN, int EpiN = 0, int StagesC = 0, bool ReuseSmemC = true>
+// Also measured there and not kept (H200, `benchmarks/h200.sh probe`, ed15547): all eight C sub-tiles
+// loaded ahead into buffers of their own (the epilogue's dispatch policy with StagesC = 8 and
+// ReuseSmemC = false) was slower (DeepSeek-V3 w13 13.29 vs 12.51 ms; Qwen3 1.60 vs 1.44), as were
+// 128 x 128 tiles (12.49 / 1.61) and 2 x 2 clusters (15.68 / 1.71): the old gradient's loads are not
+// what holds the kernel back. Nsight Compute on the default tiling (DeepSeek-V3 w13): DRAM 57 % of
+// peak (2.7 TB/s), tensor pipe 38 %, 1 block of 3 warp groups per SM; neither bound is reached, the
+// tile's epilogue and its MMAs take turns. The next experiment: a ping-pong schedule, 64-row tiles.
+template <int TileM, int TileN, int ClusterM, int ClusterN, int EpiN = 0>
 struct Cooperative {
   using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::_64>;
   using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
@@ -63,37 +61,15 @@ struct Cooperative {
                                           cute::Shape<cute::_128, cute::Int<EpiN>>>;
   using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-  static constexpr int kStagesC = StagesC;
-  static constexpr bool kReuseSmemC = ReuseSmemC;
-};
-
-using LinearCombination = cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>;
-
-// The collective epilogue: CUTLASS's builder, or (StagesC given) the same parts with our stage counts.
-template <class Config, bool ByBuilder = (Config::kStagesC == 0)>
-struct EpilogueFor {
-  using Op = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
-      typename Config::EpilogueTile, Accumulator, Accumulator, Element, LayoutC*, kAlignment,
-      Element, LayoutC*, kAlignment, typename Config::EpilogueSchedule, LinearCombination>::CollectiveOp;
-};
-
-template <class Config>
-struct EpilogueFor<Config, false> {
-  using EpiTile = decltype(cutlass::epilogue::collective::detail::sm90_compute_tile_shape_or_override<
-                           Element, typename Config::EpilogueTile, typename Config::EpilogueSchedule,
-                           typename Config::Tile>());
-  static constexpr int kFragment = decltype(cute::size(EpiTile{}))::value / 256;  // two epilogue warp groups
-  using Policy = cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<
-      Config::kStagesC, 2, kFragment, Config::kReuseSmemC, false, Config::EpilogueSchedule::NumEpilogueWarpGroups>;
-  using Op = typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
-      typename Config::Tile, EpiTile, Accumulator, Accumulator, Element, LayoutC*, kAlignment, Element, LayoutC*,
-      kAlignment, LinearCombination, Policy>::CollectiveOp;
 };
 
 template <class Config>
 struct WgradGemm {
-  using Epilogue = typename EpilogueFor<Config>::Op;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
+      typename Config::EpilogueTile, Accumulator, Accumulator, Element, LayoutC*, kAlignment,
+      Element, LayoutC*, kAlignment, typename Config::EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignment, Element, LayoutB*,
