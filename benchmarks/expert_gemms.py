@@ -1,5 +1,8 @@
 """Forward / data-gradient expert GEMMs: one grouped GEMM vs one cuBLAS GEMM per expert over N streams.
 
+``--dgrad`` adds the two data-gradient GEMMs; every GEMM also runs with the weight stored K-major
+(the layer's forward reads its weights N-major, its data gradient K-major).
+
 Per shape and projection (``y_e = x_e @ w[e]`` for every expert, as the forward and the data
 gradient of a BENCHMARKS.md layer run them): ``F.grouped_mm`` against a per-expert ``torch.mm``
 loop with experts dealt round-robin over 1, 2 and 4 streams. Prints ms (median of 10, CUDA
@@ -31,7 +34,7 @@ def _loop(x: torch.Tensor, w: torch.Tensor, bounds: list[int], out: torch.Tensor
         main.wait_stream(side)
 
 
-def run(label: str, offs: torch.Tensor, K: int, N: int) -> list[dict]:
+def run(label: str, offs: torch.Tensor, K: int, N: int, loops: bool = True) -> list[dict]:
     dev = torch.device("cuda")
     R = int(offs[-1])
     x = torch.randn(R, K, device=dev, dtype=torch.bfloat16)
@@ -40,8 +43,9 @@ def run(label: str, offs: torch.Tensor, K: int, N: int) -> list[dict]:
     out = torch.empty(R, N, device=dev, dtype=torch.bfloat16)
     flop = 2.0 * R * K * N
     rows = []
-    arms = {"grouped_mm": lambda: F.grouped_mm(x, w, offs=offs_d)}
-    for n in (1, 2, 4):
+    w_k = w.transpose(1, 2).contiguous().transpose(1, 2)  # the same [e, K, N] values, K contiguous
+    arms = {"grouped_mm": lambda: F.grouped_mm(x, w, offs=offs_d), "grouped_mm K-major w": lambda: F.grouped_mm(x, w_k, offs=offs_d)}
+    for n in (1, 2, 4) if loops else ():
         lanes = [torch.cuda.current_stream()] + [torch.cuda.Stream() for _ in range(n - 1)]
         arms[f"cuBLAS loop {n} streams"] = lambda lanes=lanes: _loop(x, w, bounds, out, lanes)
     for arm, fn in arms.items():
@@ -56,14 +60,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["deepseek-v3"], choices=sorted(SHAPES))
     parser.add_argument("--json", default=None)
+    parser.add_argument("--dgrad", action="store_true", help="also the data-gradient GEMMs (grad_y @ w2^T, grad_h @ w13^T)")
+    parser.add_argument("--no-loops", action="store_true", help="grouped arms only (no per-expert cuBLAS loops)")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     results = []
     for name in args.shapes:
         tokens, hidden, ffn, experts, top_k = SHAPES[name]
         offs = _routed_offsets(tokens, experts, top_k, gen)
-        results += run(f"{name} up (x @ w13)", offs, hidden, 2 * ffn)
-        results += run(f"{name} down (a @ w2)", offs, ffn, hidden)
+        loops = not args.no_loops
+        results += run(f"{name} up (x @ w13)", offs, hidden, 2 * ffn, loops)
+        results += run(f"{name} down (a @ w2)", offs, ffn, hidden, loops)
+        if args.dgrad:
+            results += run(f"{name} dgrad down (dy @ w2^T)", offs, hidden, ffn, loops)
+            results += run(f"{name} dgrad up (dh @ w13^T)", offs, 2 * ffn, hidden, loops)
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

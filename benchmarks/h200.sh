@@ -16,6 +16,7 @@
 #   bash benchmarks/h200.sh rows      # the bandwidth-bound kernels (scatter, gather-sum, SwiGLU) vs a copy; their tests
 #   bash benchmarks/h200.sh close     # a session's last call: all GPU tests, then every shape beside every peer
 #   bash benchmarks/h200.sh blas      # the cuBLAS wgrad loop per BLAS back end (memsets?), a cold launch's host cost
+#   bash benchmarks/h200.sh cold      # GPU tests, cold host µs per call after a sync, grouped GEMM layouts, qwen3 breakdown
 #   bash benchmarks/h200.sh multi     # issue 8 on a multi-GPU kind: NCCL parity, EP scaling, overlap, ECHO, DeepEP
 #                                     # (carry .deepep/: DeepEP's source as src.tar; built here by build_deepep.sh)
 #   bash benchmarks/h200.sh all       # GPU tests, e2e with profile, callbacks, mixtral, Liger (results_MODE.tgz)
@@ -284,6 +285,17 @@ PY
     [ "${CLOSE_MIXTRAL:-1}" = 1 ] && timeout 100 python3 benchmarks/moe_layer.py --shapes mixtral-8x7b --fuse-wgrad \
       --no-breakdown --peers "$peers" --json "$OUT/mixtral.json" > "$OUT/mixtral.log" 2>&1
     grep -h '^{"peer\|peer ms /' "$OUT/mixtral.log" 2>/dev/null | cut -c1-200; pack
+    ;;
+  cold)  # all GPU tests; cold host cost per call after a sync; grouped GEMM layouts; qwen3 breakdown
+    timeout 200 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1
+    grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" | tail -8; tail -1 "$OUT/gpu_tests.log"; pack
+    timeout 120 python3 benchmarks/host_path.py --shapes qwen3-30b-a3b --fuse-wgrad --stages --cold-sequence \
+      > "$OUT/host.log" 2>&1; grep -h '^{' "$OUT/host.log" | cut -c1-1200; pack
+    timeout 120 python3 benchmarks/expert_gemms.py --shapes qwen3-30b-a3b deepseek-v3 --dgrad --no-loops \
+      --json "$OUT/gemms.json" > "$OUT/gemms.log" 2>&1; grep -h '^{' "$OUT/gemms.log" | cut -c1-160; pack
+    timeout 150 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --fuse-wgrad --peers torch-grouped_mm-ref \
+      --json "$OUT/layers.json" > "$OUT/layers.log" 2>&1
+    grep -h '^{"peer\|peer ms /\|GEMMs alone fwd+bwd' "$OUT/layers.log" | cut -c1-220; pack
     ;;
   liger)  # Liger's fused MoE alone, long enough for its autotuning; its Triton cache comes back
     timeout "${LIGER_S:-420}" python3 benchmarks/moe_layer.py --shapes "${SHAPES:-qwen3-30b-a3b}" \

@@ -15,6 +15,9 @@ from the step's start: the host's path itemised, without a profiler's overhead.
 ``--router-variants`` times the host's cost of one call of each way to get the router's logits,
 right after a synchronised layer step (cold, as in the step) and in a warm loop, with each cuBLAS
 back end torch offers: which call is worth its host time on the path to the first GEMM.
+``--cold-sequence`` times each call of a short sequence issued right after a synchronised step
+(host µs per call, no profiler): whether only the first launch after the sync is slow or every
+call for a while, which decides whether fewer calls or fewer Python operations pay.
 ``--profile-host N`` runs N synchronised steps under cProfile and prints the functions with the
 most host time of their own: where the host's path goes, function by function.
 """
@@ -154,6 +157,39 @@ def cold_us(layer: torch.nn.Module, x: torch.Tensor, go: torch.Tensor, fn, steps
     return round(statistics.median(times), 1)
 
 
+def cold_sequence(layer: torch.nn.Module, x: torch.Tensor, go: torch.Tensor, steps: int = 15) -> dict:
+    """Host µs of each call in a few sequences issued right after a synchronised step (median per position)."""
+    xd, w = x.detach(), layer.router.weight.detach()
+    dev = xd.device
+    small = [torch.zeros(1, device=dev) for _ in range(8)]
+    fill = lambda i: small[i].fill_(1.0)  # noqa: E731
+    mm = lambda i: torch.mm(xd, w.t(), out_dtype=torch.float32)  # noqa: E731
+    foreach = lambda i: torch._foreach_add_(small, 1.0)  # noqa: E731  (one C++ call, one launch)
+    sequences = {
+        "fill x8": [fill] * 8,
+        "router mm x4": [mm] * 4,
+        "fill then router mm x3": [fill, mm, mm, mm],
+        "foreach x4": [foreach] * 4,
+        "router forward x3": [lambda i: layer.router(x)] * 3,
+    }
+    out: dict = {}
+    for name, calls in sequences.items():
+        per_call: list[list[float]] = [[] for _ in calls]
+        for i in range(steps + 2):
+            layer(x).backward(go)
+            torch.cuda.synchronize()
+            stamps = [time.perf_counter()]
+            for j, call in enumerate(calls):
+                call(j)
+                stamps.append(time.perf_counter())
+            torch.cuda.synchronize()
+            if i >= 2:
+                for j in range(len(calls)):
+                    per_call[j].append((stamps[j + 1] - stamps[j]) * 1e6)
+        out[name] = [round(statistics.median(v), 1) for v in per_call]
+    return out
+
+
 def router_variants(layer: torch.nn.Module, x: torch.Tensor, go: torch.Tensor) -> dict:
     """Host µs of each way to get the logits, cold and warm, under each cuBLAS back end."""
     xd, w = x.detach(), layer.router.weight.detach()
@@ -203,6 +239,7 @@ def main() -> None:
     ap.add_argument("--fuse-wgrad", action="store_true", help="MoEConfig(fuse_wgrad_accumulation=True)")
     ap.add_argument("--stages", action="store_true", help="also stamp the forward's stages (host µs from step start)")
     ap.add_argument("--router-variants", action="store_true", help="also time the router GEMM's calls (host µs)")
+    ap.add_argument("--cold-sequence", action="store_true", help="also time each call of short sequences after a sync")
     ap.add_argument("--profile-host", type=int, default=0, metavar="N", help="also cProfile N steps (host time)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -224,6 +261,8 @@ def main() -> None:
             print(json.dumps({"shape": name, "host_us_from_step_start": stage_us(layer, x, go)}), flush=True)
         if a.router_variants:
             print(json.dumps({"shape": name, "router_logits_host_us": router_variants(layer, x, go)}), flush=True)
+        if a.cold_sequence:
+            print(json.dumps({"shape": name, "cold_sequence_host_us": cold_sequence(layer, x, go)}), flush=True)
         if a.profile_host:
             print(f"== host profile, {name}, {a.profile_host} steps", flush=True)
             print(profile_host(layer, x, go, a.profile_host), flush=True)

@@ -133,7 +133,7 @@ def breakdown(T: int, H: int, Fh: int, E: int, k: int, dev: str, skew: float, fu
             for _ in range(3):
                 layer(x).backward(go)
             torch.cuda.synchronize()
-        rows = [(k["total_ms"] / 3, k["count"] // 3, k["name"][:70]) for k in device_kernels(prof)]
+        rows = [(k["total_ms"] / 3, k["count"] // 3, k["name"][:110]) for k in device_kernels(prof)]
         out["kernels_ms"] = [[round(ms, 3), n, name] for ms, n, name in rows[:22]]
         out["total_kernel_ms"] = round(sum(r[0] for r in rows), 3)
         out["timeline"] = _timeline(lambda: layer(x).backward(go))
