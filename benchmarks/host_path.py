@@ -90,6 +90,8 @@ def host_us(fn, calls: int = 200) -> float:  # noqa: ANN001
 
 # (module, attribute) pairs whose calls --stages stamps; a class attribute stamps a method.
 _STAGES = (
+    ("lightning_moe.moe.router:TopKRouter", "route_and_permute"),
+    ("lightning_moe.moe.router", "route"),
     ("lightning_moe.moe.router", "router_logits"),
     ("lightning_moe.moe.router:TopKRouter", "_select"),
     ("lightning_moe.moe.dispatch", "build_permutation"),

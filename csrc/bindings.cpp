@@ -339,6 +339,51 @@ std::tuple<at::Tensor, at::Tensor> router_topk_op(const at::Tensor& logits,
   return {ids, weights};
 }
 
+// logits[T, E] fp32 = x[T, H] @ w[E, H]^T (x and w both bf16 or both fp16).
+at::Tensor router_logits_op(const at::Tensor& x, const at::Tensor& w) {
+  constexpr const char* op = "router_logits";
+  const at::Device dev = x.device();
+  check_tensor(x, op, "x", dev);
+  check_tensor(w, op, "w", dev);
+  check_dim(x, op, "x", 2, "[T, H]");
+  check_dim(w, op, "w", 2, "[E, H]");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf),
+              "lightning_moe_C.", op, ": x.dtype=", x.scalar_type(), " and w.dtype=", w.scalar_type(),
+              " must both be bfloat16 or both float16 (use the torch path otherwise).");
+  TORCH_CHECK(w.size(1) == x.size(1), "lightning_moe_C.", op, ": x has shape ", dims(x.sizes()), " and w ",
+              dims(w.sizes()), "; their hidden sizes must agree.");
+  TORCH_CHECK(x.size(1) % 8 == 0, "lightning_moe_C.", op, ": hidden size H=", num(x.size(1)),
+              " must be a multiple of 8 (16-byte row chunks; use the torch path).");
+  for (const at::Tensor* t : {&x, &w}) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "lightning_moe_C.", op,
+                ": an input's data is not 16-byte aligned (a view at an odd offset); pass a fresh copy.");
+  }
+  const c10::cuda::CUDAGuard guard(dev);
+  at::Tensor logits = at::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
+  check_launch(router_logits(x.data_ptr(), w.data_ptr(), logits.data_ptr<float>(), x.size(0), x.size(1), w.size(0),
+                             activation_dtype(x, op, "x"), current_stream()),
+               op);
+  return logits;
+}
+
+// The router and the permutation of one dropless MoE layer in one call (the host's whole path to
+// the expert rows: four launches' worth of Python and dispatcher overhead saved right where the
+// device waits for the host): logits = x @ w^T (router_logits), the top-k ids (router_topk), the
+// expert permutation of those ids (build_permutation) and x's rows in expert order (scatter_rows).
+// Same checks, same kernels and same results as the four ops called one after the other.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> route_op(
+    const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t top_k,
+    c10::string_view score_func, bool pre_softmax, bool norm_topk_prob, double scaling_factor, int64_t num_groups,
+    int64_t group_topk) {
+  at::Tensor logits = router_logits_op(x, w);
+  auto [ids, weights] = router_topk_op(logits, bias, top_k, score_func, pre_softmax, norm_topk_prob, scaling_factor,
+                                       num_groups, group_topk);
+  (void)weights;  // the differentiable weights are computed from the logits by the caller
+  auto [src_idx, slot_row, counts, offsets] = build_permutation_op(ids, w.size(0));
+  at::Tensor rows = scatter_rows_op(x, slot_row, ids.numel());
+  return {logits, ids, src_idx, slot_row, counts, offsets, rows};
+}
+
 }  // namespace
 }  // namespace lightning_moe
 
@@ -360,6 +405,11 @@ TORCH_LIBRARY(lightning_moe_C, m) {
       "router_topk(Tensor logits, Tensor? bias, int top_k, str score_func, bool pre_softmax, "
       "bool norm_topk_prob, float scaling_factor, int num_groups, int group_topk) "
       "-> (Tensor, Tensor)");
+  m.def("router_logits(Tensor x, Tensor w) -> Tensor");
+  m.def(
+      "route(Tensor x, Tensor w, Tensor? bias, int top_k, str score_func, bool pre_softmax, "
+      "bool norm_topk_prob, float scaling_factor, int num_groups, int group_topk) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 // The CUDA kernels. The same functions are registered for CPU only so that a call with CPU
@@ -373,7 +423,9 @@ TORCH_LIBRARY(lightning_moe_C, m) {
   m.impl("weighted_swiglu_fwd", &lightning_moe::weighted_swiglu_fwd_op);        \
   m.impl("weighted_swiglu_bwd", &lightning_moe::weighted_swiglu_bwd_op);        \
   m.impl("build_permutation", &lightning_moe::build_permutation_op);            \
-  m.impl("router_topk", &lightning_moe::router_topk_op)
+  m.impl("router_topk", &lightning_moe::router_topk_op);                        \
+  m.impl("router_logits", &lightning_moe::router_logits_op);                    \
+  m.impl("route", &lightning_moe::route_op)
 
 TORCH_LIBRARY_IMPL(lightning_moe_C, CUDA, m) { LMOE_REGISTER_OPS(m); }
 TORCH_LIBRARY_IMPL(lightning_moe_C, CPU, m) { LMOE_REGISTER_OPS(m); }

@@ -114,6 +114,15 @@ cudaError_t router_topk(const float* logits, const float* bias, int64_t num_toke
                         int64_t group_topk, int64_t* topk_ids, float* topk_weights,
                         cudaStream_t stream);
 
+// ---------------------------------------------------------------------------------------------
+// router_gemm.cu
+
+// logits[t, e] = sum_h x[t, h] * w[e, h] with fp32 accumulation and output (the router's GEMM).
+// x: [T, H], w: [E, H], both bf16 or both fp16 (dtype), contiguous and 16-byte aligned;
+// logits: [T, E] fp32. Requires H % 8 == 0; any T and E.
+cudaError_t router_logits(const void* x, const void* w, float* logits, int64_t num_tokens, int64_t hidden,
+                          int64_t num_experts, DType dtype, cudaStream_t stream);
+
 }  // namespace lightning_moe
 
 // =============================================================================================

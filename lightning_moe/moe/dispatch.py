@@ -94,17 +94,23 @@ class LocalDispatcher:
         topk_weights_TK: Deferred,
         capacity: int | None,
         experts: Any,
+        perm: Permutation | None = None,
+        x_RH: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """dispatch → experts → combine in one autograd node (weights inside the activation).
 
         Same result as the three calls; saves only the expert hidden state (see
         ``ops/local_experts.py``). ``experts`` is a ``GroupedExperts``. The routing weights (or
         the function computing them) are turned into row weights only after the first expert
-        GEMM is launched.
+        GEMM is launched. ``perm`` (of ``topk_ids_TK``) and ``x_RH`` (``x_TH``'s rows in its
+        order) may come already made (``TopKRouter.route_and_permute``).
         """
-        perm = build_permutation(topk_ids_TK, self.num_experts, capacity, self.dropless)
+        if perm is None:
+            perm = build_permutation(topk_ids_TK, self.num_experts, capacity, self.dropless)
         dropless = self.dropless and capacity is None
-        return experts.forward_local(x_TH, perm, lambda: row_weights(resolved(topk_weights_TK), perm, dropless))
+        return experts.forward_local(
+            x_TH, perm, lambda: row_weights(resolved(topk_weights_TK), perm, dropless), x_RH
+        )
 
     def __repr__(self) -> str:
         return f"LocalDispatcher(num_experts={self.num_experts}, dropless={self.dropless})"

@@ -94,16 +94,17 @@ class GroupedExperts(nn.Module):
             return expert_swiglu_mlp(x_RH.to(dtype), w13, w2, offs_e, weights_R, backend)
 
     def forward_local(
-        self, x_TH: torch.Tensor, perm: Permutation, weights_R: Deferred
+        self, x_TH: torch.Tensor, perm: Permutation, weights_R: Deferred, x_RH: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Tokens in token order -> their summed expert outputs (permute and combine fused in).
 
-        ``weights_R`` may be a function: it is called once the first expert GEMM is launched."""
+        ``weights_R`` may be a function: it is called once the first expert GEMM is launched.
+        ``x_RH``: ``x_TH``'s rows in ``perm``'s order when the caller already moved them."""
         device_type = x_TH.device.type
         w13, w2, dtype = self._compute_weights(device_type)
         offs_e = perm.offsets_E if perm.offsets_E is not None else offsets_from_counts(perm.tokens_per_expert_E)
         backend = self.gemm_backend(x_TH.device, dtype)
-        args = (x_TH.to(dtype), w13, w2, weights_R, perm, offs_e, backend, self.lean_backward, self.fuse_wgrad_accumulation)
+        args = (x_TH.to(dtype), w13, w2, weights_R, perm, offs_e, backend, self.lean_backward, self.fuse_wgrad_accumulation, x_RH)
         if not torch.is_autocast_enabled(device_type):  # no context to enter on the path to the first GEMM
             return local_experts(*args)
         with torch.autocast(device_type=device_type, enabled=False):

@@ -39,6 +39,7 @@ from lightning_moe.moe.losses import (
     z_loss,
 )
 from lightning_moe.moe.router import RouterOutput, TopKRouter, expert_capacity
+from lightning_moe.ops.permute import Permutation
 
 __all__ = ["MoELayer", "SharedExpert", "router_entropy"]
 
@@ -122,7 +123,8 @@ class MoELayer(nn.Module):
         x_TH = x.reshape(-1, cfg.hidden_size)
         T = x_TH.shape[0]
 
-        routing = self.router(x_TH)
+        fused = self._route_and_permute(x_TH)  # router + permutation + moved rows in one call, when it applies
+        routing = fused[0] if fused is not None else self.router(x_TH)
         if cfg.check_finite and not bool(torch.isfinite(routing.logits_TE).all()):  # SYNC: opt-in check
             raise FloatingPointError(
                 f"{self.layer_name}: router logits are not finite (NaN/Inf in the input or the router weight); "
@@ -138,7 +140,10 @@ class MoELayer(nn.Module):
         run_experts = getattr(self.dispatcher, "run_experts", None)
         if me and run_experts is not None:  # the dispatcher fuses its three stages (fast path)
             weights_TK = lambda: routing.topk_weights_TK  # noqa: E731  (read after the first expert GEMM's launch)
-            y_TH = run_experts(x_TH, routing.topk_ids_TK, weights_TK, capacity, self.experts)
+            if fused is not None:
+                y_TH = run_experts(x_TH, routing.topk_ids_TK, weights_TK, capacity, self.experts, fused[1], fused[2])
+            else:
+                y_TH = run_experts(x_TH, routing.topk_ids_TK, weights_TK, capacity, self.experts)
         else:
             dispatched, handle = self.dispatcher.dispatch(
                 x_TH, routing.topk_ids_TK, routing.topk_weights_TK, capacity
@@ -196,6 +201,16 @@ class MoELayer(nn.Module):
             losses["z_loss"] = z_loss(routing.logits_TE, cfg.z_loss_coeff)
         self.last_aux_losses = {k: v.detach() for k, v in losses.items()}
         return sum(losses.values()) if losses else None  # type: ignore[return-value]
+
+    def _route_and_permute(self, x_TH: torch.Tensor) -> tuple[RouterOutput, Permutation, torch.Tensor] | None:
+        """The router's output, the permutation and the moved rows from one extension call
+        (``TopKRouter.route_and_permute``) when the single-rank dropless fast path runs; else ``None``."""
+        cfg = self.config
+        if not (cfg.memory_efficient_permute and cfg.capacity_factor is None):
+            return None
+        if type(self.dispatcher) is not LocalDispatcher or not self.dispatcher.dropless:
+            return None
+        return self.router.route_and_permute(x_TH)
 
     def _overlap_shared(self, x_TH: torch.Tensor) -> bool:
         return self.shared_expert is not None and self.config.shared_expert_overlap and x_TH.is_cuda

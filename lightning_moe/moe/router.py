@@ -29,8 +29,9 @@ import torch.nn as nn
 from lightning_moe.config import MoEConfig
 from lightning_moe.ops.backend import csrc_extension
 from lightning_moe.ops.deferred import Deferred, resolved
-from lightning_moe.ops.permute import count_per_expert
-from lightning_moe.ops.router_gemm import router_logits
+from lightning_moe.ops.permute import Permutation, count_per_expert
+from lightning_moe.ops.route import route
+from lightning_moe.ops.router_gemm import kernel_fits, router_logits
 
 __all__ = ["TopKRouter", "RouterOutput", "select_topk", "routing_weights", "drop_over_capacity", "expert_capacity"]
 
@@ -53,7 +54,7 @@ class RouterOutput:
         logits_TE: torch.Tensor,
         topk_ids_TK: torch.Tensor,  # int64; -1 marks a slot dropped by capacity
         topk_weights_TK: Deferred,  # fp32 (router dtype), 0 where dropped
-        tokens_per_expert_E: torch.Tensor | None,
+        tokens_per_expert_E: Deferred | None,  # None: counted from routed_ids_TK when first read
         routed_ids_TK: torch.Tensor,  # top-k ids before capacity drops (what the balancing losses count)
     ) -> None:
         self.logits_TE = logits_TE
@@ -71,6 +72,7 @@ class RouterOutput:
     def tokens_per_expert_E(self) -> torch.Tensor:
         if self._tokens_per_expert_E is None:
             self._tokens_per_expert_E = count_per_expert(self.routed_ids_TK, self.logits_TE.shape[-1])
+        self._tokens_per_expert_E = resolved(self._tokens_per_expert_E)
         return self._tokens_per_expert_E
 
 
@@ -187,11 +189,7 @@ class TopKRouter(nn.Module):
         topk_ids_TK = self._select(logits_TE.detach())
         if self._override is not None:
             topk_ids_TK = self._checked_override(topk_ids_TK)
-        def weights(ids_TK: torch.Tensor = topk_ids_TK) -> torch.Tensor:  # read after the first expert GEMM's launch
-            return routing_weights(
-                logits_TE, ids_TK, cfg.score_func, cfg.pre_softmax, cfg.norm_topk_prob, cfg.scaling_factor
-            )
-
+        weights = self._weights(logits_TE, topk_ids_TK)
         topk_weights_TK: Deferred = weights
         tokens_per_expert_E = None  # counted when first read (RouterOutput)
         if self.expert_bias is not None and self.training:
@@ -204,6 +202,47 @@ class TopKRouter(nn.Module):
                 topk_ids_TK, weights(), cfg.num_experts, capacity, cfg.drop_policy
             )
         return RouterOutput(logits_TE, topk_ids_TK, topk_weights_TK, tokens_per_expert_E, routed_ids_TK)
+
+    def route_and_permute(self, x_TH: torch.Tensor) -> tuple[RouterOutput, Permutation, torch.Tensor] | None:
+        """:meth:`forward`'s output for a dropless layer, with the permutation of its ids and
+        ``x_TH``'s rows in expert order, all from one extension call (``ops/route.py``); ``None``
+        where that call does not apply (then call the router): no CUDA extension, a routing
+        override, capacity, a router dtype other than fp32, autocast, ``x`` and the weight not
+        both bf16 or both fp16, or sizes beyond the kernels' limits."""
+        cfg = self.config
+        if self._override is not None or cfg.capacity_factor is not None or cfg.router_torch_dtype != torch.float32:
+            return None
+        if x_TH.dtype != self.weight.dtype or x_TH.dtype not in (torch.bfloat16, torch.float16):
+            return None
+        if cfg.num_experts > 1024 or cfg.top_k > 32 or (cfg.num_groups or 0) > 32 or x_TH.shape[0] * cfg.top_k >= 2**31:
+            return None
+        if torch.is_autocast_enabled(x_TH.device.type) or not kernel_fits(x_TH, self.weight):
+            return None
+        ext = csrc_extension(x_TH)
+        if ext is None:
+            return None
+        bias = None if self.expert_bias is None else self.expert_bias.float().contiguous()
+        rows = route(
+            ext, x_TH, self.weight, bias, cfg.top_k, cfg.score_func, cfg.pre_softmax, cfg.norm_topk_prob,
+            float(cfg.scaling_factor or 1.0), int(cfg.num_groups or 0), int(cfg.group_topk or 0),
+        )  # fmt: skip
+        perm = rows.perm
+        if self.expert_bias is not None and self.training:
+            self.tokens_per_expert_since_update += perm.tokens_per_expert_E.float()
+        counts: Deferred = lambda: perm.tokens_per_expert_E  # noqa: E731
+        out = RouterOutput(rows.logits_TE, rows.topk_ids_TK, self._weights(rows.logits_TE, rows.topk_ids_TK), counts, rows.topk_ids_TK)
+        return out, perm, rows.x_RH
+
+    def _weights(self, logits_TE: torch.Tensor, topk_ids_TK: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Step 5 as a deferred computation (the layer reads it after the first expert GEMM's launch)."""
+        cfg = self.config
+
+        def weights() -> torch.Tensor:
+            return routing_weights(
+                logits_TE, topk_ids_TK, cfg.score_func, cfg.pre_softmax, cfg.norm_topk_prob, cfg.scaling_factor
+            )
+
+        return weights
 
     def _select(self, logits_TE: torch.Tensor) -> torch.Tensor:
         """Steps 2-4 without the override: the fused csrc kernel on CUDA, torch otherwise."""

@@ -159,6 +159,7 @@ def local_experts(
     backend: GemmBackend = "torch",
     lean: bool | None = False,
     fuse_wgrad: bool = False,
+    x_RH: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y_TH`` of all experts on this rank, routing weights applied inside the SwiGLU.
 
@@ -171,10 +172,14 @@ def local_experts(
     time and the shape is wide enough for it to pay (``ops.wgrad_accumulation.wide_experts``), their
     gradients are added into ``.grad`` by the weight-gradient GEMMs (see that module for when it is
     safe); otherwise, and by default, they are returned to autograd.
+
+    ``x_RH``: ``x_TH``'s rows in ``perm``'s order, already moved by the caller (no autograd; the
+    gradient reaches ``x_TH``); moved here when ``None`` or of another dtype than ``x_TH``.
     """
     # The rows are moved first: the device copies them while the host sets up the fusion and the
     # autograd node below (host time before the first GEMM's launch is idle device time).
-    x_RH = _expert_rows_impl(x_TH.detach(), perm)
+    if x_RH is None or x_RH.dtype != x_TH.dtype:
+        x_RH = _expert_rows_impl(x_TH.detach(), perm)
     if lean is None:
         rebuild_x, rebuild_a = rebuild_is_cheap(x_TH.shape[-1], w2.shape[-2])
     else:

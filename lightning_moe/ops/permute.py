@@ -31,6 +31,7 @@ __all__ = [
     "Permutation",
     "count_per_expert",
     "build_permutation",
+    "dropless_permutation",
     "build_permutation_reference",
     "permute_rows",
     "permute_rows_reference",
@@ -184,12 +185,20 @@ def build_permutation(
     ext = csrc_extension(topk_ids_TK)
     if ext is None or capacity is not None or not dropless:
         return build_permutation_reference(topk_ids_TK, num_experts, capacity, dropless)
-    src_idx_N, slot_row_TK, counts_E, offsets_E = ext.build_permutation(topk_ids_TK, num_experts)
-    T, K = topk_ids_TK.shape
+    return dropless_permutation(*ext.build_permutation(topk_ids_TK, num_experts))
+
+
+def dropless_permutation(
+    src_idx_N: torch.Tensor, slot_row_TK: torch.Tensor, counts_E: torch.Tensor, offsets_E: torch.Tensor
+) -> Permutation:
+    """The csrc ``build_permutation`` outputs (int32) of dropless ids as a :class:`Permutation`.
+
+    The row → slot map and the int64 counts are built on first read (deferred)."""
+    T, K = slot_row_TK.shape
 
     def slot_of_row() -> torch.Tensor:  # dropless: every slot has a row, so the inverse is a plain scatter
-        slot_of_row_R = torch.empty(T * K, dtype=torch.long, device=topk_ids_TK.device)
-        return slot_of_row_R.scatter_(0, slot_row_TK.reshape(-1).long(), torch.arange(T * K, device=topk_ids_TK.device))
+        slot_of_row_R = torch.empty(T * K, dtype=torch.long, device=slot_row_TK.device)
+        return slot_of_row_R.scatter_(0, slot_row_TK.reshape(-1).long(), torch.arange(T * K, device=slot_row_TK.device))
 
     return Permutation(slot_of_row, slot_row_TK, counts_E.long, K, src_idx_N, offsets_E=offsets_E)
 

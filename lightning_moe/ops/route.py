@@ -1,0 +1,91 @@
+"""The router and the expert permutation of a dropless single-rank layer in one extension call.
+
+Legend: T tokens, H hidden, E experts, K experts per token, R = T*K rows grouped by expert.
+
+    logits_TE = x_TH @ w_EH^T               (fp32; csrc router_logits)
+    ids_TK    = top-k selection(logits_TE)  (csrc router_topk: score function, expert bias, groups)
+    perm      = stable sort of the slots by expert (csrc build_permutation)
+    x_RH      = x_TH's rows in expert order (csrc scatter_rows)
+
+Why one call: every step of a layer starts with these four, each a short kernel, and in a step
+that begins after a host synchronisation the device idles until the host has issued them all and
+reached the first expert GEMM. Issued from Python they cost four dispatcher round trips, the
+objects between them and a cold cuBLAS call (H200, Qwen3-30B-A3B, `benchmarks/host_path.py
+--stages`: ~400 µs of host time from the router's GEMM to the rows' launch); one C++ call issues
+the same kernels back to back. The results are the same tensors the four ops return one by one
+(same kernels); only ``logits_TE`` carries autograd (to ``x_TH`` and ``w_EH``), the ids, the
+permutation and the moved rows are constants of the step (the moved rows' gradient reaches
+``x_TH`` through the experts' own node, which takes ``x_TH`` as its differentiable input).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import NamedTuple
+
+import torch
+
+from lightning_moe.ops.permute import Permutation, dropless_permutation
+from lightning_moe.ops.router_gemm import router_logits_backward
+
+__all__ = ["RoutedRows", "route"]
+
+
+class RoutedRows(NamedTuple):
+    logits_TE: torch.Tensor  # fp32, differentiable
+    topk_ids_TK: torch.Tensor  # int64
+    perm: Permutation
+    x_RH: torch.Tensor  # x_TH's rows in expert order (no autograd)
+
+
+class _Route(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        x_TH: torch.Tensor,
+        w_EH: torch.Tensor,
+        ext: ModuleType,
+        bias_E: torch.Tensor | None,
+        top_k: int,
+        score_func: str,
+        pre_softmax: bool,
+        norm_topk_prob: bool,
+        scaling_factor: float,
+        num_groups: int,
+        group_topk: int,
+    ) -> tuple[torch.Tensor, ...]:
+        outputs = ext.route(
+            x_TH, w_EH, bias_E, top_k, score_func, pre_softmax, norm_topk_prob, scaling_factor, num_groups, group_topk
+        )
+        ctx.save_for_backward(x_TH, w_EH)
+        ctx.mark_non_differentiable(*outputs[1:])
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, grad_TE: torch.Tensor, *unused: torch.Tensor):  # type: ignore[override]
+        grad_x, grad_w = router_logits_backward(ctx, grad_TE)
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
+
+
+def route(
+    ext: ModuleType,
+    x_TH: torch.Tensor,
+    w_EH: torch.Tensor,
+    bias_E: torch.Tensor | None,
+    top_k: int,
+    score_func: str,
+    pre_softmax: bool,
+    norm_topk_prob: bool,
+    scaling_factor: float,
+    num_groups: int,
+    group_topk: int,
+) -> RoutedRows:
+    """Logits, top-k ids, permutation and moved rows of ``x_TH`` (contiguous, bf16/fp16 like ``w_EH``).
+
+    The caller checks that the extension applies (``TopKRouter.route_and_permute``); the
+    extension raises with the argument and the fix otherwise.
+    """
+    logits_TE, ids_TK, src_R, slot_row_TK, counts_E, offsets_E, x_RH = _Route.apply(
+        x_TH, w_EH, ext, bias_E, top_k, score_func, pre_softmax, norm_topk_prob, scaling_factor, num_groups, group_topk
+    )
+    return RoutedRows(logits_TE, ids_TK, dropless_permutation(src_R, slot_row_TK, counts_E, offsets_E), x_RH)
