@@ -16,6 +16,7 @@ namespace cutlass_kernels {
 LMOE_WGRAD_ENTRY_POINTS(cooperative_c1x2)
 LMOE_WGRAD_ENTRY_POINTS(cooperative)
 LMOE_WGRAD_ENTRY_POINTS(cooperative_128x256)
+LMOE_WGRAD_ENTRY_POINTS(pingpong_64x256)
 
 namespace {
 
@@ -30,6 +31,7 @@ constexpr Tiling kTable[kTilings] = {
     {&workspace_bytes_cooperative_c1x2, &accumulate_cooperative_c1x2},
     {&workspace_bytes_cooperative, &accumulate_cooperative},
     {&workspace_bytes_cooperative_128x256, &accumulate_cooperative_128x256},
+    {&workspace_bytes_pingpong_64x256, &accumulate_pingpong_64x256},
 };
 
 bool known(WgradTile tile) { return static_cast<int>(tile) >= 0 && static_cast<int>(tile) < kTilings; }

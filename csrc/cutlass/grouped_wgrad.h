@@ -26,8 +26,9 @@ enum class WgradTile : int {
   kCooperative256x128Cluster1x2 = 0,
   kCooperative256x128 = 1,
   kCooperative128x256 = 2,
+  kPingpong64x256 = 3,  // each consumer warp group its own 64 x 256 tile (epilogue overlaps MMAs)
 };
-constexpr int kTilings = 3;
+constexpr int kTilings = 4;
 
 // Bytes of device workspace grouped_wgrad_accumulate needs for `num_experts` groups on a GPU
 // with `sm_count` multiprocessors.

@@ -52,7 +52,7 @@ constexpr int kAlignment = 8;                   // 16 bytes of bf16: TMA's unit
 // 128 x 128 tiles (12.49 / 1.61) and 2 x 2 clusters (15.68 / 1.71): the old gradient's loads are not
 // what holds the kernel back. Nsight Compute on the default tiling (DeepSeek-V3 w13): DRAM 57 % of
 // peak (2.7 TB/s), tensor pipe 38 %, 1 block of 3 warp groups per SM; neither bound is reached, the
-// tile's epilogue and its MMAs take turns. The next experiment: a ping-pong schedule, 64-row tiles.
+// tile's epilogue and its MMAs take turns. Hence the ping-pong 64-row tiling below.
 template <int TileM, int TileN, int ClusterM, int ClusterN, int EpiN = 0>
 struct Cooperative {
   using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::_64>;
@@ -61,6 +61,20 @@ struct Cooperative {
                                           cute::Shape<cute::_128, cute::Int<EpiN>>>;
   using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
+// Ping-pong: each consumer warp group owns a tile of its own and the two alternate between
+// their MMAs and their epilogues, so one tile's epilogue (here: the old gradient read, added and
+// written) overlaps the other's MMAs instead of taking turns with them, which is what the
+// counters above show the cooperative kernel doing. 64-row tiles keep two tiles' accumulators in
+// registers.
+template <int TileM, int TileN, int ClusterM, int ClusterN>
+struct Pingpong {
+  using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::_64>;
+  using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
+  using EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto;
+  using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
 template <class Config>

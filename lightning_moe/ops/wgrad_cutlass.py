@@ -16,8 +16,9 @@ and an sm_90 GPU).
 
 ``LIGHTNING_MOE_WGRAD_CUTLASS_TILE`` picks the tiling (``csrc/cutlass/grouped_wgrad.h``):
 ``cooperative-c1x2`` (default: 256 x 128 tiles, both consumer warp groups on one tile, clusters of
-two along N sharing the ``x_e^T`` tile through TMA multicast), ``cooperative`` (no clusters) or
-``cooperative-128x256``.
+two along N sharing the ``x_e^T`` tile through TMA multicast), ``cooperative`` (no clusters),
+``cooperative-128x256`` or ``pingpong-64x256`` (each consumer warp group its own tile, so one
+tile's epilogue overlaps the other's MMAs).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from lightning_moe.ops.build_cutlass import load_cutlass_extension
 
 __all__ = ["TILES", "grouped_wgrad_accumulate_", "reference_accumulate_", "supported", "tile"]
 
-TILES = {"cooperative-c1x2": 0, "cooperative": 1, "cooperative-128x256": 2}
+TILES = {"cooperative-c1x2": 0, "cooperative": 1, "cooperative-128x256": 2, "pingpong-64x256": 3}
 DEFAULT_TILE = "cooperative-c1x2"
 
 
