@@ -17,6 +17,8 @@
 #   bash benchmarks/h200.sh close     # a session's last call: all GPU tests, then every shape beside every peer
 #   bash benchmarks/h200.sh blas      # the cuBLAS wgrad loop per BLAS back end (memsets?), a cold launch's host cost
 #   bash benchmarks/h200.sh cold      # GPU tests, cold host µs per call after a sync, grouped GEMM layouts, qwen3 breakdown
+#   bash benchmarks/h200.sh gemm      # CUTLASS grouped expert GEMM (forward/dgrad): its GPU tests, race vs F.grouped_mm
+#   bash benchmarks/h200.sh race      # new pieces' GPU tests, host stages, GEMM + wgrad tiling races, qwen3 layer
 #   bash benchmarks/h200.sh multi     # issue 8 on a multi-GPU kind: NCCL parity, EP scaling, overlap, ECHO, DeepEP
 #                                     # (carry .deepep/: DeepEP's source as src.tar; built here by build_deepep.sh)
 #   bash benchmarks/h200.sh all       # GPU tests, e2e with profile, callbacks, mixtral, Liger (results_MODE.tgz)
@@ -35,7 +37,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader
 python3 -c "from lightning_moe.ops.build import load_extension; print(load_extension('csrc'))" 2>&1 | tail -2
 # The optional CUTLASS kernels (built when nvidia-cutlass came in .whl/): built here, not inside a timed step.
-[ "${1:-}" = multi ] || timeout 240 python3 -c "from lightning_moe.ops import build_cutlass as b; print('cutlass:', b.cutlass_unavailable_reason() or b.load_cutlass_extension())" 2>&1 | tail -1
+[ "${1:-}" = multi ] || timeout 420 python3 -c "from lightning_moe.ops import build_cutlass as b; print('cutlass:', b.cutlass_unavailable_reason() or b.load_cutlass_extension())" 2>&1 | tail -1
 # Triton's compiled kernels and autotuning results (Liger's fused MoE autotunes for minutes):
 # kept in .tcache/ (git-ignored) like the kernel build; `liger` mode returns $OUT/tcache.tgz.
 export TRITON_CACHE_DIR="$PWD/.tcache" TRITON_CACHE_AUTOTUNING=1
@@ -294,6 +296,27 @@ PY
     timeout 120 python3 benchmarks/expert_gemms.py --shapes qwen3-30b-a3b deepseek-v3 --dgrad --no-loops \
       --json "$OUT/gemms.json" > "$OUT/gemms.log" 2>&1; grep -h '^{' "$OUT/gemms.log" | cut -c1-160; pack
     timeout 150 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --fuse-wgrad --peers torch-grouped_mm-ref \
+      --json "$OUT/layers.json" > "$OUT/layers.log" 2>&1
+    grep -h '^{"peer\|peer ms /\|GEMMs alone fwd+bwd' "$OUT/layers.log" | cut -c1-220; pack
+    ;;
+  gemm)  # the CUTLASS grouped expert GEMM (carry .whl/ with nvidia-cutlass): its tests, every tiling vs F.grouped_mm
+    timeout 200 python3 -m pytest tests/gpu/test_grouped_gemm_cutlass.py -q -p no:cacheprovider -rf \
+      > "$OUT/gpu_gemm_tests.log" 2>&1; grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_gemm_tests.log" | tail -8
+    tail -1 "$OUT/gpu_gemm_tests.log"; pack
+    timeout 200 python3 benchmarks/expert_gemms.py --shapes qwen3-30b-a3b deepseek-v3 --dgrad --no-loops \
+      --json "$OUT/gemms.json" > "$OUT/gemms.log" 2>&1; grep -h '^{' "$OUT/gemms.log" | cut -c1-200; pack
+    ;;
+  race)  # new pieces' GPU tests; host stages; expert GEMM and wgrad tilings raced; qwen3 layer beside torch
+    timeout 240 python3 -m pytest tests/gpu/test_route.py tests/gpu/test_grouped_gemm_cutlass.py tests/gpu/test_wgrad_cutlass.py \
+      tests/gpu/test_kernels.py tests/gpu/test_layer_gpu.py -q -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1
+    grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" | tail -12; tail -1 "$OUT/gpu_tests.log"; pack
+    timeout 90 python3 benchmarks/host_path.py --shapes qwen3-30b-a3b --fuse-wgrad --stages \
+      > "$OUT/host.log" 2>&1; grep -h '^{' "$OUT/host.log" | cut -c1-1200; pack
+    timeout 150 python3 benchmarks/expert_gemms.py --shapes qwen3-30b-a3b deepseek-v3 --dgrad --no-loops \
+      --json "$OUT/gemms.json" > "$OUT/gemms.log" 2>&1; grep -h '^{' "$OUT/gemms.log" | cut -c1-200; pack
+    timeout 120 python3 benchmarks/wgrad_kernels.py --shapes deepseek-v3 qwen3-30b-a3b --tiles none --cutlass-only \
+      --json "$OUT/wgrad.json" > "$OUT/wgrad.log" 2>&1; grep -E '"arm"|^best' "$OUT/wgrad.log" | cut -c1-160; pack
+    timeout 100 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --fuse-wgrad --peers torch-grouped_mm-ref \
       --json "$OUT/layers.json" > "$OUT/layers.log" 2>&1
     grep -h '^{"peer\|peer ms /\|GEMMs alone fwd+bwd' "$OUT/layers.log" | cut -c1-220; pack
     ;;

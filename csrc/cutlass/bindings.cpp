@@ -11,23 +11,33 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include "grouped_gemm.h"
 #include "grouped_wgrad.h"
 
 namespace lightning_moe {
 namespace {
 
 constexpr const char* kOp = "lightning_moe_cutlass_C.grouped_wgrad_accumulate_";
+constexpr const char* kGemmOp = "lightning_moe_cutlass_C.grouped_mm";
 
 // Numbers go into messages through std::to_string: streaming an int64 into TORCH_CHECK's message
 // from an extension crashed (SIGSEGV) on the GPU machine, as csrc/bindings.cpp notes.
 std::string num(int64_t value) { return std::to_string(value); }
 
-void check(const at::Tensor& t, const char* name, const at::Device& device, at::ScalarType dtype) {
-  TORCH_CHECK(t.is_cuda() && t.device() == device, kOp, ": ", name, " is on ", t.device(), "; every tensor must be on ",
+// Device and dtype only: grouped_mm reads w in either of two layouts (w_is_k_major).
+void check_placed(const at::Tensor& t, const char* op, const char* name, const at::Device& device,
+                  at::ScalarType dtype) {
+  TORCH_CHECK(t.is_cuda() && t.device() == device, op, ": ", name, " is on ", t.device(), "; every tensor must be on ",
               device, ".");
-  TORCH_CHECK(t.scalar_type() == dtype, kOp, ": ", name, ".dtype=", t.scalar_type(), " must be ", dtype, ".");
-  TORCH_CHECK(t.is_contiguous(), kOp, ": ", name, " is not contiguous; pass ", name, ".contiguous().");
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, ".dtype=", t.scalar_type(), " must be ", dtype, ".");
 }
+
+void check(const at::Tensor& t, const char* op, const char* name, const at::Device& device, at::ScalarType dtype) {
+  check_placed(t, op, name, device, dtype);
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " is not contiguous; pass ", name, ".contiguous().");
+}
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
 int sm_count(int device) {  // getDeviceProperties caches the properties per device
   return at::cuda::getDeviceProperties(device)->multiProcessorCount;
@@ -37,10 +47,10 @@ int sm_count(int device) {  // getDeviceProperties caches the properties per dev
 void grouped_wgrad_accumulate_op(at::Tensor grad, const at::Tensor& x, const at::Tensor& dy,
                                  const at::Tensor& offsets, int64_t tile) {
   const at::Device device = grad.device();
-  check(grad, "grad", device, at::kBFloat16);
-  check(x, "x", device, at::kBFloat16);
-  check(dy, "dy", device, at::kBFloat16);
-  check(offsets, "offsets", device, at::kInt);
+  check(grad, kOp, "grad", device, at::kBFloat16);
+  check(x, kOp, "x", device, at::kBFloat16);
+  check(dy, kOp, "dy", device, at::kBFloat16);
+  check(offsets, kOp, "offsets", device, at::kInt);
   TORCH_CHECK(grad.dim() == 3 && x.dim() == 2 && dy.dim() == 2 && offsets.dim() == 1, kOp,
               ": expected grad [E, M, N], x [R, M], dy [R, N], offsets [E]; got ", num(grad.dim()), "-d, ",
               num(x.dim()), "-d, ", num(dy.dim()), "-d, ", num(offsets.dim()), "-d.");
@@ -52,7 +62,7 @@ void grouped_wgrad_accumulate_op(at::Tensor grad, const at::Tensor& x, const at:
   TORCH_CHECK(m % 8 == 0 && n % 8 == 0, kOp, ": M=", num(m), " and N=", num(n),
               " must be multiples of 8 (16-byte rows for TMA); use the cuBLAS kernels for this shape.");
   for (const at::Tensor* t : {static_cast<const at::Tensor*>(&grad), &x, &dy}) {
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, kOp,
+    TORCH_CHECK(aligned16(*t), kOp,
                 ": a tensor's data is not 16-byte aligned (a view at an odd offset); pass a fresh copy.");
   }
   TORCH_CHECK(tile >= 0 && tile < cutlass_kernels::kTilings, kOp, ": tile=", num(tile), " is not a tiling (0 to ", num(cutlass_kernels::kTilings - 1), "; see WgradTile in grouped_wgrad.h).");
@@ -69,13 +79,69 @@ void grouped_wgrad_accumulate_op(at::Tensor grad, const at::Tensor& x, const at:
   TORCH_CHECK(failed == nullptr, kOp, ": the CUTLASS kernel failed: ", failed == nullptr ? "" : failed, ".");
 }
 
+// Whether w [E, K, N] is read N-major (each w[e] N-contiguous: how the forward reads w13 and w2) or
+// K-major (each w[e] K-contiguous: w.transpose(1, 2) of a contiguous [E, N, K], how the data
+// gradient reads them); anything else is refused. One expert's stride does not matter.
+bool w_is_k_major(const at::Tensor& w) {
+  const int64_t experts = w.size(0), k = w.size(1), n = w.size(2);
+  const bool packed = experts <= 1 || w.stride(0) == k * n;
+  const bool n_major = packed && w.stride(2) == 1 && w.stride(1) == n;
+  const bool k_major = packed && w.stride(1) == 1 && w.stride(2) == k;
+  TORCH_CHECK(n_major || k_major, kGemmOp, ": w has strides (", num(w.stride(0)), ", ", num(w.stride(1)), ", ",
+              num(w.stride(2)), ") for shape [", num(experts), ", ", num(k), ", ", num(n),
+              "]; it must be N-major (strides (K*N, N, 1)) or K-major (strides (K*N, 1, K)); pass w.contiguous() "
+              "or w.transpose(1, 2).contiguous().transpose(1, 2).");
+  return k_major;
+}
+
+// out[lo_e:hi_e] = a[lo_e:hi_e] @ w[e], lo/hi from the inclusive prefix sums `offsets`; the rows
+// from offsets[E - 1] on are left as at::empty made them (as F.grouped_mm does).
+at::Tensor grouped_mm_op(const at::Tensor& a, const at::Tensor& w, const at::Tensor& offsets, int64_t tile) {
+  const at::Device device = a.device();
+  check_placed(a, kGemmOp, "a", device, at::kBFloat16);
+  check_placed(w, kGemmOp, "w", device, at::kBFloat16);
+  check(offsets, kGemmOp, "offsets", device, at::kInt);
+  TORCH_CHECK(a.dim() == 2 && w.dim() == 3 && offsets.dim() == 1, kGemmOp,
+              ": expected a [R, K], w [E, K, N], offsets [E]; got ", num(a.dim()), "-d, ", num(w.dim()), "-d, ",
+              num(offsets.dim()), "-d.");
+  TORCH_CHECK(a.is_contiguous(), kGemmOp, ": a is not contiguous; pass a.contiguous().");
+  const int64_t rows = a.size(0), experts = w.size(0), k = w.size(1), n = w.size(2);
+  TORCH_CHECK(a.size(1) == k && offsets.size(0) == experts, kGemmOp, ": shapes disagree: a [", num(rows), ", ",
+              num(a.size(1)), "], w [", num(experts), ", ", num(k), ", ", num(n), "], offsets [",
+              num(offsets.size(0)), "].");
+  TORCH_CHECK(k > 0 && n > 0 && k % 8 == 0 && n % 8 == 0, kGemmOp, ": K=", num(k), " and N=", num(n),
+              " must be positive multiples of 8 (16-byte rows for TMA); use F.grouped_mm for this shape.");
+  TORCH_CHECK(k <= INT32_MAX && n <= INT32_MAX && rows <= INT32_MAX, kGemmOp, ": R=", num(rows), ", K=", num(k),
+              " and N=", num(n), " must each fit in int32 (the kernel's problem sizes).");
+  const bool k_major = w_is_k_major(w);
+  TORCH_CHECK(aligned16(a) && aligned16(w), kGemmOp,
+              ": a's or w's data is not 16-byte aligned (a view at an odd offset); pass a fresh copy.");
+  TORCH_CHECK(tile >= 0 && tile < cutlass_kernels::kGemmTilings, kGemmOp, ": tile=", num(tile),
+              " is not a tiling (0 to ", num(cutlass_kernels::kGemmTilings - 1), "; see GemmTile in grouped_gemm.h).");
+  at::Tensor out = at::empty({rows, n}, a.options());
+  if (experts == 0 || rows == 0) return out;
+  const c10::cuda::CUDAGuard guard(device);
+  const int index = device.index();
+  const int sms = sm_count(index);
+  const auto tiling = static_cast<cutlass_kernels::GemmTile>(tile);
+  const size_t bytes = cutlass_kernels::grouped_gemm_workspace_bytes(experts, sms, k_major, tiling);
+  at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, a.options().dtype(at::kByte));
+  const char* failed = cutlass_kernels::grouped_gemm(
+      out.data_ptr(), a.data_ptr(), w.data_ptr(), offsets.data_ptr<int32_t>(), experts, k, n, k_major,
+      workspace.data_ptr(), bytes, index, sms, tiling, at::cuda::getCurrentCUDAStream(index).stream());
+  TORCH_CHECK(failed == nullptr, kGemmOp, ": the CUTLASS kernel failed: ", failed == nullptr ? "" : failed, ".");
+  return out;
+}
+
 }  // namespace
 }  // namespace lightning_moe
 
 TORCH_LIBRARY(lightning_moe_cutlass_C, m) {
   m.def("grouped_wgrad_accumulate_(Tensor(a!) grad, Tensor x, Tensor dy, Tensor offsets, int tile=0) -> ()");
+  m.def("grouped_mm(Tensor a, Tensor w, Tensor offsets, int tile=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lightning_moe_cutlass_C, CUDA, m) {
   m.impl("grouped_wgrad_accumulate_", &lightning_moe::grouped_wgrad_accumulate_op);
+  m.impl("grouped_mm", &lightning_moe::grouped_mm_op);
 }

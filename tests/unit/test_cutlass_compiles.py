@@ -3,7 +3,7 @@
 Like test_csrc_compiles.py this runs on the CPU dev machine: the kernel files include only CUDA
 and CUTLASS headers (bindings.cpp alone sees torch). Needs nvcc and the CUTLASS headers
 (``pip install --no-deps nvidia-cutlass``, as ``.ci/run`` does, or LIGHTNING_MOE_CUTLASS_DIR);
-skipped, saying which is missing, otherwise. About two minutes on two cores.
+skipped, saying which is missing, otherwise. About six minutes on two cores (ten files).
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ from test_csrc_compiles import NVCC, TORCH_NVCC_FLAGS  # same folder: pytest put
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cutlass"
 KERNEL_FILES = sorted(p.name for p in SOURCE.glob("*.cu"))
 INCLUDES = cutlass_include_dirs()
+# Each kernel family: its dispatch file (<family>.cu, CUTLASS-free), header (<family>.h) and the
+# prefix of its per-tiling entry points in the dispatch table (&<prefix>_<tiling>}).
+FAMILIES = {"grouped_wgrad": "accumulate", "grouped_gemm": "gemm"}
+DISPATCH_FILES = tuple(f"{family}.cu" for family in FAMILIES)
 
 pytestmark = [
     pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_HOME or PATH)"),
@@ -52,12 +56,16 @@ def _errors(proc: subprocess.CompletedProcess[str]) -> str:
 
 
 def test_the_cutlass_room_holds_its_files() -> None:
-    assert {"grouped_wgrad.cu", "grouped_wgrad_cooperative_c1x2.cu", "grouped_wgrad_cooperative.cu"} <= set(KERNEL_FILES)
-    # one file per tiling, each named in the dispatcher's table
-    tilings = [name[len("grouped_wgrad_") : -3] for name in KERNEL_FILES if name != "grouped_wgrad.cu"]
-    dispatcher = (SOURCE / "grouped_wgrad.cu").read_text()
-    assert all(f"&accumulate_{t}}}" in dispatcher for t in tilings), tilings
-    assert (SOURCE / "bindings.cpp").exists() and (SOURCE / "grouped_wgrad.h").exists()
+    assert {"grouped_wgrad.cu", "grouped_wgrad_cooperative_c1x2.cu", "grouped_gemm.cu"} <= set(KERNEL_FILES)
+    # every other .cu is one tiling of a family, named in that family's dispatch table
+    for name in set(KERNEL_FILES) - set(DISPATCH_FILES):
+        family = next((f for f in FAMILIES if name.startswith(f"{f}_")), None)
+        assert family is not None, f"{name} belongs to no family {tuple(FAMILIES)}"
+        tiling = name[len(family) + 1 : -3]
+        dispatcher = (SOURCE / f"{family}.cu").read_text()
+        assert f"&{FAMILIES[family]}_{tiling}}}" in dispatcher, f"{name}: {tiling} is not in {family}.cu's table"
+    assert (SOURCE / "bindings.cpp").exists()
+    assert all((SOURCE / f"{family}.h").exists() for family in FAMILIES)
 
 
 @pytest.mark.parametrize("name", KERNEL_FILES)
@@ -72,7 +80,7 @@ def test_the_tensor_core_kernels_use_wgmma_and_tma(objects: dict) -> None:
     cuobjdump = Path(NVCC).with_name("cuobjdump")
     if not cuobjdump.exists():
         pytest.skip("cuobjdump is not beside nvcc")
-    for name in (n for n in KERNEL_FILES if n != "grouped_wgrad.cu"):
+    for name in (n for n in KERNEL_FILES if n not in DISPATCH_FILES):
         proc, obj = objects[name]
         if proc.returncode != 0:
             pytest.skip(f"{name} did not compile")
@@ -85,11 +93,13 @@ def test_the_launchers_link(objects: dict, tmp_path: Path) -> None:
         pytest.skip("a file did not compile (reported above)")
     main = tmp_path / "main.cu"
     main.write_text(
+        '#include "grouped_gemm.h"\n'
         '#include "grouped_wgrad.h"\n'
         "using namespace lightning_moe::cutlass_kernels;\n"
         "int main() {\n"
         "  auto* a = &grouped_wgrad_accumulate; auto* b = &grouped_wgrad_workspace_bytes;\n"
-        "  return (a != nullptr && b != nullptr) ? 0 : 1;\n"
+        "  auto* c = &grouped_gemm; auto* d = &grouped_gemm_workspace_bytes;\n"
+        "  return (a != nullptr && b != nullptr && c != nullptr && d != nullptr) ? 0 : 1;\n"
         "}\n"
     )
     objs = [str(obj) for _, obj in objects.values()]
@@ -99,7 +109,7 @@ def test_the_launchers_link(objects: dict, tmp_path: Path) -> None:
 
 def test_the_header_compiles_as_plain_host_cpp(tmp_path: Path) -> None:
     src = tmp_path / "host_only.cpp"
-    src.write_text('#include "grouped_wgrad.h"\nint main() { return 0; }\n')
+    src.write_text("".join(f'#include "{family}.h"\n' for family in FAMILIES) + "int main() { return 0; }\n")
     proc = subprocess.run([NVCC, "-std=c++17", "-x", "c++", f"-I{SOURCE}", "-c", str(src), "-o", str(tmp_path / "h.o")],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, _errors(proc)

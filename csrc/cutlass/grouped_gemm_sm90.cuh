@@ -1,0 +1,215 @@
+// One CUTLASS 3 grouped GEMM for the experts' forward and data-gradient products.
+//
+// Per expert e (one group): D_e = A_e B_e with A_e = a[lo_e:hi_e] ([M_e, K], row-major), B_e = w[e]
+// ([K, N]) and D_e = out[lo_e:hi_e] ([M_e, N], row-major); alpha = 1, beta = 0 and no C operand
+// (ElementC = void: the epilogue neither loads a source nor keeps shared memory for one). w[e] is
+// read either N-major (RowMajor B: the layer's forward, w13 [E, H, 2F] and w2 [E, F, H]) or K-major
+// (ColumnMajor B: its data gradient, w.transpose(1, 2)); one instantiation per layout.
+//
+// M_e = hi_e - lo_e is the expert's row count: it only exists on the device, so the per-group
+// problem sizes, pointers and strides are written by prepare_groups (one thread per expert) in the
+// same stream, and the GEMM reads them there: the host never learns the row counts. An expert
+// without rows gets M = 0: no tiles, nothing written.
+//
+// Included by the grouped_gemm_<tiling>.cu files (one tiling each, so they compile in parallel).
+// Its own namespace (sm90_gemm): grouped_wgrad_sm90.cuh's templates have the same names and link
+// into the same library.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <cuda_runtime.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/operations.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+
+#include "grouped_gemm.h"
+
+namespace lightning_moe {
+namespace cutlass_kernels {
+namespace sm90_gemm {
+
+using Element = cutlass::bfloat16_t;
+using Accumulator = float;
+using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M_e, N, K)
+using LayoutA = cutlass::layout::RowMajor;   // a's rows: K contiguous
+using LayoutD = cutlass::layout::RowMajor;   // out's rows: N contiguous
+using NMajor = cutlass::layout::RowMajor;    // w[e] [K, N] with N contiguous
+using KMajor = cutlass::layout::ColumnMajor;  // w[e] [K, N] with K contiguous
+constexpr int kAlignment = 8;                  // 16 bytes of bf16: TMA's unit
+
+// Cooperative: both consumer warp groups share one tile (each takes half its rows), and the
+// epilogue follows the tile's MMAs. Ping-pong: each consumer warp group owns a whole tile, and one
+// group's epilogue overlaps the other's MMAs. A cluster of two along M shares the w tile's loads
+// through TMA multicast (two row blocks of one expert read the same weight columns).
+template <int TileM, int TileN, int ClusterM, int ClusterN>
+struct Cooperative {
+  using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::_64>;
+  using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
+  using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
+template <int TileM, int TileN, int ClusterM, int ClusterN>
+struct Pingpong {
+  using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::_64>;
+  using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
+  using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+template <class Config, class LayoutB>
+struct ExpertGemm {
+  // ElementC = void: no source tensor (beta = 0), so no C loads and no C buffers in shared memory,
+  // which leaves more of it to the mainloop's stages.
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, Accumulator, Accumulator, void, LayoutD*, kAlignment,
+      Element, LayoutD*, kAlignment, typename Config::EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>::CollectiveOp;
+
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignment, Element, LayoutB*,
+      kAlignment, Accumulator, typename Config::Tile, typename Config::Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      typename Config::MainloopSchedule>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+  using Shape = ProblemShape::UnderlyingProblemShape;
+};
+
+// The per-group argument arrays, carved out of the front of the workspace.
+template <class G>
+struct GroupArrays {
+  typename G::Shape* problems;
+  const Element** a;
+  const Element** b;
+  Element** d;
+  typename G::StrideA* stride_a;
+  typename G::StrideB* stride_b;
+  typename G::StrideD* stride_d;
+  size_t bytes;  // through the end of the last array, rounded up to 256
+
+  GroupArrays(void* base, int64_t groups) {
+    size_t at = 0;
+    auto take = [&](size_t each) {
+      char* p = static_cast<char*>(base) + at;
+      at = (at + each * static_cast<size_t>(groups) + 255) / 256 * 256;
+      return static_cast<void*>(p);
+    };
+    problems = static_cast<typename G::Shape*>(take(sizeof(typename G::Shape)));
+    a = static_cast<const Element**>(take(sizeof(void*)));
+    b = static_cast<const Element**>(take(sizeof(void*)));
+    d = static_cast<Element**>(take(sizeof(void*)));
+    stride_a = static_cast<typename G::StrideA*>(take(sizeof(typename G::StrideA)));
+    stride_b = static_cast<typename G::StrideB*>(take(sizeof(typename G::StrideB)));
+    stride_d = static_cast<typename G::StrideD*>(take(sizeof(typename G::StrideD)));
+    bytes = at;
+  }
+};
+
+// One thread per expert. Only M varies between groups; N and K are every expert's. A decreasing
+// pair of offsets (outside the contract) gives that expert no rows rather than a negative M.
+template <class G>
+__global__ void prepare_groups(GroupArrays<G> arrays, const int32_t* __restrict__ offsets, int64_t groups, int k,
+                               int n, const Element* a, const Element* w, Element* out) {
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= groups) return;
+  const int64_t lo = e == 0 ? 0 : offsets[e - 1];
+  const int64_t rows = offsets[e] - lo;
+  const int m = rows > 0 ? static_cast<int>(rows) : 0;
+  const int m_stride = m > 0 ? m : 1;  // M only enters the (unused) batch strides; keep them non-zero
+  arrays.problems[e] = typename G::Shape{m, n, k};
+  arrays.a[e] = a + lo * k;
+  arrays.b[e] = w + e * static_cast<int64_t>(k) * n;
+  arrays.d[e] = out + lo * n;
+  arrays.stride_a[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m_stride, k, 1});
+  arrays.stride_b[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {n, k, 1});
+  arrays.stride_d[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m_stride, n, 1});
+}
+
+template <class G>
+typename G::Gemm::Arguments make_arguments(const GroupArrays<G>& arrays, int64_t groups, int device, int sm_count) {
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = device;
+  hw.sm_count = sm_count;
+  typename G::Gemm::Arguments args;
+  decltype(args.epilogue.thread) fusion;
+  fusion.alpha = 1.0f;
+  fusion.beta = 0.0f;  // no source: a void-C epilogue only accepts beta = 0
+  args = typename G::Gemm::Arguments{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {static_cast<int>(groups), arrays.problems, nullptr},  // no host problem sizes: M_e lives on the device
+      {arrays.a, arrays.stride_a, arrays.b, arrays.stride_b},
+      {fusion, nullptr, nullptr, arrays.d, arrays.stride_d},  // C: none
+      hw};
+  return args;
+}
+
+template <class Config, class LayoutB>
+size_t workspace_bytes(int64_t groups, int sm_count) {
+  using G = ExpertGemm<Config, LayoutB>;
+  GroupArrays<G> arrays(nullptr, groups);
+  auto args = make_arguments<G>(arrays, groups, 0, sm_count);
+  return arrays.bytes + G::Gemm::get_workspace_size(args);
+}
+
+template <class Config, class LayoutB>
+const char* run(void* out, const void* a, const void* w, const int32_t* offsets, int64_t groups, int64_t k, int64_t n,
+                void* workspace, size_t bytes, int device, int sm_count, cudaStream_t stream) {
+  using G = ExpertGemm<Config, LayoutB>;
+  if (groups == 0) return nullptr;
+  GroupArrays<G> arrays(workspace, groups);
+  auto args = make_arguments<G>(arrays, groups, device, sm_count);
+  if (bytes < arrays.bytes + G::Gemm::get_workspace_size(args)) return "workspace too small";
+  constexpr int kThreads = 128;
+  prepare_groups<G><<<static_cast<unsigned>((groups + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      arrays, offsets, groups, static_cast<int>(k), static_cast<int>(n), static_cast<const Element*>(a),
+      static_cast<const Element*>(w), static_cast<Element*>(out));
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
+  typename G::Gemm gemm;
+  void* gemm_workspace = static_cast<char*>(workspace) + arrays.bytes;
+  cutlass::Status status = gemm.can_implement(args);
+  if (status != cutlass::Status::kSuccess) return cutlassGetStatusString(status);
+  status = gemm.initialize(args, gemm_workspace, stream);
+  if (status != cutlass::Status::kSuccess) return cutlassGetStatusString(status);
+  status = gemm.run(stream);
+  if (status != cutlass::Status::kSuccess) return cutlassGetStatusString(status);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
+  return nullptr;
+}
+
+}  // namespace sm90_gemm
+
+// One tiling's two entry points, both B layouts behind a flag, defined by the .cu file that
+// instantiates it (one per tiling, so they compile in parallel) and declared by hand in
+// grouped_gemm.cu (which stays free of CUTLASS).
+#define LMOE_DEFINE_GEMM_TILING(name, Config)                                                                    \
+  size_t gemm_workspace_bytes_##name(int64_t groups, int sm_count, bool w_k_major) {                            \
+    return w_k_major ? sm90_gemm::workspace_bytes<Config, sm90_gemm::KMajor>(groups, sm_count)                  \
+                     : sm90_gemm::workspace_bytes<Config, sm90_gemm::NMajor>(groups, sm_count);                 \
+  }                                                                                                             \
+  const char* gemm_##name(void* out, const void* a, const void* w, const int32_t* offsets, int64_t groups,      \
+                          int64_t k, int64_t n, bool w_k_major, void* workspace, size_t bytes, int device,      \
+                          int sm_count, cudaStream_t stream) {                                                  \
+    return w_k_major ? sm90_gemm::run<Config, sm90_gemm::KMajor>(out, a, w, offsets, groups, k, n, workspace,   \
+                                                                 bytes, device, sm_count, stream)               \
+                     : sm90_gemm::run<Config, sm90_gemm::NMajor>(out, a, w, offsets, groups, k, n, workspace,   \
+                                                                 bytes, device, sm_count, stream);              \
+  }
+
+}  // namespace cutlass_kernels
+}  // namespace lightning_moe

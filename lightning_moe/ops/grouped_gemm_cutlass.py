@@ -1,0 +1,82 @@
+"""The experts' forward and data-gradient GEMMs as one CUTLASS grouped GEMM (Hopper).
+
+Legend: R rows grouped by expert, K the rows' width (the GEMM's reduction), N the output width,
+E experts.
+
+``out_RN[lo:hi] = a_RK[lo:hi] @ w_EKN[e]`` for every expert in one warp-specialised launch that
+reads each expert's row range from the device offsets (no host sync): the contract of
+``F.grouped_mm(a, w, offs=offs)`` for a 2-d ``a`` and a 3-d ``w``. ``w_EKN`` may be N-major (each
+``w[e]`` N-contiguous: the layer's forward reads ``w13`` and ``w2`` so) or K-major (each ``w[e]``
+K-contiguous, i.e. ``w.transpose(1, 2)`` of a contiguous tensor: its data gradient reads them so).
+Built to be raced against ``F.grouped_mm`` (``benchmarks/expert_gemms.py``); not used by the layer.
+Source: ``csrc/cutlass/grouped_gemm*``; build: ``ops/build_cutlass.py`` (optional: needs the
+CUTLASS headers and an sm_90 GPU).
+
+``LIGHTNING_MOE_GEMM_CUTLASS_TILE`` picks the tiling (``csrc/cutlass/grouped_gemm.h``):
+``cooperative-128x256-c2x1`` (default: 128 x 256 tiles, both consumer warp groups on one tile,
+clusters of two along M sharing the ``w`` tile through TMA multicast; the tiling torch's
+``grouped_mm`` uses on sm_90), ``pingpong-128x128`` (each consumer warp group owns a tile, one's
+epilogue overlapping the other's MMAs), ``pingpong-128x128-c2x1`` or ``pingpong-64x256``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from lightning_moe.ops.build_cutlass import load_cutlass_extension
+
+__all__ = ["DEFAULT_TILE", "TILES", "grouped_mm", "supported", "tile"]
+
+TILES = {"cooperative-128x256-c2x1": 0, "pingpong-128x128": 1, "pingpong-128x128-c2x1": 2, "pingpong-64x256": 3}
+DEFAULT_TILE = "cooperative-128x256-c2x1"
+_ENV = "LIGHTNING_MOE_GEMM_CUTLASS_TILE"
+
+
+def tile() -> str:
+    """``LIGHTNING_MOE_GEMM_CUTLASS_TILE``, one of :data:`TILES` (default :data:`DEFAULT_TILE`)."""
+    name = os.environ.get(_ENV, DEFAULT_TILE).strip().lower()
+    if name not in TILES:
+        raise ValueError(f"{_ENV}={name!r} is unknown; choose one of {tuple(TILES)}.")
+    return name
+
+
+def _w_layout_ok(w_EKN: torch.Tensor) -> bool:
+    """N-major or K-major matrices, ``K * N`` elements apart (as the kernel reads them)."""
+    E, K, N = w_EKN.shape
+    s0, s1, s2 = w_EKN.stride()
+    packed = E <= 1 or s0 == K * N
+    return packed and ((s2 == 1 and s1 == N) or (s1 == 1 and s2 == K))
+
+
+def supported(a_RK: torch.Tensor, w_EKN: torch.Tensor) -> bool:
+    """Whether the CUTLASS kernel can multiply these (cheap checks first; the build last)."""
+    if not a_RK.is_cuda or a_RK.dtype != torch.bfloat16 or w_EKN.dtype != torch.bfloat16:
+        return False
+    if a_RK.dim() != 2 or w_EKN.dim() != 3 or a_RK.shape[1] != w_EKN.shape[1]:
+        return False
+    K, N = w_EKN.shape[1:]
+    if K == 0 or N == 0 or K % 8 or N % 8 or not _w_layout_ok(w_EKN):
+        return False
+    return load_cutlass_extension() is not None
+
+
+def grouped_mm(
+    a_RK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, tiling: str | None = None
+) -> torch.Tensor:
+    """``out_RN[lo:hi] = a_RK[lo:hi] @ w_EKN[e]`` per expert; ``offs_E`` inclusive row ends (int32, device).
+
+    No autograd. Rows from ``offs_E[-1]`` on are left uninitialised, as ``F.grouped_mm`` leaves
+    them. ``tiling`` is a key of :data:`TILES` (default: :func:`tile`). Bad input (dtype, layout,
+    alignment, shapes) raises ``RuntimeError`` from the op, naming the value and the fix.
+    """
+    ops = load_cutlass_extension()
+    if ops is None:
+        raise RuntimeError(
+            "grouped_mm: the CUTLASS kernels are unavailable; check grouped_gemm_cutlass.supported() first."
+        )
+    name = tiling or tile()
+    if name not in TILES:
+        raise RuntimeError(f"grouped_mm: tiling={name!r} is unknown; choose one of {tuple(TILES)}.")
+    return ops.grouped_mm(a_RK, w_EKN, offs_E, TILES[name])
