@@ -19,6 +19,7 @@
 #   bash benchmarks/h200.sh cold      # GPU tests, cold host µs per call after a sync, grouped GEMM layouts, qwen3 breakdown
 #   bash benchmarks/h200.sh gemm      # CUTLASS grouped expert GEMM (forward/dgrad): its GPU tests, race vs F.grouped_mm
 #   bash benchmarks/h200.sh race      # new pieces' GPU tests, host stages, GEMM + wgrad tiling races, qwen3 layer
+#   bash benchmarks/h200.sh check     # all GPU tests, router GEMM tiles, Mixtral GEMM race, every shape beside torch's layer
 #   bash benchmarks/h200.sh multi     # issue 8 on a multi-GPU kind: NCCL parity, EP scaling, overlap, ECHO, DeepEP
 #                                     # (carry .deepep/: DeepEP's source as src.tar; built here by build_deepep.sh)
 #   bash benchmarks/h200.sh all       # GPU tests, e2e with profile, callbacks, mixtral, Liger (results_MODE.tgz)
@@ -319,6 +320,14 @@ PY
     timeout 100 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --fuse-wgrad --peers torch-grouped_mm-ref \
       --json "$OUT/layers.json" > "$OUT/layers.log" 2>&1
     grep -h '^{"peer\|peer ms /\|GEMMs alone fwd+bwd' "$OUT/layers.log" | cut -c1-220; pack
+    ;;
+  check)  # all GPU tests; router GEMM tiles vs cuBLAS; Mixtral's GEMM race; every shape beside torch's layer
+    timeout 200 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1
+    grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" | tail -12; tail -1 "$OUT/gpu_tests.log"; pack
+    timeout 60 python3 benchmarks/router_gemm.py > "$OUT/router_gemm.log" 2>&1; grep -h '^{' "$OUT/router_gemm.log"; pack
+    timeout 100 python3 benchmarks/expert_gemms.py --shapes mixtral-8x7b --dgrad --no-loops \
+      --json "$OUT/gemms.json" > "$OUT/gemms.log" 2>&1; grep -h '^{' "$OUT/gemms.log" | grep -v "128x128" | cut -c1-200; pack
+    CLOSE_TESTS=0 CLOSE_PEERS=${CLOSE_PEERS:-torch-grouped_mm-ref} bash "$0" close
     ;;
   liger)  # Liger's fused MoE alone, long enough for its autotuning; its Triton cache comes back
     timeout "${LIGER_S:-420}" python3 benchmarks/moe_layer.py --shapes "${SHAPES:-qwen3-30b-a3b}" \

@@ -340,7 +340,7 @@ std::tuple<at::Tensor, at::Tensor> router_topk_op(const at::Tensor& logits,
 }
 
 // logits[T, E] fp32 = x[T, H] @ w[E, H]^T (x and w both bf16 or both fp16).
-at::Tensor router_logits_op(const at::Tensor& x, const at::Tensor& w) {
+at::Tensor router_logits_op(const at::Tensor& x, const at::Tensor& w, int64_t tile_tokens) {
   constexpr const char* op = "router_logits";
   const at::Device dev = x.device();
   check_tensor(x, op, "x", dev);
@@ -358,10 +358,12 @@ at::Tensor router_logits_op(const at::Tensor& x, const at::Tensor& w) {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "lightning_moe_C.", op,
                 ": an input's data is not 16-byte aligned (a view at an odd offset); pass a fresh copy.");
   }
+  TORCH_CHECK(tile_tokens == 0 || tile_tokens == 64 || tile_tokens == 128, "lightning_moe_C.", op,
+              ": tile_tokens=", num(tile_tokens), " must be 0 (default), 64 or 128.");
   const c10::cuda::CUDAGuard guard(dev);
   at::Tensor logits = at::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
   check_launch(router_logits(x.data_ptr(), w.data_ptr(), logits.data_ptr<float>(), x.size(0), x.size(1), w.size(0),
-                             activation_dtype(x, op, "x"), current_stream()),
+                             activation_dtype(x, op, "x"), static_cast<int>(tile_tokens), current_stream()),
                op);
   return logits;
 }
@@ -375,7 +377,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t top_k,
     c10::string_view score_func, bool pre_softmax, bool norm_topk_prob, double scaling_factor, int64_t num_groups,
     int64_t group_topk) {
-  at::Tensor logits = router_logits_op(x, w);
+  at::Tensor logits = router_logits_op(x, w, 0);
   auto [ids, weights] = router_topk_op(logits, bias, top_k, score_func, pre_softmax, norm_topk_prob, scaling_factor,
                                        num_groups, group_topk);
   (void)weights;  // the differentiable weights are computed from the logits by the caller
@@ -405,7 +407,7 @@ TORCH_LIBRARY(lightning_moe_C, m) {
       "router_topk(Tensor logits, Tensor? bias, int top_k, str score_func, bool pre_softmax, "
       "bool norm_topk_prob, float scaling_factor, int num_groups, int group_topk) "
       "-> (Tensor, Tensor)");
-  m.def("router_logits(Tensor x, Tensor w) -> Tensor");
+  m.def("router_logits(Tensor x, Tensor w, int tile_tokens=0) -> Tensor");
   m.def(
       "route(Tensor x, Tensor w, Tensor? bias, int top_k, str score_func, bool pre_softmax, "
       "bool norm_topk_prob, float scaling_factor, int num_groups, int group_topk) "

@@ -119,9 +119,10 @@ cudaError_t router_topk(const float* logits, const float* bias, int64_t num_toke
 
 // logits[t, e] = sum_h x[t, h] * w[e, h] with fp32 accumulation and output (the router's GEMM).
 // x: [T, H], w: [E, H], both bf16 or both fp16 (dtype), contiguous and 16-byte aligned;
-// logits: [T, E] fp32. Requires H % 8 == 0; any T and E.
+// logits: [T, E] fp32. Requires H % 8 == 0; any T and E. tile_tokens: tokens a block (64 or 128;
+// 0 = the default, 64).
 cudaError_t router_logits(const void* x, const void* w, float* logits, int64_t num_tokens, int64_t hidden,
-                          int64_t num_experts, DType dtype, cudaStream_t stream);
+                          int64_t num_experts, DType dtype, int tile_tokens, cudaStream_t stream);
 
 }  // namespace lightning_moe
 

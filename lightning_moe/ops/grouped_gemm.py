@@ -8,7 +8,9 @@ some backends, so callers never read them).
 Backends (one facade, chosen once per ``GroupedExperts``):
 
 * ``torch`` — ``F.grouped_mm`` (CUDA sm_90+, and CPU on torch >= 2.9). Needs every row stride
-  16-byte aligned, i.e. D and O multiples of 8 in bf16 or 4 in fp32.
+  16-byte aligned, i.e. D and O multiples of 8 in bf16 or 4 in fp32. For wide experts on Hopper
+  the forward and data-gradient GEMMs run our CUTLASS grouped GEMM instead, when it is built
+  (``ops/grouped_gemm_cutlass.py``: same contract, measured faster there).
 * ``loop`` — one matmul per expert; the reference, and the fallback for odd sizes.
 * ``grouped_gemm`` — the ``grouped_gemm`` package, when importable (``ops/grouped_gemm_gg.py``).
 """
@@ -20,6 +22,8 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+from lightning_moe.ops import grouped_gemm_cutlass
 
 __all__ = [
     "GemmBackend",
@@ -67,6 +71,9 @@ def _wgrad_reference(x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tens
 def _torch_gmm(x_RD: torch.Tensor, w_EDO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     if x_RD.shape[0] == 0:  # F.grouped_mm rejects the zero strides of an empty expanded grad
         return x_RD.new_zeros(0, w_EDO.shape[-1])
+    tiling = grouped_gemm_cutlass.layer_tiling(x_RD, w_EDO)  # wide experts on Hopper: faster (see there)
+    if tiling is not None:
+        return grouped_gemm_cutlass.grouped_mm(x_RD, w_EDO, offs_E, tiling)
     return F.grouped_mm(x_RD, w_EDO, offs=offs_E)
 
 

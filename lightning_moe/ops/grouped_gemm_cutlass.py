@@ -8,11 +8,21 @@ reads each expert's row range from the device offsets (no host sync): the contra
 ``F.grouped_mm(a, w, offs=offs)`` for a 2-d ``a`` and a 3-d ``w``. ``w_EKN`` may be N-major (each
 ``w[e]`` N-contiguous: the layer's forward reads ``w13`` and ``w2`` so) or K-major (each ``w[e]``
 K-contiguous, i.e. ``w.transpose(1, 2)`` of a contiguous tensor: its data gradient reads them so).
-Built to be raced against ``F.grouped_mm`` (``benchmarks/expert_gemms.py``); not used by the layer.
 Source: ``csrc/cutlass/grouped_gemm*``; build: ``ops/build_cutlass.py`` (optional: needs the
 CUTLASS headers and an sm_90 GPU).
 
-``LIGHTNING_MOE_GEMM_CUTLASS_TILE`` picks the tiling (``csrc/cutlass/grouped_gemm.h``):
+Where the layer uses it (:func:`layer_tiling`, read by ``ops/grouped_gemm.py`` for every forward
+and data-gradient GEMM of the ``torch`` backend): ``LIGHTNING_MOE_GEMM_KERNEL`` = ``auto``
+(default: CUTLASS ping-pong 64 x 256 for wide experts, ``F.grouped_mm`` otherwise), ``torch``
+(always ``F.grouped_mm``) or ``cutlass`` (CUTLASS wherever it applies, at
+``LIGHTNING_MOE_GEMM_CUTLASS_TILE``). Raced on the H200 (``benchmarks/expert_gemms.py``, the four
+GEMMs of a layer, each in the layout the layer reads): DeepSeek-V3 (an expert matrix of 29-59 MB)
+ping-pong 64 x 256 22.8 ms vs 26.8 for ``F.grouped_mm`` (-15 % on three of the four GEMMs, -6 % on
+the fourth); Qwen3-30B-A3B (3-6 MB) ``F.grouped_mm`` ahead or level on all four (up 1.28 vs 1.41 ms
+for the best CUTLASS tiling), so it keeps it. The same cooperative 128 x 256 tiling torch uses ran
+slower here than in torch on Qwen3 (1.46 vs 1.28 ms; not investigated).
+
+``LIGHTNING_MOE_GEMM_CUTLASS_TILE`` picks the tiling for ``cutlass`` (``csrc/cutlass/grouped_gemm.h``):
 ``cooperative-128x256-c2x1`` (default: 128 x 256 tiles, both consumer warp groups on one tile,
 clusters of two along M sharing the ``w`` tile through TMA multicast; the tiling torch's
 ``grouped_mm`` uses on sm_90), ``pingpong-128x128`` (each consumer warp group owns a tile, one's
@@ -27,11 +37,16 @@ import torch
 
 from lightning_moe.ops.build_cutlass import load_cutlass_extension
 
-__all__ = ["DEFAULT_TILE", "TILES", "grouped_mm", "supported", "tile"]
+__all__ = ["DEFAULT_TILE", "GEMM_KERNELS", "TILES", "grouped_mm", "layer_tiling", "supported", "tile"]
 
 TILES = {"cooperative-128x256-c2x1": 0, "pingpong-128x128": 1, "pingpong-128x128-c2x1": 2, "pingpong-64x256": 3}
 DEFAULT_TILE = "cooperative-128x256-c2x1"
 _ENV = "LIGHTNING_MOE_GEMM_CUTLASS_TILE"
+GEMM_KERNELS = ("auto", "torch", "cutlass")
+WIDE_TILE = "pingpong-64x256"
+# An expert matrix (K x N) of at least this many bytes is "wide": the measured crossover lies
+# between Qwen3-30B-A3B's 6.3 MB (w13) and DeepSeek-V3's 29 MB (w2).
+_WIDE_BYTES = 16 * 2**20
 
 
 def tile() -> str:
@@ -40,6 +55,26 @@ def tile() -> str:
     if name not in TILES:
         raise ValueError(f"{_ENV}={name!r} is unknown; choose one of {tuple(TILES)}.")
     return name
+
+
+def gemm_kernel() -> str:
+    """``LIGHTNING_MOE_GEMM_KERNEL``: one of :data:`GEMM_KERNELS` (default ``auto``)."""
+    name = os.environ.get("LIGHTNING_MOE_GEMM_KERNEL", "auto").strip().lower()
+    if name not in GEMM_KERNELS:
+        raise ValueError(f"LIGHTNING_MOE_GEMM_KERNEL={name!r} is unknown; choose one of {GEMM_KERNELS}.")
+    return name
+
+
+def layer_tiling(a_RK: torch.Tensor, w_EKN: torch.Tensor) -> str | None:
+    """The CUTLASS tiling the layer's grouped GEMM ``a @ w[e]`` should run, or ``None`` for ``F.grouped_mm``."""
+    kernel = gemm_kernel()
+    if kernel == "torch" or not a_RK.is_cuda:
+        return None
+    if kernel == "auto" and w_EKN.shape[1] * w_EKN.shape[2] * w_EKN.element_size() < _WIDE_BYTES:
+        return None
+    if not supported(a_RK, w_EKN):
+        return None
+    return WIDE_TILE if kernel == "auto" else tile()
 
 
 def _w_layout_ok(w_EKN: torch.Tensor) -> bool:

@@ -59,11 +59,14 @@ class _Route(torch.autograd.Function):
         )
         ctx.save_for_backward(x_TH, w_EH)
         ctx.mark_non_differentiable(*outputs[1:])
+        # The moved rows get no gradient: without this autograd would hand backward a zero-filled
+        # [R, H] tensor for them (a 0.16 ms fill per step on Qwen3-30B-A3B, seen in the profile).
+        ctx.set_materialize_grads(False)
         return tuple(outputs)
 
     @staticmethod
-    def backward(ctx, grad_TE: torch.Tensor, *unused: torch.Tensor):  # type: ignore[override]
-        grad_x, grad_w = router_logits_backward(ctx, grad_TE)
+    def backward(ctx, grad_TE: torch.Tensor | None, *unused: torch.Tensor | None):  # type: ignore[override]
+        grad_x, grad_w = (None, None) if grad_TE is None else router_logits_backward(ctx, grad_TE)
         return grad_x, grad_w, None, None, None, None, None, None, None, None, None
 
 

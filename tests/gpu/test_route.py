@@ -30,16 +30,17 @@ def ops():
     return load_extension(mode="csrc")
 
 
+@pytest.mark.parametrize("tile_tokens", [0, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     ("T", "H", "E"),
     [(1, 8, 1), (257, 40, 7), (300, 2048, 128), (129, 7168, 256), (130, 96, 129), (64, 8, 1000), (0, 64, 8)],
 )
-def test_router_logits_matches_an_fp32_gemm(ops, T, H, E, dtype) -> None:
+def test_router_logits_matches_an_fp32_gemm(ops, T, H, E, dtype, tile_tokens) -> None:
     gen = torch.Generator().manual_seed(T * 7 + H + E)
     x = torch.randn(T, H, generator=gen).to(DEV, dtype)
     w = (torch.randn(E, H, generator=gen) * 0.05).to(DEV, dtype)
-    logits = _call_poisoned(lambda: ops.router_logits(x, w), [((T, E), torch.float32)])
+    logits = _call_poisoned(lambda: ops.router_logits(x, w, tile_tokens), [((T, E), torch.float32)])
     expected = x.double() @ w.double().t()  # products of 16-bit values are exact; only the order of sums differs
     _assert_close(logits, expected.float(), 2e-5, f"router_logits T={T} H={H} E={E}")
 
@@ -58,11 +59,14 @@ def test_router_logits_matches_an_fp32_gemm(ops, T, H, E, dtype) -> None:
         (r"hidden sizes must agree",
          lambda ops: ops.router_logits(torch.randn(4, 16, device=DEV, dtype=torch.bfloat16),
                                        torch.randn(2, 8, device=DEV, dtype=torch.bfloat16))),
+        (r"tile_tokens=32 must be 0",
+         lambda ops: ops.router_logits(torch.randn(4, 8, device=DEV, dtype=torch.bfloat16),
+                                       torch.randn(2, 8, device=DEV, dtype=torch.bfloat16), 32)),
         (r"not 16-byte aligned",
          lambda ops: ops.router_logits(torch.randn(33, 8, device=DEV, dtype=torch.bfloat16).view(-1)[1:257].view(32, 8),
                                        torch.randn(2, 8, device=DEV, dtype=torch.bfloat16))),
     ],
-    ids=["fp32", "mixed", "H_not_multiple_of_8", "H_mismatch", "misaligned"],
+    ids=["fp32", "mixed", "H_not_multiple_of_8", "H_mismatch", "tile_tokens", "misaligned"],
 )
 def test_router_logits_rejects_bad_arguments(ops, pattern, call) -> None:  # noqa: ANN001
     with pytest.raises(RuntimeError, match=pattern):
@@ -156,3 +160,25 @@ def test_layer_takes_the_separate_calls_where_the_one_call_does_not_apply(monkey
     layer = MoELayer(MoEConfig(hidden_size=64, ffn_hidden_size=32, num_experts=8, top_k=2)).cuda()  # fp32 weights
     assert torch.isfinite(layer(x.float())).all()
     assert not calls
+
+
+def _fill_kernels(layer: MoELayer, x: torch.Tensor, go: torch.Tensor) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    _layer_step(layer, x, go)  # warm
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _layer_step(layer, x, go)
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if "FillFunctor" in e.key)
+
+
+def test_one_call_path_fills_no_more_than_separate_calls(ops, monkeypatch) -> None:  # noqa: ANN001
+    """The one-call node must not get a zero-filled gradient for its moved rows (an [R, H] fill)."""
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(hidden_size=128, ffn_hidden_size=64, num_experts=16, top_k=4)).cuda().to(torch.bfloat16)
+    x = torch.randn(300, 128, device=DEV, dtype=torch.bfloat16)
+    go = torch.randn(300, 128, device=DEV, dtype=torch.bfloat16)
+    one_call = _fill_kernels(layer, x, go)
+    monkeypatch.setattr(MoELayer, "_route_and_permute", lambda self, x_TH: None)
+    assert one_call <= _fill_kernels(layer, x, go)
