@@ -13,14 +13,19 @@ CUTLASS headers and an sm_90 GPU).
 
 Where the layer uses it (:func:`layer_tiling`, read by ``ops/grouped_gemm.py`` for every forward
 and data-gradient GEMM of the ``torch`` backend): ``LIGHTNING_MOE_GEMM_KERNEL`` = ``auto``
-(default: CUTLASS ping-pong 64 x 256 for wide experts, ``F.grouped_mm`` otherwise), ``torch``
+(default: CUTLASS ping-pong 64 x 256 for wide experts with few rows each, ``F.grouped_mm``
+otherwise), ``torch``
 (always ``F.grouped_mm``) or ``cutlass`` (CUTLASS wherever it applies, at
 ``LIGHTNING_MOE_GEMM_CUTLASS_TILE``). Raced on the H200 (``benchmarks/expert_gemms.py``, the four
-GEMMs of a layer, each in the layout the layer reads): DeepSeek-V3 (an expert matrix of 29-59 MB)
-ping-pong 64 x 256 22.8 ms vs 26.8 for ``F.grouped_mm`` (-15 % on three of the four GEMMs, -6 % on
-the fourth); Qwen3-30B-A3B (3-6 MB) ``F.grouped_mm`` ahead or level on all four (up 1.28 vs 1.41 ms
-for the best CUTLASS tiling), so it keeps it. The same cooperative 128 x 256 tiling torch uses ran
-slower here than in torch on Qwen3 (1.46 vs 1.28 ms; not investigated).
+GEMMs of a layer, each in the layout the layer reads): DeepSeek-V3 (expert matrices of 29-59 MB,
+~512 rows an expert) ping-pong 64 x 256 22.8 ms vs 26.8 for ``F.grouped_mm`` (-15 % on three of
+the four GEMMs, -6 % on the fourth); Qwen3-30B-A3B (3-6 MB, ~1024 rows) and Mixtral-8x7B (117-235
+MB, ~4096 rows) ``F.grouped_mm`` ahead or level on all four (Qwen3 up 1.28 vs 1.41 ms for the best
+CUTLASS tiling; Mixtral 41.1 vs 44.2 ms for ping-pong 64 x 256). Hence "wide": expert matrices of
+at least 16 MB *and* at most 768 rows an expert on average (with few rows an expert, a 128-row
+tile's partly filled last tile is a larger share of the work; 64-row tiles halve that waste).
+The same cooperative 128 x 256 tiling torch uses ran slower here than in torch on Qwen3 (1.46 vs
+1.28 ms; not investigated).
 
 ``LIGHTNING_MOE_GEMM_CUTLASS_TILE`` picks the tiling for ``cutlass`` (``csrc/cutlass/grouped_gemm.h``):
 ``cooperative-128x256-c2x1`` (default: 128 x 256 tiles, both consumer warp groups on one tile,
@@ -44,9 +49,11 @@ DEFAULT_TILE = "cooperative-128x256-c2x1"
 _ENV = "LIGHTNING_MOE_GEMM_CUTLASS_TILE"
 GEMM_KERNELS = ("auto", "torch", "cutlass")
 WIDE_TILE = "pingpong-64x256"
-# An expert matrix (K x N) of at least this many bytes is "wide": the measured crossover lies
-# between Qwen3-30B-A3B's 6.3 MB (w13) and DeepSeek-V3's 29 MB (w2).
+# Where ping-pong 64 x 256 beat F.grouped_mm (module docstring): expert matrices (K x N) of at
+# least this many bytes (between Qwen3-30B-A3B's 6.3 MB and DeepSeek-V3's 29 MB) ...
 _WIDE_BYTES = 16 * 2**20
+# ... and at most this many rows an expert on average (DeepSeek-V3 512; Mixtral-8x7B 4096 lost).
+_MAX_ROWS_PER_EXPERT = 768
 
 
 def tile() -> str:
@@ -70,11 +77,16 @@ def layer_tiling(a_RK: torch.Tensor, w_EKN: torch.Tensor) -> str | None:
     kernel = gemm_kernel()
     if kernel == "torch" or not a_RK.is_cuda:
         return None
-    if kernel == "auto" and w_EKN.shape[1] * w_EKN.shape[2] * w_EKN.element_size() < _WIDE_BYTES:
+    if kernel == "auto" and not _pingpong_pays(a_RK.shape[0], w_EKN):
         return None
     if not supported(a_RK, w_EKN):
         return None
     return WIDE_TILE if kernel == "auto" else tile()
+
+
+def _pingpong_pays(rows: int, w_EKN: torch.Tensor) -> bool:
+    E, K, N = w_EKN.shape
+    return K * N * w_EKN.element_size() >= _WIDE_BYTES and rows <= _MAX_ROWS_PER_EXPERT * E
 
 
 def _w_layout_ok(w_EKN: torch.Tensor) -> bool:

@@ -9,9 +9,11 @@ import torch
 
 from lightning_moe.ops import grouped_gemm_cutlass as cg
 
-CUDA_ROWS = SimpleNamespace(is_cuda=True)  # stands for rows on a GPU (only .is_cuda is read before `supported`)
+# Rows on a GPU (only .is_cuda and .shape are read before `supported`), BENCHMARKS.md's row counts.
+CUDA_ROWS = SimpleNamespace(is_cuda=True, shape=(16384 * 8, 2048))  # 512 an expert of DeepSeek-V3's 256
 QWEN3_W13 = torch.empty(128, 2048, 1536, dtype=torch.bfloat16, device="meta")  # 6.3 MB an expert: narrow
 DEEPSEEK_W2 = torch.empty(256, 2048, 7168, dtype=torch.bfloat16, device="meta")  # 29 MB an expert: wide
+MIXTRAL_W2 = torch.empty(8, 14336, 4096, dtype=torch.bfloat16, device="meta")  # 117 MB, but 16384 rows an expert here
 
 
 @pytest.fixture
@@ -25,6 +27,7 @@ def cutlass_built(monkeypatch: pytest.MonkeyPatch) -> None:
         ("auto", None, DEEPSEEK_W2, "pingpong-64x256"),
         ("auto", None, DEEPSEEK_W2.transpose(1, 2), "pingpong-64x256"),  # the data gradient's view
         ("auto", None, QWEN3_W13, None),
+        ("auto", None, MIXTRAL_W2, None),  # wide, but many rows an expert: F.grouped_mm measured faster
         ("torch", None, DEEPSEEK_W2, None),
         ("cutlass", None, QWEN3_W13, cg.DEFAULT_TILE),
         ("cutlass", "pingpong-128x128", QWEN3_W13, "pingpong-128x128"),
