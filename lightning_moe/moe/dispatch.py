@@ -95,7 +95,7 @@ class LocalDispatcher:
         capacity: int | None,
         experts: Any,
         perm: Permutation | None = None,
-        x_RH: torch.Tensor | None = None,
+        x_RH: Deferred | None = None,
     ) -> torch.Tensor:
         """dispatch → experts → combine in one autograd node (weights inside the activation).
 
@@ -103,7 +103,7 @@ class LocalDispatcher:
         ``ops/local_experts.py``). ``experts`` is a ``GroupedExperts``. The routing weights (or
         the function computing them) are turned into row weights only after the first expert
         GEMM is launched. ``perm`` (of ``topk_ids_TK``) and ``x_RH`` (``x_TH``'s rows in its
-        order) may come already made (``TopKRouter.route_and_permute``).
+        order, or a ``TakeOnce`` of them) may come already made (``TopKRouter.route_and_permute``).
         """
         if perm is None:
             perm = build_permutation(topk_ids_TK, self.num_experts, capacity, self.dropless)

@@ -94,12 +94,13 @@ class GroupedExperts(nn.Module):
             return expert_swiglu_mlp(x_RH.to(dtype), w13, w2, offs_e, weights_R, backend)
 
     def forward_local(
-        self, x_TH: torch.Tensor, perm: Permutation, weights_R: Deferred, x_RH: torch.Tensor | None = None
+        self, x_TH: torch.Tensor, perm: Permutation, weights_R: Deferred, x_RH: Deferred | None = None
     ) -> torch.Tensor:
         """Tokens in token order -> their summed expert outputs (permute and combine fused in).
 
         ``weights_R`` may be a function: it is called once the first expert GEMM is launched.
-        ``x_RH``: ``x_TH``'s rows in ``perm``'s order when the caller already moved them."""
+        ``x_RH``: ``x_TH``'s rows in ``perm``'s order when the caller already moved them (or a
+        ``TakeOnce`` of them, so that they are freed after the first GEMM when not kept)."""
         device_type = x_TH.device.type
         w13, w2, dtype = self._compute_weights(device_type)
         offs_e = perm.offsets_E if perm.offsets_E is not None else offsets_from_counts(perm.tokens_per_expert_E)

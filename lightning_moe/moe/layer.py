@@ -39,6 +39,7 @@ from lightning_moe.moe.losses import (
     z_loss,
 )
 from lightning_moe.moe.router import RouterOutput, TopKRouter, expert_capacity
+from lightning_moe.ops.deferred import Deferred
 from lightning_moe.ops.permute import Permutation
 
 __all__ = ["MoELayer", "SharedExpert", "router_entropy"]
@@ -202,7 +203,7 @@ class MoELayer(nn.Module):
         self.last_aux_losses = {k: v.detach() for k, v in losses.items()}
         return sum(losses.values()) if losses else None  # type: ignore[return-value]
 
-    def _route_and_permute(self, x_TH: torch.Tensor) -> tuple[RouterOutput, Permutation, torch.Tensor] | None:
+    def _route_and_permute(self, x_TH: torch.Tensor) -> tuple[RouterOutput, Permutation, Deferred] | None:
         """The router's output, the permutation and the moved rows from one extension call
         (``TopKRouter.route_and_permute``) when the single-rank dropless fast path runs; else ``None``."""
         cfg = self.config

@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from lightning_moe.config import MoEConfig
 from lightning_moe.ops.backend import csrc_extension
-from lightning_moe.ops.deferred import Deferred, resolved
+from lightning_moe.ops.deferred import Deferred, TakeOnce, resolved
 from lightning_moe.ops.permute import Permutation, count_per_expert
 from lightning_moe.ops.route import route
 from lightning_moe.ops.router_gemm import kernel_fits, router_logits
@@ -203,9 +203,10 @@ class TopKRouter(nn.Module):
             )
         return RouterOutput(logits_TE, topk_ids_TK, topk_weights_TK, tokens_per_expert_E, routed_ids_TK)
 
-    def route_and_permute(self, x_TH: torch.Tensor) -> tuple[RouterOutput, Permutation, torch.Tensor] | None:
+    def route_and_permute(self, x_TH: torch.Tensor) -> tuple[RouterOutput, Permutation, TakeOnce] | None:
         """:meth:`forward`'s output for a dropless layer, with the permutation of its ids and
-        ``x_TH``'s rows in expert order, all from one extension call (``ops/route.py``); ``None``
+        ``x_TH``'s rows in expert order (handed over once: whoever takes them holds the only
+        reference), all from one extension call (``ops/route.py``); ``None``
         where that call does not apply (then call the router): no CUDA extension, a routing
         override, capacity, a router dtype other than fp32, autocast, ``x`` and the weight not
         both bf16 or both fp16, or sizes beyond the kernels' limits."""
@@ -231,7 +232,7 @@ class TopKRouter(nn.Module):
             self.tokens_per_expert_since_update += perm.tokens_per_expert_E.float()
         counts: Deferred = lambda: perm.tokens_per_expert_E  # noqa: E731
         out = RouterOutput(rows.logits_TE, rows.topk_ids_TK, self._weights(rows.logits_TE, rows.topk_ids_TK), counts, rows.topk_ids_TK)
-        return out, perm, rows.x_RH
+        return out, perm, TakeOnce(rows.x_RH)
 
     def _weights(self, logits_TE: torch.Tensor, topk_ids_TK: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Step 5 as a deferred computation (the layer reads it after the first expert GEMM's launch)."""

@@ -12,7 +12,7 @@ from typing import TypeAlias
 
 import torch
 
-__all__ = ["Deferred", "resolved"]
+__all__ = ["Deferred", "TakeOnce", "resolved"]
 
 Deferred: TypeAlias = torch.Tensor | Callable[[], torch.Tensor]
 
@@ -20,3 +20,20 @@ Deferred: TypeAlias = torch.Tensor | Callable[[], torch.Tensor]
 def resolved(value: Deferred) -> torch.Tensor:
     """``value``, or what it computes when it is a deferred computation."""
     return value() if callable(value) else value
+
+
+class TakeOnce:
+    """A tensor handed down a chain of calls as a :data:`Deferred`: the first call returns it and
+    lets it go, so only the frame that took it keeps it alive (freed after its last use there, not
+    when every caller above has returned)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self._value: torch.Tensor | None = value
+
+    def __call__(self) -> torch.Tensor:
+        value, self._value = self._value, None
+        if value is None:
+            raise RuntimeError("TakeOnce: the tensor was already taken; hand each reader its own.")
+        return value

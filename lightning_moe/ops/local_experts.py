@@ -159,7 +159,7 @@ def local_experts(
     backend: GemmBackend = "torch",
     lean: bool | None = False,
     fuse_wgrad: bool = False,
-    x_RH: torch.Tensor | None = None,
+    x_RH: Deferred | None = None,
 ) -> torch.Tensor:
     """``y_TH`` of all experts on this rank, routing weights applied inside the SwiGLU.
 
@@ -174,10 +174,13 @@ def local_experts(
     safe); otherwise, and by default, they are returned to autograd.
 
     ``x_RH``: ``x_TH``'s rows in ``perm``'s order, already moved by the caller (no autograd; the
-    gradient reaches ``x_TH``); moved here when ``None`` or of another dtype than ``x_TH``.
+    gradient reaches ``x_TH``), or a ``TakeOnce`` of them: then this frame holds the only reference
+    and they are freed right after the first GEMM unless kept for backward (with wide experts
+    they are the largest buffer of the forward); moved here when ``None`` or of another dtype.
     """
     # The rows are moved first: the device copies them while the host sets up the fusion and the
     # autograd node below (host time before the first GEMM's launch is idle device time).
+    x_RH = None if x_RH is None else resolved(x_RH)
     if x_RH is None or x_RH.dtype != x_TH.dtype:
         x_RH = _expert_rows_impl(x_TH.detach(), perm)
     if lean is None:

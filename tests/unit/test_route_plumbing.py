@@ -119,3 +119,33 @@ def test_separate_calls_where_one_call_does_not_apply(why, monkeypatch) -> None:
         y = layer(x)
     assert torch.isfinite(y.float()).all()
     assert fake.calls == 0
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_moved_rows_are_freed_after_the_first_gemm_unless_kept(lean, monkeypatch) -> None:  # noqa: ANN001
+    """The rows the one call moved must not outlive the up-projection when backward rebuilds them:
+    no frame above the experts may hold them (with wide experts they are the forward's largest buffer)."""
+    import weakref
+
+    import lightning_moe.ops.local_experts as local_ops
+
+    fake = _ReferenceRoute()
+    rows_ref: list[weakref.ref] = []
+    real_route = fake.route
+
+    def route(*args):  # noqa: ANN002, ANN202
+        out = real_route(*args)
+        rows_ref.append(weakref.ref(out[-1]))
+        return out
+
+    fake.route = route  # type: ignore[method-assign]
+    monkeypatch.setattr(router_module, "csrc_extension", _only_for_16_bit(fake))
+    alive_at_swiglu: list[bool] = []
+    real_swiglu = local_ops.weighted_swiglu_forward
+    monkeypatch.setattr(
+        local_ops, "weighted_swiglu_forward", lambda *a: alive_at_swiglu.append(rows_ref[0]() is not None) or real_swiglu(*a)
+    )
+    layer = MoELayer(MoEConfig(hidden_size=32, ffn_hidden_size=16, num_experts=8, top_k=2)).to(torch.bfloat16)
+    layer.experts.lean_backward = lean
+    layer(torch.randn(12, 32, dtype=torch.bfloat16, requires_grad=True))
+    assert fake.calls == 1 and alive_at_swiglu == [not lean]
