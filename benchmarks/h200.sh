@@ -20,6 +20,7 @@
 #   bash benchmarks/h200.sh gemm      # CUTLASS grouped expert GEMM (forward/dgrad): its GPU tests, race vs F.grouped_mm
 #   bash benchmarks/h200.sh race      # new pieces' GPU tests, host stages, GEMM + wgrad tiling races, qwen3 layer
 #   bash benchmarks/h200.sh check     # all GPU tests, router GEMM tiles, Mixtral GEMM race, every shape beside torch's layer
+#   bash benchmarks/h200.sh peak      # the one-call path's tests, DeepSeek-V3 and Qwen3 beside torch's layer (time, activation peak)
 #   bash benchmarks/h200.sh multi     # issue 8 on a multi-GPU kind: NCCL parity, EP scaling, overlap, ECHO, DeepEP
 #                                     # (carry .deepep/: DeepEP's source as src.tar; built here by build_deepep.sh)
 #   bash benchmarks/h200.sh all       # GPU tests, e2e with profile, callbacks, mixtral, Liger (results_MODE.tgz)
@@ -328,6 +329,12 @@ PY
     timeout 100 python3 benchmarks/expert_gemms.py --shapes mixtral-8x7b --dgrad --no-loops \
       --json "$OUT/gemms.json" > "$OUT/gemms.log" 2>&1; grep -h '^{' "$OUT/gemms.log" | grep -v "128x128" | cut -c1-200; pack
     CLOSE_TESTS=0 CLOSE_PEERS=${CLOSE_PEERS:-torch-grouped_mm-ref} bash "$0" close
+    ;;
+  peak)  # the one-call path's tests, then DeepSeek-V3 (and Qwen3) beside torch's layer: time and activation peak
+    timeout 120 python3 -m pytest tests/gpu/test_route.py tests/gpu/test_layer_gpu.py -q -p no:cacheprovider -rf \
+      > "$OUT/gpu_tests.log" 2>&1; grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" | tail -8; tail -1 "$OUT/gpu_tests.log"
+    timeout 150 python3 benchmarks/moe_layer.py --shapes "${SHAPES:-deepseek-v3,qwen3-30b-a3b}" --fuse-wgrad --no-breakdown \
+      --peers torch-grouped_mm-ref --json "$OUT/peak.json" > "$OUT/peak.log" 2>&1; grep -h '^{"peer\|peer ms /' "$OUT/peak.log" | cut -c1-200
     ;;
   liger)  # Liger's fused MoE alone, long enough for its autotuning; its Triton cache comes back
     timeout "${LIGER_S:-420}" python3 benchmarks/moe_layer.py --shapes "${SHAPES:-qwen3-30b-a3b}" \
