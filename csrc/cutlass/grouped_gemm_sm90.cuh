@@ -16,56 +16,24 @@
 // into the same library.
 #pragma once
 
-#include <cstdint>
-#include <type_traits>
-
-#include <cuda_runtime.h>
-
-#include "cute/tensor.hpp"
-#include "cutlass/cutlass.h"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/epilogue/fusion/operations.hpp"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/dispatch_policy.hpp"
-#include "cutlass/gemm/group_array_problem_shape.hpp"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "cutlass/util/packed_stride.hpp"
-
 #include "grouped_gemm.h"
+#include "sm90_grouped.cuh"
 
 namespace lightning_moe {
 namespace cutlass_kernels {
 namespace sm90_gemm {
 
-using Element = cutlass::bfloat16_t;
-using Accumulator = float;
-using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M_e, N, K)
+using sm90_grouped::Accumulator;
+using sm90_grouped::Cooperative;
+using sm90_grouped::Element;
+using sm90_grouped::GroupArrays;
+using sm90_grouped::kAlignment;
+using sm90_grouped::Pingpong;
+using sm90_grouped::ProblemShape;  // (M_e, N, K)
 using LayoutA = cutlass::layout::RowMajor;   // a's rows: K contiguous
 using LayoutD = cutlass::layout::RowMajor;   // out's rows: N contiguous
 using NMajor = cutlass::layout::RowMajor;    // w[e] [K, N] with N contiguous
 using KMajor = cutlass::layout::ColumnMajor;  // w[e] [K, N] with K contiguous
-constexpr int kAlignment = 8;                  // 16 bytes of bf16: TMA's unit
-
-// Cooperative: both consumer warp groups share one tile (each takes half its rows), and the
-// epilogue follows the tile's MMAs. Ping-pong: each consumer warp group owns a whole tile, and one
-// group's epilogue overlaps the other's MMAs. A cluster of two along M shares the w tile's loads
-// through TMA multicast (two row blocks of one expert read the same weight columns).
-template <int TileM, int TileN, int ClusterM, int ClusterN>
-struct Cooperative {
-  using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::_64>;
-  using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
-  using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
-
-template <int TileM, int TileN, int ClusterM, int ClusterN>
-struct Pingpong {
-  using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::_64>;
-  using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
-  using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
 
 template <class Config, class LayoutB>
 struct ExpertGemm {
@@ -73,7 +41,7 @@ struct ExpertGemm {
   // which leaves more of it to the mainloop's stages.
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, Accumulator, Accumulator, void, LayoutD*, kAlignment,
+      typename Config::EpilogueTile, Accumulator, Accumulator, void, LayoutD*, kAlignment,
       Element, LayoutD*, kAlignment, typename Config::EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>::CollectiveOp;
 
@@ -89,36 +57,6 @@ struct ExpertGemm {
   using StrideB = typename Kernel::InternalStrideB;
   using StrideD = typename Kernel::InternalStrideD;
   using Shape = ProblemShape::UnderlyingProblemShape;
-};
-
-// The per-group argument arrays, carved out of the front of the workspace.
-template <class G>
-struct GroupArrays {
-  typename G::Shape* problems;
-  const Element** a;
-  const Element** b;
-  Element** d;
-  typename G::StrideA* stride_a;
-  typename G::StrideB* stride_b;
-  typename G::StrideD* stride_d;
-  size_t bytes;  // through the end of the last array, rounded up to 256
-
-  GroupArrays(void* base, int64_t groups) {
-    size_t at = 0;
-    auto take = [&](size_t each) {
-      char* p = static_cast<char*>(base) + at;
-      at = (at + each * static_cast<size_t>(groups) + 255) / 256 * 256;
-      return static_cast<void*>(p);
-    };
-    problems = static_cast<typename G::Shape*>(take(sizeof(typename G::Shape)));
-    a = static_cast<const Element**>(take(sizeof(void*)));
-    b = static_cast<const Element**>(take(sizeof(void*)));
-    d = static_cast<Element**>(take(sizeof(void*)));
-    stride_a = static_cast<typename G::StrideA*>(take(sizeof(typename G::StrideA)));
-    stride_b = static_cast<typename G::StrideB*>(take(sizeof(typename G::StrideB)));
-    stride_d = static_cast<typename G::StrideD*>(take(sizeof(typename G::StrideD)));
-    bytes = at;
-  }
 };
 
 // One thread per expert. Only M varies between groups; N and K are every expert's. A decreasing
@@ -143,9 +81,6 @@ __global__ void prepare_groups(GroupArrays<G> arrays, const int32_t* __restrict_
 
 template <class G>
 typename G::Gemm::Arguments make_arguments(const GroupArrays<G>& arrays, int64_t groups, int device, int sm_count) {
-  cutlass::KernelHardwareInfo hw;
-  hw.device_id = device;
-  hw.sm_count = sm_count;
   typename G::Gemm::Arguments args;
   decltype(args.epilogue.thread) fusion;
   fusion.alpha = 1.0f;
@@ -155,7 +90,7 @@ typename G::Gemm::Arguments make_arguments(const GroupArrays<G>& arrays, int64_t
       {static_cast<int>(groups), arrays.problems, nullptr},  // no host problem sizes: M_e lives on the device
       {arrays.a, arrays.stride_a, arrays.b, arrays.stride_b},
       {fusion, nullptr, nullptr, arrays.d, arrays.stride_d},  // C: none
-      hw};
+      sm90_grouped::hardware(device, sm_count)};
   return args;
 }
 
@@ -179,17 +114,7 @@ const char* run(void* out, const void* a, const void* w, const int32_t* offsets,
   prepare_groups<G><<<static_cast<unsigned>((groups + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
       arrays, offsets, groups, static_cast<int>(k), static_cast<int>(n), static_cast<const Element*>(a),
       static_cast<const Element*>(w), static_cast<Element*>(out));
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
-  typename G::Gemm gemm;
-  void* gemm_workspace = static_cast<char*>(workspace) + arrays.bytes;
-  cutlass::Status status = gemm.can_implement(args);
-  if (status != cutlass::Status::kSuccess) return cutlassGetStatusString(status);
-  status = gemm.initialize(args, gemm_workspace, stream);
-  if (status != cutlass::Status::kSuccess) return cutlassGetStatusString(status);
-  status = gemm.run(stream);
-  if (status != cutlass::Status::kSuccess) return cutlassGetStatusString(status);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
-  return nullptr;
+  return sm90_grouped::launch<G>(args, static_cast<char*>(workspace) + arrays.bytes, stream);
 }
 
 }  // namespace sm90_gemm

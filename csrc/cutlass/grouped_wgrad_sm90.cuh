@@ -11,35 +11,23 @@
 // Included by the grouped_wgrad_<tiling>.cu files (one tiling each, so they compile in parallel).
 #pragma once
 
-#include <cstdint>
-#include <type_traits>
-
-#include <cuda_runtime.h>
-
-#include "cute/tensor.hpp"
-#include "cutlass/cutlass.h"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/epilogue/fusion/operations.hpp"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/dispatch_policy.hpp"
-#include "cutlass/gemm/group_array_problem_shape.hpp"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "cutlass/util/packed_stride.hpp"
-
 #include "grouped_wgrad.h"
+#include "sm90_grouped.cuh"
 
 namespace lightning_moe {
 namespace cutlass_kernels {
 namespace sm90 {
 
-using Element = cutlass::bfloat16_t;
-using Accumulator = float;
-using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K_e)
+using sm90_grouped::Accumulator;
+using sm90_grouped::Cooperative;
+using sm90_grouped::Element;
+using sm90_grouped::GroupArrays;
+using sm90_grouped::kAlignment;
+using sm90_grouped::Pingpong;
+using sm90_grouped::ProblemShape;  // (M, N, K_e)
 using LayoutA = cutlass::layout::ColumnMajor;  // x_e^T: M contiguous
 using LayoutB = cutlass::layout::RowMajor;     // dy_e: N contiguous
 using LayoutC = cutlass::layout::RowMajor;     // grad[e]
-constexpr int kAlignment = 8;                   // 16 bytes of bf16: TMA's unit
 
 // EpiN: the epilogue's sub-tile width (128 x EpiN; 0 = CUTLASS's choice, 128 x 32 here). The epilogue
 // prefetches up to four sub-tiles of the old gradient (C) while the tile's MMAs run. Wider sub-tiles
@@ -52,31 +40,8 @@ constexpr int kAlignment = 8;                   // 16 bytes of bf16: TMA's unit
 // 128 x 128 tiles (12.49 / 1.61) and 2 x 2 clusters (15.68 / 1.71): the old gradient's loads are not
 // what holds the kernel back. Nsight Compute on the default tiling (DeepSeek-V3 w13): DRAM 57 % of
 // peak (2.7 TB/s), tensor pipe 38 %, 1 block of 3 warp groups per SM; neither bound is reached, the
-// tile's epilogue and its MMAs take turns. Hence the ping-pong 64-row tiling below.
-template <int TileM, int TileN, int ClusterM, int ClusterN, int EpiN = 0>
-struct Cooperative {
-  using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::_64>;
-  using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
-  using EpilogueTile = std::conditional_t<EpiN == 0, cutlass::epilogue::collective::EpilogueTileAuto,
-                                          cute::Shape<cute::_128, cute::Int<EpiN>>>;
-  using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
-
-// Ping-pong: each consumer warp group owns a tile of its own and the two alternate between
-// their MMAs and their epilogues, so one tile's epilogue (here: the old gradient read, added and
-// written) overlaps the other's MMAs instead of taking turns with them, which is what the
-// counters above show the cooperative kernel doing. 64-row tiles keep two tiles' accumulators in
-// registers.
-template <int TileM, int TileN, int ClusterM, int ClusterN>
-struct Pingpong {
-  using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::_64>;
-  using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
-  using EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto;
-  using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
-
+// tile's epilogue and its MMAs take turns. A ping-pong 64 x 256 tiling (one tile's epilogue overlapping the
+// other's MMAs) was slower still (w13 14.68 vs 12.40 ms, w2 7.44 vs 6.07; Qwen3 1.85 vs 1.45 / 0.87 vs 0.76).
 template <class Config>
 struct WgradGemm {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -98,39 +63,9 @@ struct WgradGemm {
   using StrideC = typename Kernel::InternalStrideC;
   using StrideD = typename Kernel::InternalStrideD;
   using Shape = ProblemShape::UnderlyingProblemShape;
-};
-
-// The per-group argument arrays, carved out of the front of the workspace. The epilogue reads C
-// and writes D at the same place (grad[e], beta = 1), so one pointer array and one stride array
-// serve both.
-template <class G>
-struct GroupArrays {
-  static_assert(std::is_same_v<typename G::StrideC, typename G::StrideD>, "C and D share their strides");
-  typename G::Shape* problems;
-  const Element** a;
-  const Element** b;
-  Element** d;  // also C
-  typename G::StrideA* stride_a;
-  typename G::StrideB* stride_b;
-  typename G::StrideD* stride_d;  // also C's
-  size_t bytes;  // through the end of the last array, rounded up to 256
-
-  GroupArrays(void* base, int64_t groups) {
-    size_t at = 0;
-    auto take = [&](size_t each) {
-      char* p = static_cast<char*>(base) + at;
-      at = (at + each * static_cast<size_t>(groups) + 255) / 256 * 256;
-      return static_cast<void*>(p);
-    };
-    problems = static_cast<typename G::Shape*>(take(sizeof(typename G::Shape)));
-    a = static_cast<const Element**>(take(sizeof(void*)));
-    b = static_cast<const Element**>(take(sizeof(void*)));
-    d = static_cast<Element**>(take(sizeof(void*)));
-    stride_a = static_cast<typename G::StrideA*>(take(sizeof(typename G::StrideA)));
-    stride_b = static_cast<typename G::StrideB*>(take(sizeof(typename G::StrideB)));
-    stride_d = static_cast<typename G::StrideD*>(take(sizeof(typename G::StrideD)));
-    bytes = at;
-  }
+  // The epilogue reads C and writes D at the same place (grad[e], beta = 1): GroupArrays' D pointer
+  // and stride array serve both.
+  static_assert(std::is_same_v<StrideC, StrideD>, "C and D share their strides");
 };
 
 template <class G>
@@ -151,9 +86,6 @@ __global__ void prepare_groups(GroupArrays<G> arrays, const int32_t* __restrict_
 
 template <class G>
 typename G::Gemm::Arguments make_arguments(const GroupArrays<G>& arrays, int64_t groups, int device, int sm_count) {
-  cutlass::KernelHardwareInfo hw;
-  hw.device_id = device;
-  hw.sm_count = sm_count;
   typename G::Gemm::Arguments args;
   decltype(args.epilogue.thread) fusion;
   fusion.alpha = 1.0f;
@@ -163,7 +95,7 @@ typename G::Gemm::Arguments make_arguments(const GroupArrays<G>& arrays, int64_t
       {static_cast<int>(groups), arrays.problems, nullptr},  // no host problem sizes: K_e lives on the device
       {arrays.a, arrays.stride_a, arrays.b, arrays.stride_b},
       {fusion, const_cast<const Element**>(arrays.d), arrays.stride_d, arrays.d, arrays.stride_d},
-      hw};
+      sm90_grouped::hardware(device, sm_count)};
   return args;
 }
 
@@ -187,17 +119,7 @@ const char* accumulate(void* grad, const void* x, const void* dy, const int32_t*
   prepare_groups<G><<<static_cast<unsigned>((groups + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
       arrays, offsets, groups, static_cast<int>(m), static_cast<int>(n), static_cast<const Element*>(x),
       static_cast<const Element*>(dy), static_cast<Element*>(grad));
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
-  typename G::Gemm gemm;
-  void* gemm_workspace = static_cast<char*>(workspace) + arrays.bytes;
-  cutlass::Status status = gemm.can_implement(args);
-  if (status != cutlass::Status::kSuccess) return cutlassGetStatusString(status);
-  status = gemm.initialize(args, gemm_workspace, stream);
-  if (status != cutlass::Status::kSuccess) return cutlassGetStatusString(status);
-  status = gemm.run(stream);
-  if (status != cutlass::Status::kSuccess) return cutlassGetStatusString(status);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);
-  return nullptr;
+  return sm90_grouped::launch<G>(args, static_cast<char*>(workspace) + arrays.bytes, stream);
 }
 
 }  // namespace sm90
