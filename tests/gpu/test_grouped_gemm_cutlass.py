@@ -19,21 +19,10 @@ import torch.nn.functional as F
 
 from lightning_moe.ops import build_cutlass, grouped_gemm_cutlass
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("needs_cutlass")]  # tests/gpu/conftest.py
 
 TOL = 1e-2
 LAYOUTS = ("n-major", "k-major")
-
-
-@pytest.fixture(autouse=True)
-def _needs_cutlass() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    reason = build_cutlass.cutlass_unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    if build_cutlass.load_cutlass_extension() is None:
-        pytest.fail("the CUTLASS kernels are available here but did not build; see the warning")
 
 
 def _counts(num_experts: int, rows: int, gen: torch.Generator, empty: tuple[int, ...]) -> list[int]:

@@ -5,20 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_moe.ops import build_cutlass, wgrad_cutlass
+from lightning_moe.ops import wgrad_cutlass
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def _needs_cutlass() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    reason = build_cutlass.cutlass_unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    if build_cutlass.load_cutlass_extension() is None:
-        pytest.fail("the CUTLASS kernels are available here but did not build; see the warning")
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("needs_cutlass")]  # tests/gpu/conftest.py
 
 
 def _counts(num_experts: int, rows: int, gen: torch.Generator, empty: int) -> list[int]:
