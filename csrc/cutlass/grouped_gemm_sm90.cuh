@@ -35,29 +35,10 @@ using LayoutD = cutlass::layout::RowMajor;   // out's rows: N contiguous
 using NMajor = cutlass::layout::RowMajor;    // w[e] [K, N] with N contiguous
 using KMajor = cutlass::layout::ColumnMajor;  // w[e] [K, N] with K contiguous
 
+// ElementC = void: no source tensor (beta = 0), so no C loads and no C buffers in shared memory,
+// which leaves more of it to the mainloop's stages.
 template <class Config, class LayoutB>
-struct ExpertGemm {
-  // ElementC = void: no source tensor (beta = 0), so no C loads and no C buffers in shared memory,
-  // which leaves more of it to the mainloop's stages.
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
-      typename Config::EpilogueTile, Accumulator, Accumulator, void, LayoutD*, kAlignment,
-      Element, LayoutD*, kAlignment, typename Config::EpilogueSchedule,
-      cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>::CollectiveOp;
-
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignment, Element, LayoutB*,
-      kAlignment, Accumulator, typename Config::Tile, typename Config::Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      typename Config::MainloopSchedule>::CollectiveOp;
-
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  using StrideA = typename Kernel::InternalStrideA;
-  using StrideB = typename Kernel::InternalStrideB;
-  using StrideD = typename Kernel::InternalStrideD;
-  using Shape = ProblemShape::UnderlyingProblemShape;
-};
+using ExpertGemm = sm90_grouped::GroupedGemm<Config, LayoutA, LayoutB, void, LayoutD>;
 
 // One thread per expert. Only M varies between groups; N and K are every expert's. A decreasing
 // pair of offsets (outside the contract) gives that expert no rows rather than a negative M.

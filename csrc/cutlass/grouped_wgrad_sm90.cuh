@@ -43,30 +43,7 @@ using LayoutC = cutlass::layout::RowMajor;     // grad[e]
 // tile's epilogue and its MMAs take turns. A ping-pong 64 x 256 tiling (one tile's epilogue overlapping the
 // other's MMAs) was slower still (w13 14.68 vs 12.40 ms, w2 7.44 vs 6.07; Qwen3 1.85 vs 1.45 / 0.87 vs 0.76).
 template <class Config>
-struct WgradGemm {
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
-      typename Config::EpilogueTile, Accumulator, Accumulator, Element, LayoutC*, kAlignment,
-      Element, LayoutC*, kAlignment, typename Config::EpilogueSchedule,
-      cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>::CollectiveOp;
-
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignment, Element, LayoutB*,
-      kAlignment, Accumulator, typename Config::Tile, typename Config::Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      typename Config::MainloopSchedule>::CollectiveOp;
-
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  using StrideA = typename Kernel::InternalStrideA;
-  using StrideB = typename Kernel::InternalStrideB;
-  using StrideC = typename Kernel::InternalStrideC;
-  using StrideD = typename Kernel::InternalStrideD;
-  using Shape = ProblemShape::UnderlyingProblemShape;
-  // The epilogue reads C and writes D at the same place (grad[e], beta = 1): GroupArrays' D pointer
-  // and stride array serve both.
-  static_assert(std::is_same_v<StrideC, StrideD>, "C and D share their strides");
-};
+using WgradGemm = sm90_grouped::GroupedGemm<Config, LayoutA, LayoutB, Element, LayoutC>;
 
 template <class G>
 __global__ void prepare_groups(GroupArrays<G> arrays, const int32_t* __restrict__ offsets, int64_t groups,
@@ -86,6 +63,9 @@ __global__ void prepare_groups(GroupArrays<G> arrays, const int32_t* __restrict_
 
 template <class G>
 typename G::Gemm::Arguments make_arguments(const GroupArrays<G>& arrays, int64_t groups, int device, int sm_count) {
+  // The epilogue reads C and writes D at the same place (grad[e], beta = 1): GroupArrays' D pointer
+  // and stride array serve both.
+  static_assert(std::is_same_v<typename G::StrideC, typename G::StrideD>, "C and D share their strides");
   typename G::Gemm::Arguments args;
   decltype(args.epilogue.thread) fusion;
   fusion.alpha = 1.0f;

@@ -56,6 +56,33 @@ struct Pingpong {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
+// The kernel of one grouped GEMM: D_g = alpha * A_g B_g (+ beta * C_g) per group, bf16 operands and
+// D, fp32 accumulation, C at D's layout (ElementC = void: no source, so the epilogue neither loads
+// one nor keeps shared memory for it). Config: one of the schedules above. The mainloop takes the
+// shared memory the epilogue leaves.
+template <class Config, class LayoutA, class LayoutB, class ElementC, class LayoutD>
+struct GroupedGemm {
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
+      typename Config::EpilogueTile, Accumulator, Accumulator, ElementC, LayoutD*, kAlignment,
+      Element, LayoutD*, kAlignment, typename Config::EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>::CollectiveOp;
+
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignment, Element, LayoutB*,
+      kAlignment, Accumulator, typename Config::Tile, typename Config::Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      typename Config::MainloopSchedule>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideC = typename Kernel::InternalStrideC;
+  using StrideD = typename Kernel::InternalStrideD;
+  using Shape = ProblemShape::UnderlyingProblemShape;
+};
+
 // The per-group argument arrays of a GEMM type G (G::Shape, G::StrideA/B/D), carved out of the
 // front of the workspace: problem sizes, A/B/D pointers and strides (D's also serve C where the
 // epilogue reads a source at the same place).

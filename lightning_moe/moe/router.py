@@ -215,18 +215,15 @@ class TopKRouter(nn.Module):
             return None
         if x_TH.dtype != self.weight.dtype or x_TH.dtype not in (torch.bfloat16, torch.float16):
             return None
-        if cfg.num_experts > 1024 or cfg.top_k > 32 or (cfg.num_groups or 0) > 32 or x_TH.shape[0] * cfg.top_k >= 2**31:
+        selection = self._topk_kernel_args()
+        if selection is None or x_TH.shape[0] * cfg.top_k >= 2**31:
             return None
         if torch.is_autocast_enabled(x_TH.device.type) or not kernel_fits(x_TH, self.weight):
             return None
         ext = csrc_extension(x_TH)
         if ext is None:
             return None
-        bias = None if self.expert_bias is None else self.expert_bias.float().contiguous()
-        rows = route(
-            ext, x_TH, self.weight, bias, cfg.top_k, cfg.score_func, cfg.pre_softmax, cfg.norm_topk_prob,
-            float(cfg.scaling_factor or 1.0), int(cfg.num_groups or 0), int(cfg.group_topk or 0),
-        )  # fmt: skip
+        rows = route(ext, x_TH, self.weight, *selection)
         perm = rows.perm
         if self.expert_bias is not None and self.training:
             self.tokens_per_expert_since_update += perm.tokens_per_expert_E.float()
@@ -245,16 +242,26 @@ class TopKRouter(nn.Module):
 
         return weights
 
+    def _topk_kernel_args(self) -> tuple | None:
+        """The csrc top-k selection's arguments after the logits (``router_topk``, also taken by
+        ``route``): expert bias, top_k, score function and its options, groups; ``None`` when the
+        configuration is beyond the kernel's limits (E <= 1024, K <= 32, at most 32 groups)."""
+        cfg = self.config
+        if cfg.num_experts > 1024 or cfg.top_k > 32 or (cfg.num_groups or 0) > 32:
+            return None
+        bias = None if self.expert_bias is None else self.expert_bias.float().contiguous()
+        return (
+            bias, cfg.top_k, cfg.score_func, cfg.pre_softmax, cfg.norm_topk_prob,
+            float(cfg.scaling_factor or 1.0), int(cfg.num_groups or 0), int(cfg.group_topk or 0),
+        )  # fmt: skip
+
     def _select(self, logits_TE: torch.Tensor) -> torch.Tensor:
         """Steps 2-4 without the override: the fused csrc kernel on CUDA, torch otherwise."""
         cfg = self.config
         ext = csrc_extension(logits_TE) if logits_TE.dtype == torch.float32 else None
-        if ext is not None and cfg.num_experts <= 1024 and cfg.top_k <= 32 and (cfg.num_groups or 0) <= 32:
-            bias = None if self.expert_bias is None else self.expert_bias.float().contiguous()
-            ids_TK, _ = ext.router_topk(
-                logits_TE.contiguous(), bias, cfg.top_k, cfg.score_func, cfg.pre_softmax, cfg.norm_topk_prob,
-                float(cfg.scaling_factor or 1.0), int(cfg.num_groups or 0), int(cfg.group_topk or 0),
-            )
+        selection = self._topk_kernel_args() if ext is not None else None
+        if selection is not None:
+            ids_TK, _ = ext.router_topk(logits_TE.contiguous(), *selection)
             return ids_TK  # int64, written by the kernel
         scores_TE = selection_scores(logits_TE, cfg.score_func, cfg.pre_softmax)
         if self.expert_bias is not None:

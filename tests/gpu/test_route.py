@@ -21,6 +21,7 @@ from lightning_moe import MoEConfig, MoELayer  # noqa: E402
 from lightning_moe.ops.build import load_extension  # noqa: E402
 
 from test_kernels import ROUTERS, _assert_close, _call_poisoned  # noqa: E402  (same folder)
+from test_layer_gpu import _run  # noqa: E402
 
 DEV = torch.device("cuda")
 
@@ -97,15 +98,6 @@ def test_route_equals_the_four_ops(ops, name, T) -> None:
     assert torch.equal(rows, x[src.long()]), "rows are x's rows in expert order"
 
 
-def _layer_step(layer: MoELayer, x: torch.Tensor, go: torch.Tensor):
-    layer.zero_grad(set_to_none=True)
-    x = x.detach().clone().requires_grad_(True)
-    y = layer(x)
-    y.backward(go)
-    grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
-    return y.detach(), x.grad.detach(), grads
-
-
 @pytest.mark.parametrize(
     "extra",
     [
@@ -125,7 +117,7 @@ def test_layer_one_call_path_equals_separate_calls(ops, extra, monkeypatch) -> N
     calls = []
     real_route = router_module.route
     monkeypatch.setattr(router_module, "route", lambda *a, **k: calls.append(1) or real_route(*a, **k))
-    y1, gx1, g1 = _layer_step(layer, x, go)
+    y1, gx1, g1 = _run(layer, x, go, "csrc", monkeypatch)
     assert calls, "the one-call path did not run"
     counts1 = layer.last_tokens_per_expert.clone()
     bias_counts1 = layer.router.tokens_per_expert_since_update.clone() if cfg.expert_bias else None
@@ -133,7 +125,7 @@ def test_layer_one_call_path_equals_separate_calls(ops, extra, monkeypatch) -> N
     monkeypatch.setattr(MoELayer, "_route_and_permute", lambda self, x_TH: None)
     if cfg.expert_bias:
         layer.router.tokens_per_expert_since_update.zero_()
-    y2, gx2, g2 = _layer_step(layer, x, go)
+    y2, gx2, g2 = _run(layer, x, go, "csrc", monkeypatch)
     assert len(calls) == 1
     assert torch.equal(y1, y2) and torch.equal(gx1, gx2)
     assert g1.keys() == g2.keys() and "router.weight" in g1
@@ -162,13 +154,13 @@ def test_layer_takes_the_separate_calls_where_the_one_call_does_not_apply(monkey
     assert not calls
 
 
-def _fill_kernels(layer: MoELayer, x: torch.Tensor, go: torch.Tensor) -> int:
+def _fill_kernels(layer: MoELayer, x: torch.Tensor, go: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> int:
     from torch.profiler import ProfilerActivity, profile
 
-    _layer_step(layer, x, go)  # warm
+    _run(layer, x, go, "csrc", monkeypatch)  # warm
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _layer_step(layer, x, go)
+        _run(layer, x, go, "csrc", monkeypatch)
         torch.cuda.synchronize()
     return sum(e.count for e in prof.key_averages() if "FillFunctor" in e.key)
 
@@ -179,6 +171,6 @@ def test_one_call_path_fills_no_more_than_separate_calls(ops, monkeypatch) -> No
     layer = MoELayer(MoEConfig(hidden_size=128, ffn_hidden_size=64, num_experts=16, top_k=4)).cuda().to(torch.bfloat16)
     x = torch.randn(300, 128, device=DEV, dtype=torch.bfloat16)
     go = torch.randn(300, 128, device=DEV, dtype=torch.bfloat16)
-    one_call = _fill_kernels(layer, x, go)
+    one_call = _fill_kernels(layer, x, go, monkeypatch)
     monkeypatch.setattr(MoELayer, "_route_and_permute", lambda self, x_TH: None)
-    assert one_call <= _fill_kernels(layer, x, go)
+    assert one_call <= _fill_kernels(layer, x, go, monkeypatch)
