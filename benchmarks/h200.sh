@@ -20,6 +20,7 @@
 #   bash benchmarks/h200.sh gemm      # CUTLASS grouped expert GEMM (forward/dgrad): its GPU tests, race vs F.grouped_mm
 #   bash benchmarks/h200.sh race      # new pieces' GPU tests, host stages, GEMM + wgrad tiling races, qwen3 layer
 #   bash benchmarks/h200.sh check     # all GPU tests, router GEMM tiles, Mixtral GEMM race, every shape beside torch's layer
+#   bash benchmarks/h200.sh clocks    # GPU tests; SM clock + clock-event reasons per arm (benchmarks/clock_probe.py); qwen3 layer
 #   bash benchmarks/h200.sh peak      # the one-call path's tests, DeepSeek-V3 and Qwen3 beside torch's layer (time, activation peak)
 #   bash benchmarks/h200.sh multi     # issue 8 on a multi-GPU kind: NCCL parity, EP scaling, overlap, ECHO, DeepEP
 #                                     # (carry .deepep/: DeepEP's source as src.tar; built here by build_deepep.sh)
@@ -335,6 +336,17 @@ PY
       > "$OUT/gpu_tests.log" 2>&1; grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" | tail -8; tail -1 "$OUT/gpu_tests.log"
     timeout 150 python3 benchmarks/moe_layer.py --shapes "${SHAPES:-deepseek-v3,qwen3-30b-a3b}" --fuse-wgrad --no-breakdown \
       --peers torch-grouped_mm-ref --json "$OUT/peak.json" > "$OUT/peak.log" 2>&1; grep -h '^{"peer\|peer ms /' "$OUT/peak.log" | cut -c1-200
+    ;;
+  clocks)  # all GPU tests; each arm's SM clock, power and clock-event reasons; synced vs back-to-back steps; qwen3 layer
+    timeout 200 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1
+    grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" | tail -12; tail -1 "$OUT/gpu_tests.log"; pack
+    for shape in ${SHAPES:-qwen3-30b-a3b}; do
+      timeout 150 python3 benchmarks/clock_probe.py --shape "$shape" --seconds "${CLOCK_S:-2}" \
+        > "$OUT/clocks_$shape.log" 2>&1; cut -c1-400 "$OUT/clocks_$shape.log" | tail -12; pack
+    done
+    timeout 100 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --fuse-wgrad --peers torch-grouped_mm-ref \
+      --json "$OUT/layers.json" > "$OUT/layers.log" 2>&1
+    grep -h '^{"peer\|peer ms /\|GEMMs alone fwd+bwd\|^ \{26\}' "$OUT/layers.log" | cut -c1-220; pack
     ;;
   liger)  # Liger's fused MoE alone, long enough for its autotuning; its Triton cache comes back
     timeout "${LIGER_S:-420}" python3 benchmarks/moe_layer.py --shapes "${SHAPES:-qwen3-30b-a3b}" \

@@ -1,0 +1,218 @@
+"""What the chip's clock does under each arm, and what a step costs synchronised vs back to back.
+
+Earlier runs sampled the SM clock over the timed steps (``gpu_clocks.ClockSampler``) and saw
+lightning-moe's Qwen3-30B-A3B layer with the CUTLASS weight-gradient kernel run at ~1700 MHz
+where every other arm ran at ~1980 MHz, at a quarter of the power cap. This probe runs each arm
+alone for a while with ``nvidia-smi`` logging the SM clock, the power and the active clock-event
+reasons (why the clock is below its maximum) every 20 ms, so the reason is read, not guessed.
+
+Per arm it also times the step twice: synchronised after every step (the protocol of
+``benchmarks/moe_layer.py``: the device idles while the host issues the step's first kernels) and
+back to back (the host runs ahead, as in training): their difference is the host-bound share.
+
+    python benchmarks/clock_probe.py --shape qwen3-30b-a3b --seconds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peers  # noqa: E402
+from moe_layer import ours, skewed_input  # noqa: E402
+
+from lightning_moe.ops import wgrad_cutlass  # noqa: E402
+from lightning_moe.ops.grouped_gemm import offsets_from_counts  # noqa: E402
+from lightning_moe.ops.permute import build_permutation, permute_rows  # noqa: E402
+
+REASON_BITS = {
+    0x1: "idle",
+    0x2: "app-clocks",
+    0x4: "sw-power-cap",
+    0x8: "hw-slowdown",
+    0x10: "sync-boost",
+    0x20: "sw-thermal",
+    0x40: "hw-thermal",
+    0x80: "hw-power-brake",
+    0x100: "display-clocks",
+}
+
+
+class SmiLog:
+    """``nvidia-smi`` sampling clock, power and clock-event reasons into memory (a subprocess)."""
+
+    def __init__(self, interval_ms: int = 20) -> None:
+        self.fields = None
+        for reasons in ("clocks_event_reasons.active", "clocks_throttle_reasons.active"):
+            fields = f"timestamp,clocks.sm,power.draw,{reasons}"
+            probe = subprocess.run(
+                ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"], capture_output=True, text=True
+            )
+            if probe.returncode == 0:
+                self.fields = fields
+                break
+        self.interval_ms = interval_ms
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> SmiLog:
+        if self.fields:
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", f"--query-gpu={self.fields}", "--format=csv,noheader,nounits", f"-lms={self.interval_ms}"],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.lines: list[str] = []
+        if self.proc is not None:
+            self.proc.terminate()
+            out, _ = self.proc.communicate(timeout=10)
+            self.lines = out.splitlines()
+
+    def samples(self) -> list[tuple[float, float, float, int]]:
+        rows = []
+        for line in self.lines:
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) != 4:
+                continue
+            try:
+                stamp = time.mktime(time.strptime(parts[0].split(".")[0], "%Y/%m/%d %H:%M:%S"))
+                stamp += float("0." + parts[0].split(".")[1]) if "." in parts[0] else 0.0
+                rows.append((stamp, float(parts[1]), float(parts[2]), int(parts[3], 16)))
+            except ValueError:
+                continue
+        return rows
+
+
+def reasons(mask: int) -> str:
+    names = [name for bit, name in REASON_BITS.items() if mask & bit]
+    return "+".join(names) or "none"
+
+
+def run_for(step, seconds: float) -> tuple[float, float, list[float]]:  # noqa: ANN001
+    """Synchronised steps for ``seconds``: (wall start, wall end, per-step ms by CUDA events)."""
+    t0 = time.time()
+    ms = []
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    while time.time() - t0 < seconds:
+        s.record()
+        step()
+        e.record()
+        torch.cuda.synchronize()
+        ms.append(s.elapsed_time(e))
+    return t0, time.time(), ms
+
+
+def back_to_back_ms(step, steps: int = 20) -> float:  # noqa: ANN001
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(steps):
+        step()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / steps
+
+
+def arms(shape: str) -> dict:
+    T, H, Fh, E, k = peers.SHAPES[shape]
+    x = skewed_input(T, H, "cuda", 0.0).requires_grad_(True)
+    go = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    fused = ours(H, Fh, E, k, "cuda", 0.0, fuse_wgrad=True)
+    plain = ours(H, Fh, E, k, "cuda", 0.0)
+    ref = peers.GroupedRef(H, Fh, E, k, "cuda")
+    with torch.no_grad():
+        perm = build_permutation(fused.router(x).topk_ids_TK, E, dropless=True)
+    x_RH = permute_rows(x.detach(), perm)
+    offs = offsets_from_counts(perm.tokens_per_expert_E)
+    w13, w2 = fused.experts.w13.detach(), fused.experts.w2.detach()
+    a_RF = torch.randn(x_RH.shape[0], Fh, device="cuda", dtype=torch.bfloat16)
+    h_R2F = torch.randn(x_RH.shape[0], 2 * Fh, device="cuda", dtype=torch.bfloat16)
+    g_RH = torch.randn_like(x_RH)
+    g13, g2 = torch.zeros_like(w13), torch.zeros_like(w2)
+
+    def layer_step(m):  # noqa: ANN001, ANN202
+        def step() -> None:
+            x.grad = None
+            m(x).backward(go)
+
+        return step
+
+    def gemms() -> None:
+        F.grouped_mm(x_RH, w13, offs=offs)
+        F.grouped_mm(a_RF, w2, offs=offs)
+        F.grouped_mm(g_RH, w2.transpose(1, 2), offs=offs)
+        F.grouped_mm(a_RF.t(), g_RH, offs=offs)
+        F.grouped_mm(h_R2F, w13.transpose(1, 2), offs=offs)
+        F.grouped_mm(x_RH.t(), h_R2F, offs=offs)
+
+    def wgrad_cutlass_step() -> None:
+        wgrad_cutlass.grouped_wgrad_accumulate_(g13, x_RH, h_R2F, offs)
+        wgrad_cutlass.grouped_wgrad_accumulate_(g2, a_RF, g_RH, offs)
+
+    def wgrad_torch_step() -> None:
+        g13.add_(F.grouped_mm(x_RH.t(), h_R2F, offs=offs))
+        g2.add_(F.grouped_mm(a_RF.t(), g_RH, offs=offs))
+
+    out = {
+        "layer-fused-wgrad": layer_step(fused),
+        "layer-plain": layer_step(plain),
+        "torch-grouped_mm-ref": layer_step(ref),
+        "gemms-alone": gemms,
+        "wgrad-torch+add": wgrad_torch_step,
+    }
+    if wgrad_cutlass.supported(x_RH, w13, w2):
+        out["wgrad-cutlass"] = wgrad_cutlass_step
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-30b-a3b")
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    steps = arms(a.shape)
+    windows = {}
+    results = []
+    with SmiLog() as smi:
+        for name, step in steps.items():
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            time.sleep(0.3)  # a gap between arms so their samples do not mix
+            t0, t1, ms = run_for(step, a.seconds)
+            windows[name] = (t0 + 0.2, t1)  # the first 0.2 s: the clock settling
+            b2b = back_to_back_ms(step)
+            results.append({"arm": name, "synced_ms": round(statistics.median(ms), 3), "back_to_back_ms": round(b2b, 3)})
+    samples = smi.samples()
+    for r in results:
+        t0, t1 = windows[r["arm"]]
+        inside = [s for s in samples if t0 <= s[0] <= t1]
+        if inside:
+            r["sm_mhz_median"] = statistics.median(s[1] for s in inside)
+            r["sm_mhz_min"] = min(s[1] for s in inside)
+            r["power_w_median"] = round(statistics.median(s[2] for s in inside))
+            r["power_w_max"] = round(max(s[2] for s in inside))
+            r["reasons"] = dict(Counter(reasons(s[3]) for s in inside).most_common(4))
+            r["samples"] = len(inside)
+        print(json.dumps({"shape": a.shape, **r}), flush=True)
+    if not samples:
+        print("nvidia-smi gave no samples (no query fields answered)", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
