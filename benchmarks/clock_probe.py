@@ -1,10 +1,11 @@
 """What the chip's clock does under each arm, and what a step costs synchronised vs back to back.
 
-Earlier runs sampled the SM clock over the timed steps (``gpu_clocks.ClockSampler``) and saw
-lightning-moe's Qwen3-30B-A3B layer with the CUTLASS weight-gradient kernel run at ~1700 MHz
-where every other arm ran at ~1980 MHz, at a quarter of the power cap. This probe runs each arm
-alone for a while with ``nvidia-smi`` logging the SM clock, the power and the active clock-event
-reasons (why the clock is below its maximum) every 20 ms, so the reason is read, not guessed.
+Each arm runs alone for a while with ``nvidia-smi`` logging the SM clock, the power and the active
+clock-event reasons (why the clock is below its maximum) every 20 ms (``gpu_clocks.ClockSampler``),
+so the reason is read, not guessed. H200, Qwen3-30B-A3B (2026-11-29): lightning-moe's layer,
+the grouped GEMMs alone and the weight-gradient kernels all hold the chip at its power cap
+(~690 W, ``sw-power-cap``, 1575–1725 MHz); torch's layer, slowed by its permutation, mostly not
+(1980 MHz).
 
 Per arm it also times the step twice: synchronised after every step (the protocol of
 ``benchmarks/moe_layer.py``: the device idles while the host issues the step's first kernels) and
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -29,76 +29,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402
+from gpu_clocks import ClockSampler, reasons  # noqa: E402
 from moe_layer import ours, skewed_input  # noqa: E402
 
 from lightning_moe.ops import wgrad_cutlass  # noqa: E402
 from lightning_moe.ops.grouped_gemm import offsets_from_counts  # noqa: E402
 from lightning_moe.ops.permute import build_permutation, permute_rows  # noqa: E402
-
-REASON_BITS = {
-    0x1: "idle",
-    0x2: "app-clocks",
-    0x4: "sw-power-cap",
-    0x8: "hw-slowdown",
-    0x10: "sync-boost",
-    0x20: "sw-thermal",
-    0x40: "hw-thermal",
-    0x80: "hw-power-brake",
-    0x100: "display-clocks",
-}
-
-
-class SmiLog:
-    """``nvidia-smi`` sampling clock, power and clock-event reasons into memory (a subprocess)."""
-
-    def __init__(self, interval_ms: int = 20) -> None:
-        self.fields = None
-        for reasons in ("clocks_event_reasons.active", "clocks_throttle_reasons.active"):
-            fields = f"timestamp,clocks.sm,power.draw,{reasons}"
-            probe = subprocess.run(
-                ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"], capture_output=True, text=True
-            )
-            if probe.returncode == 0:
-                self.fields = fields
-                break
-        self.interval_ms = interval_ms
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> SmiLog:
-        if self.fields:
-            self.proc = subprocess.Popen(
-                ["nvidia-smi", f"--query-gpu={self.fields}", "--format=csv,noheader,nounits", f"-lms={self.interval_ms}"],
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.lines: list[str] = []
-        if self.proc is not None:
-            self.proc.terminate()
-            out, _ = self.proc.communicate(timeout=10)
-            self.lines = out.splitlines()
-
-    def samples(self) -> list[tuple[float, float, float, int]]:
-        rows = []
-        for line in self.lines:
-            parts = [p.strip() for p in line.split(",")]
-            if len(parts) != 4:
-                continue
-            try:
-                stamp = time.mktime(time.strptime(parts[0].split(".")[0], "%Y/%m/%d %H:%M:%S"))
-                stamp += float("0." + parts[0].split(".")[1]) if "." in parts[0] else 0.0
-                rows.append((stamp, float(parts[1]), float(parts[2]), int(parts[3], 16)))
-            except ValueError:
-                continue
-        return rows
-
-
-def reasons(mask: int) -> str:
-    names = [name for bit, name in REASON_BITS.items() if mask & bit]
-    return "+".join(names) or "none"
-
 
 def run_for(step, seconds: float) -> tuple[float, float, list[float]]:  # noqa: ANN001
     """Synchronised steps for ``seconds``: (wall start, wall end, per-step ms by CUDA events)."""
@@ -186,7 +122,7 @@ def main() -> None:
     steps = arms(a.shape)
     windows = {}
     results = []
-    with SmiLog() as smi:
+    with ClockSampler() as smi:
         for name, step in steps.items():
             for _ in range(3):
                 step()
@@ -196,10 +132,8 @@ def main() -> None:
             windows[name] = (t0 + 0.2, t1)  # the first 0.2 s: the clock settling
             b2b = back_to_back_ms(step)
             results.append({"arm": name, "synced_ms": round(statistics.median(ms), 3), "back_to_back_ms": round(b2b, 3)})
-    samples = smi.samples()
     for r in results:
-        t0, t1 = windows[r["arm"]]
-        inside = [s for s in samples if t0 <= s[0] <= t1]
+        inside = smi.window(*windows[r["arm"]])
         if inside:
             r["sm_mhz_median"] = statistics.median(s[1] for s in inside)
             r["sm_mhz_min"] = min(s[1] for s in inside)
@@ -208,8 +142,8 @@ def main() -> None:
             r["reasons"] = dict(Counter(reasons(s[3]) for s in inside).most_common(4))
             r["samples"] = len(inside)
         print(json.dumps({"shape": a.shape, **r}), flush=True)
-    if not samples:
-        print("nvidia-smi gave no samples (no query fields answered)", flush=True)
+    if not smi.samples:
+        print("nvidia-smi gave no samples", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
 

@@ -1,60 +1,112 @@
-"""The GPU's SM clock and power draw while a benchmark runs (NVML through torch.cuda; optional).
+"""The GPU's SM clock, power draw and clock-event reasons while a benchmark runs (``nvidia-smi``).
 
-Two implementations can differ on the GPU only because one keeps the chip at its power cap, so
-that its clocks drop over back-to-back steps: ``ClockSampler`` records both, every few
-milliseconds, on a background thread, so each timed row can say what the chip ran at.
+On one H200 the expert GEMMs of a layer step hold the chip at its power cap (~700 W): the clock
+drops (1575–1725 MHz instead of 1980) and the reason reads ``sw-power-cap``
+(``benchmarks/clock_probe.py``). A step then costs what its energy costs, not what its kernels
+would take at full clock: two implementations can differ only because one draws more power.
+``ClockSampler`` records clock, power and reasons every ``interval_ms`` in an ``nvidia-smi``
+subprocess, so each timed row says what the chip ran at and why.
+
+An earlier version read NVML through ``torch.cuda.clock_rate()`` / ``power_draw()`` on a Python
+thread: on the device machine those reported ~1980 MHz and ~150–300 W during steps that
+``nvidia-smi`` saw at ~1700 MHz and ~690 W (power-capped), so its figures are not to be used.
 
     with ClockSampler() as clocks:
         ...timed loop...
-    clocks.summary()  # {"sm_mhz": ..., "power_w": ...} or {} without NVML
+    clocks.summary()  # {"sm_mhz": ..., "power_w": ..., "clock_reason": ...} or {} without nvidia-smi
 """
 
 from __future__ import annotations
 
+import shutil
 import statistics
-import threading
+import subprocess
+import time
+from collections import Counter
 
-import torch
+__all__ = ["ClockSampler", "reasons"]
 
-__all__ = ["ClockSampler"]
+REASON_BITS = {
+    0x1: "idle",
+    0x2: "app-clocks",
+    0x4: "sw-power-cap",
+    0x8: "hw-slowdown",
+    0x10: "sync-boost",
+    0x20: "sw-thermal",
+    0x40: "hw-thermal",
+    0x80: "hw-power-brake",
+    0x100: "display-clocks",
+}
+
+
+def reasons(mask: int) -> str:
+    """The clock-event reasons of an ``nvidia-smi`` bit mask, joined with ``+`` (``none`` if none)."""
+    return "+".join(name for bit, name in REASON_BITS.items() if mask & bit) or "none"
+
+
+def _query_fields() -> str | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    for reason_field in ("clocks_event_reasons.active", "clocks_throttle_reasons.active"):  # newer, older drivers
+        fields = f"timestamp,clocks.sm,power.draw,{reason_field}"
+        probe = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"], capture_output=True, text=True, check=False
+        )
+        if probe.returncode == 0:
+            return fields
+    return None
+
+
+def _parse(line: str) -> tuple[float, float, float, int] | None:
+    """``(unix time, SM MHz, watts, reason mask)`` of one CSV line, or ``None``."""
+    parts = [p.strip() for p in line.split(",")]
+    if len(parts) != 4:
+        return None
+    try:
+        whole, _, frac = parts[0].partition(".")
+        stamp = time.mktime(time.strptime(whole, "%Y/%m/%d %H:%M:%S")) + (float("0." + frac) if frac else 0.0)
+        return stamp, float(parts[1]), float(parts[2]), int(parts[3], 16)
+    except ValueError:
+        return None
 
 
 class ClockSampler:
-    def __init__(self, interval_s: float = 0.005) -> None:
-        self.interval_s = interval_s
-        self.mhz: list[float] = []
-        self.watts: list[float] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+    """``nvidia-smi`` sampling in a subprocess between ``__enter__`` and ``__exit__`` (nothing without it)."""
 
-    @staticmethod
-    def available() -> bool:
-        if not torch.cuda.is_available():
-            return False
-        try:
-            torch.cuda.clock_rate()
-            torch.cuda.power_draw()
-        except Exception:  # noqa: BLE001 - no NVML bindings (nvidia-ml-py) or no permission
-            return False
-        return True
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.mhz.append(float(torch.cuda.clock_rate()))
-            self.watts.append(torch.cuda.power_draw() / 1000.0)  # milliwatts
+    def __init__(self, interval_ms: int = 20) -> None:
+        self.interval_ms = interval_ms
+        self.samples: list[tuple[float, float, float, int]] = []
+        self._proc: subprocess.Popen | None = None
 
     def __enter__(self) -> ClockSampler:
-        if self.available():
-            self._thread = threading.Thread(target=self._run, daemon=True)
-            self._thread.start()
+        fields = _query_fields()
+        if fields:
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", f"-lms={self.interval_ms}"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        out, _ = self._proc.communicate(timeout=10)
+        self.samples = [s for s in map(_parse, out.splitlines()) if s is not None]
 
-    def summary(self) -> dict:
-        if not self.mhz:
+    def window(self, t0: float, t1: float) -> list[tuple[float, float, float, int]]:
+        """The samples taken between two ``time.time()`` stamps."""
+        return [s for s in self.samples if t0 <= s[0] <= t1]
+
+    def summary(self, t0: float = 0.0, t1: float = float("inf")) -> dict:
+        inside = self.window(t0, t1)
+        if not inside:
             return {}
-        return {"sm_mhz": round(statistics.median(self.mhz)), "power_w": round(statistics.median(self.watts))}
+        top_reason, _ = Counter(reasons(s[3]) for s in inside).most_common(1)[0]
+        return {
+            "sm_mhz": round(statistics.median(s[1] for s in inside)),
+            "power_w": round(statistics.median(s[2] for s in inside)),
+            "clock_reason": top_reason,
+        }

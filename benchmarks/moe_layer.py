@@ -105,7 +105,7 @@ def bench(name, make, T, H, dev, flops, skew, call=None) -> dict:  # noqa: ANN00
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        with ClockSampler() as clocks:  # the SM clock and power over the timed steps (NVML; else nothing)
+        with ClockSampler() as clocks:  # SM clock, power, clock-event reason over the timed steps (nvidia-smi)
             ms = peers.timeit(step, 2, 10)
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if dev == "cuda" else float("nan")
         r = dict(peer=name, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 4), act_peak_gib=round(peak, 2))
@@ -407,7 +407,7 @@ def print_table(out: dict) -> None:
                 print(f"{shape:24s} {name:22s} ERROR {r['error'][:90]}")
             else:
                 ratio = r["ms"] / mine["ms"] if mine.get("ms") else float("nan")
-                clocks = f"  {r['sm_mhz']} MHz {r['power_w']} W" if "sm_mhz" in r else ""
+                clocks = f"  {r['sm_mhz']} MHz {r['power_w']} W {r['clock_reason']}" if "sm_mhz" in r else ""
                 print(f"{shape:24s} {name:22s} {r['ms']:8.2f} {r['tflops']:8.1f} {r['act_peak_gib']:8.2f} {ratio:9.2f}{clocks}")
         fused = rows.get(FUSED, {})
         if fused.get("ms"):
