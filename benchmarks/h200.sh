@@ -22,6 +22,7 @@
 #   bash benchmarks/h200.sh check     # all GPU tests, router GEMM tiles, Mixtral GEMM race, every shape beside torch's layer
 #   bash benchmarks/h200.sh clocks    # GPU tests; SM clock + clock-event reasons per arm (benchmarks/clock_probe.py); qwen3 layer
 #   bash benchmarks/h200.sh arms      # GEMM / wgrad kernel settings raced inside each shape's layer step (benchmarks/layer_arms.py)
+#   bash benchmarks/h200.sh fresh     # GPU tests; fresh vs accumulated weight gradients inside the step; qwen3 layer both ways
 #   bash benchmarks/h200.sh peak      # the one-call path's tests, DeepSeek-V3 and Qwen3 beside torch's layer (time, activation peak)
 #   bash benchmarks/h200.sh multi     # issue 8 on a multi-GPU kind: NCCL parity, EP scaling, overlap, ECHO, DeepEP
 #                                     # (carry .deepep/: DeepEP's source as src.tar; built here by build_deepep.sh)
@@ -352,8 +353,8 @@ PY
   arms)  # kernel settings raced inside the layer step (benchmarks/layer_arms.py), every shape; GPU tests last
     G=LIGHTNING_MOE_GEMM_KERNEL=cutlass+LIGHTNING_MOE_GEMM_CUTLASS_TILE; W=LIGHTNING_MOE_WGRAD_CUTLASS_TILE
     gemm="gemm-coop128x256:$G=cooperative-128x256-c2x1,gemm-pp128x128:$G=pingpong-128x128,gemm-pp128x128c2:$G=pingpong-128x128-c2x1,gemm-pp64x256:$G=pingpong-64x256"
-    q="default:,fresh-grads:,$gemm,wgrad-coop:$W=cooperative,wgrad-coop128x256:$W=cooperative-128x256,wgrad-pp64x256:$W=pingpong-64x256,wgrad-streams:LIGHTNING_MOE_WGRAD_KERNEL=streams,default-again:"
-    d="default:,fresh-grads:,gemm-torch:LIGHTNING_MOE_GEMM_KERNEL=torch,gemm-coop128x256:$G=cooperative-128x256-c2x1,wgrad-cutlass:LIGHTNING_MOE_WGRAD_KERNEL=cutlass,default-again:"
+    q="default:,fresh-grads:,fresh-torch-wgrad:LIGHTNING_MOE_WGRAD_KERNEL=streams,$gemm,wgrad-coop:$W=cooperative,wgrad-coop128x256:$W=cooperative-128x256,wgrad-pp64x256:$W=pingpong-64x256,wgrad-streams:LIGHTNING_MOE_WGRAD_KERNEL=streams,default-again:"
+    d="default:,fresh-grads:,fresh-cutlass-wgrad:LIGHTNING_MOE_WGRAD_KERNEL=cutlass,gemm-torch:LIGHTNING_MOE_GEMM_KERNEL=torch,gemm-coop128x256:$G=cooperative-128x256-c2x1,wgrad-cutlass:LIGHTNING_MOE_WGRAD_KERNEL=cutlass,default-again:"
     m="default:,fresh-grads:,$gemm,wgrad-cutlass:LIGHTNING_MOE_WGRAD_KERNEL=cutlass,default-again:"
     for run in "qwen3-30b-a3b|${ARMS_QWEN3:-$q}" "deepseek-v3|${ARMS_DEEPSEEK:-$d}" "mixtral-8x7b|${ARMS_MIXTRAL:-$m}"; do
       shape=${run%%|*}; echo "== $shape"
@@ -363,6 +364,23 @@ PY
     done
     [ "${ARMS_TESTS:-1}" = 1 ] && timeout 200 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1
     grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" 2>/dev/null | tail -12; tail -1 "$OUT/gpu_tests.log" 2>/dev/null; pack
+    ;;
+  fresh)  # all GPU tests; fresh (beta = 0) vs accumulating weight gradients in the step; qwen3 beside torch both ways
+    timeout 240 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1
+    grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" | tail -12; tail -1 "$OUT/gpu_tests.log"; pack
+    for run in "qwen3-30b-a3b|default:,fresh-grads:,fresh-torch-wgrad:LIGHTNING_MOE_WGRAD_KERNEL=streams,default-again:" \
+               "deepseek-v3|default:,fresh-grads:,fresh-cutlass-wgrad:LIGHTNING_MOE_WGRAD_KERNEL=cutlass,default-again:"; do
+      shape=${run%%|*}; echo "== $shape"
+      timeout 120 python3 benchmarks/layer_arms.py --shape "$shape" --arms "${run#*|}" --rounds 5 \
+        --json "$OUT/arms_$shape.json" > "$OUT/arms_$shape.log" 2>&1; grep -h '^{' "$OUT/arms_$shape.log" | sed 's/, "env": {[^}]*}//' | cut -c1-200
+      grep -hE "Error|error" "$OUT/arms_$shape.log" | tail -3; pack
+    done
+    for flag in --fresh-grads ""; do
+      echo "== qwen3 ${flag:-accumulating}"
+      timeout 100 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --fuse-wgrad $flag --peers torch-grouped_mm-ref \
+        --json "$OUT/layers${flag:+_fresh}.json" > "$OUT/layers${flag:+_fresh}.log" 2>&1
+      grep -h '^{"peer\|peer ms /\|GEMMs alone fwd+bwd\|^ \{26\}' "$OUT/layers${flag:+_fresh}.log" | cut -c1-220; pack
+    done
     ;;
   liger)  # Liger's fused MoE alone, long enough for its autotuning; its Triton cache comes back
     timeout "${LIGER_S:-420}" python3 benchmarks/moe_layer.py --shapes "${SHAPES:-qwen3-30b-a3b}" \

@@ -8,8 +8,8 @@ settings, a few steps of each arm in turn for several rounds, so clock drift fal
 
 An arm is ``label:NAME=VALUE+NAME=VALUE`` (environment variables read by the layer's ops on every
 forward: ``LIGHTNING_MOE_GEMM_KERNEL``, ``LIGHTNING_MOE_GEMM_CUTLASS_TILE``,
-``LIGHTNING_MOE_WGRAD_KERNEL``, ``LIGHTNING_MOE_WGRAD_CUTLASS_TILE``); the label ``fresh-grads``
-with no settings sets every parameter's ``.grad`` to ``None`` before each step (no accumulation).
+``LIGHTNING_MOE_WGRAD_KERNEL``, ``LIGHTNING_MOE_WGRAD_CUTLASS_TILE``); a label starting with
+``fresh`` also sets every parameter's ``.grad`` to ``None`` before each step (no accumulation).
 
     python benchmarks/layer_arms.py --shape qwen3-30b-a3b \\
         --arms "default:,gemm-coop:LIGHTNING_MOE_GEMM_KERNEL=cutlass+LIGHTNING_MOE_GEMM_CUTLASS_TILE=cooperative-128x256-c2x1"
@@ -60,7 +60,7 @@ def run(shape: str, specs: list[str], rounds: int, steps: int) -> list[dict]:
                 os.environ.update(env)
                 try:
                     for i in range(steps + 2):  # two warm-up steps after switching
-                        if label == "fresh-grads":
+                        if label.startswith("fresh"):
                             for p in layer.parameters():
                                 p.grad = None
                         x.grad = None

@@ -86,8 +86,16 @@ def skewed_input(T: int, H: int, dev: str, skew: float) -> torch.Tensor:
     return x
 
 
+FRESH_GRADS = False  # --fresh-grads: every gradient starts at None each step (no accumulation)
+
+
 def bench(name, make, T, H, dev, flops, skew, call=None) -> dict:  # noqa: ANN001
-    """Time fwd+bwd of one module on the same inputs as every peer."""
+    """Time fwd+bwd of one module on the same inputs as every peer.
+
+    By default gradients accumulate over the timed steps (the shared protocol: the weights' and the
+    input's ``.grad`` are added into each step); with ``--fresh-grads`` each step starts with every
+    ``.grad`` at ``None``, as a training step without gradient accumulation does (Lightning's
+    ``zero_grad(set_to_none=True)``), so a step writes its gradients as the GEMMs alone write theirs."""
     torch.manual_seed(0)
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -97,7 +105,13 @@ def bench(name, make, T, H, dev, flops, skew, call=None) -> dict:  # noqa: ANN00
         go = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
         fwd = call or (lambda m, x: m(x))
 
+        params = list(mod.parameters())
+
         def step() -> None:
+            if FRESH_GRADS:
+                x.grad = None
+                for p in params:
+                    p.grad = None
             fwd(mod, x).backward(go)
 
         step()  # first call: kernel build/load and grads allocated, before the baseline
@@ -280,6 +294,8 @@ def main() -> None:
     ap.add_argument("--peers", default="", help="comma list; default all")
     ap.add_argument("--skew", default="0", help="comma list of router skews (0 = balanced)")
     ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--fresh-grads", action="store_true",
+                    help="every .grad set to None before each step (no accumulation), for every peer")
     ap.add_argument("--json", default="")
     ap.add_argument("--fuse-wgrad", action="store_true",
                     help="also run lightning-moe with MoEConfig(fuse_wgrad_accumulation=True) (row lightning-moe-fused-wgrad)")
@@ -290,6 +306,8 @@ def main() -> None:
                     "in the same process (rows named like lightning-moe-fused-wgrad[streams]); cutlass@<tiling> "
                     "also picks the CUTLASS tiling")
     a = ap.parse_args()
+    global FRESH_GRADS
+    FRESH_GRADS = a.fresh_grads
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = QUICK if a.quick else SHAPES
     if a.shapes:

@@ -18,6 +18,7 @@ namespace lightning_moe {
 namespace {
 
 constexpr const char* kOp = "lightning_moe_cutlass_C.grouped_wgrad_accumulate_";
+constexpr const char* kFreshOp = "lightning_moe_cutlass_C.grouped_wgrad";
 constexpr const char* kGemmOp = "lightning_moe_cutlass_C.grouped_mm";
 
 // Numbers go into messages through std::to_string: streaming an int64 into TORCH_CHECK's message
@@ -43,40 +44,59 @@ int sm_count(int device) {  // getDeviceProperties caches the properties per dev
   return at::cuda::getDeviceProperties(device)->multiProcessorCount;
 }
 
-// grad[e] += x[lo_e:hi_e]^T @ dy[lo_e:hi_e], lo/hi from the inclusive prefix sums `offsets`.
-void grouped_wgrad_accumulate_op(at::Tensor grad, const at::Tensor& x, const at::Tensor& dy,
-                                 const at::Tensor& offsets, int64_t tile) {
+// grad[e] (+)= x[lo_e:hi_e]^T @ dy[lo_e:hi_e], lo/hi from the inclusive prefix sums `offsets`.
+void run_wgrad(at::Tensor& grad, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& offsets, int64_t tile,
+               bool accumulate, const char* op) {
   const at::Device device = grad.device();
-  check(grad, kOp, "grad", device, at::kBFloat16);
-  check(x, kOp, "x", device, at::kBFloat16);
-  check(dy, kOp, "dy", device, at::kBFloat16);
-  check(offsets, kOp, "offsets", device, at::kInt);
-  TORCH_CHECK(grad.dim() == 3 && x.dim() == 2 && dy.dim() == 2 && offsets.dim() == 1, kOp,
+  check(grad, op, "grad", device, at::kBFloat16);
+  check(x, op, "x", device, at::kBFloat16);
+  check(dy, op, "dy", device, at::kBFloat16);
+  check(offsets, op, "offsets", device, at::kInt);
+  TORCH_CHECK(grad.dim() == 3 && x.dim() == 2 && dy.dim() == 2 && offsets.dim() == 1, op,
               ": expected grad [E, M, N], x [R, M], dy [R, N], offsets [E]; got ", num(grad.dim()), "-d, ",
               num(x.dim()), "-d, ", num(dy.dim()), "-d, ", num(offsets.dim()), "-d.");
   const int64_t experts = grad.size(0), m = grad.size(1), n = grad.size(2);
-  TORCH_CHECK(x.size(1) == m && dy.size(1) == n && x.size(0) == dy.size(0) && offsets.size(0) == experts, kOp,
+  TORCH_CHECK(x.size(1) == m && dy.size(1) == n && x.size(0) == dy.size(0) && offsets.size(0) == experts, op,
               ": shapes disagree: grad [", num(experts), ", ", num(m), ", ", num(n), "], x [", num(x.size(0)), ", ",
               num(x.size(1)), "], dy [", num(dy.size(0)), ", ", num(dy.size(1)), "], offsets [", num(offsets.size(0)),
               "].");
-  TORCH_CHECK(m % 8 == 0 && n % 8 == 0, kOp, ": M=", num(m), " and N=", num(n),
+  TORCH_CHECK(m % 8 == 0 && n % 8 == 0, op, ": M=", num(m), " and N=", num(n),
               " must be multiples of 8 (16-byte rows for TMA); use the cuBLAS kernels for this shape.");
   for (const at::Tensor* t : {static_cast<const at::Tensor*>(&grad), &x, &dy}) {
-    TORCH_CHECK(aligned16(*t), kOp,
+    TORCH_CHECK(aligned16(*t), op,
                 ": a tensor's data is not 16-byte aligned (a view at an odd offset); pass a fresh copy.");
   }
-  TORCH_CHECK(tile >= 0 && tile < cutlass_kernels::kTilings, kOp, ": tile=", num(tile), " is not a tiling (0 to ", num(cutlass_kernels::kTilings - 1), "; see WgradTile in grouped_wgrad.h).");
-  if (experts == 0 || x.size(0) == 0) return;
+  TORCH_CHECK(tile >= 0 && tile < cutlass_kernels::kTilings, op, ": tile=", num(tile), " is not a tiling (0 to ", num(cutlass_kernels::kTilings - 1), "; see WgradTile in grouped_wgrad.h).");
+  if (experts == 0) return;
+  if (x.size(0) == 0) {  // no rows at all: nothing to add, or an all-zero gradient
+    if (!accumulate) grad.zero_();
+    return;
+  }
   const c10::cuda::CUDAGuard guard(device);
   const int index = device.index();
   const int sms = sm_count(index);
   const auto tiling = static_cast<cutlass_kernels::WgradTile>(tile);
   const size_t bytes = cutlass_kernels::grouped_wgrad_workspace_bytes(experts, sms, tiling);
   at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
-  const char* failed = cutlass_kernels::grouped_wgrad_accumulate(
-      grad.data_ptr(), x.data_ptr(), dy.data_ptr(), offsets.data_ptr<int32_t>(), experts, m, n, workspace.data_ptr(),
-      bytes, index, sms, tiling, at::cuda::getCurrentCUDAStream(index).stream());
-  TORCH_CHECK(failed == nullptr, kOp, ": the CUTLASS kernel failed: ", failed == nullptr ? "" : failed, ".");
+  const char* failed = cutlass_kernels::grouped_wgrad(
+      grad.data_ptr(), x.data_ptr(), dy.data_ptr(), offsets.data_ptr<int32_t>(), experts, m, n, accumulate,
+      workspace.data_ptr(), bytes, index, sms, tiling, at::cuda::getCurrentCUDAStream(index).stream());
+  TORCH_CHECK(failed == nullptr, op, ": the CUTLASS kernel failed: ", failed == nullptr ? "" : failed, ".");
+}
+
+void grouped_wgrad_accumulate_op(at::Tensor grad, const at::Tensor& x, const at::Tensor& dy, const at::Tensor& offsets,
+                                 int64_t tile) {
+  run_wgrad(grad, x, dy, offsets, tile, /*accumulate=*/true, kOp);
+}
+
+// A fresh [E, M, N] gradient: out[e] = x[lo_e:hi_e]^T @ dy[lo_e:hi_e] (zeros for experts without rows).
+at::Tensor grouped_wgrad_op(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& offsets, int64_t tile) {
+  TORCH_CHECK(x.dim() == 2 && dy.dim() == 2 && offsets.dim() == 1, kFreshOp,
+              ": expected x [R, M], dy [R, N], offsets [E]; got ", num(x.dim()), "-d, ", num(dy.dim()), "-d, ",
+              num(offsets.dim()), "-d.");
+  at::Tensor out = at::empty({offsets.size(0), x.size(1), dy.size(1)}, x.options());
+  run_wgrad(out, x, dy, offsets, tile, /*accumulate=*/false, kFreshOp);
+  return out;
 }
 
 // Whether w [E, K, N] is read N-major (each w[e] N-contiguous: how the forward reads w13 and w2) or
@@ -138,10 +158,12 @@ at::Tensor grouped_mm_op(const at::Tensor& a, const at::Tensor& w, const at::Ten
 
 TORCH_LIBRARY(lightning_moe_cutlass_C, m) {
   m.def("grouped_wgrad_accumulate_(Tensor(a!) grad, Tensor x, Tensor dy, Tensor offsets, int tile=0) -> ()");
+  m.def("grouped_wgrad(Tensor x, Tensor dy, Tensor offsets, int tile=0) -> Tensor");
   m.def("grouped_mm(Tensor a, Tensor w, Tensor offsets, int tile=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lightning_moe_cutlass_C, CUDA, m) {
   m.impl("grouped_wgrad_accumulate_", &lightning_moe::grouped_wgrad_accumulate_op);
+  m.impl("grouped_wgrad", &lightning_moe::grouped_wgrad_op);
   m.impl("grouped_mm", &lightning_moe::grouped_mm_op);
 }

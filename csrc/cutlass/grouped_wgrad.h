@@ -30,23 +30,23 @@ enum class WgradTile : int {
 };
 constexpr int kTilings = 4;
 
-// Bytes of device workspace grouped_wgrad_accumulate needs for `num_experts` groups on a GPU
-// with `sm_count` multiprocessors.
+// Bytes of device workspace grouped_wgrad needs for `num_experts` groups on a GPU with
+// `sm_count` multiprocessors.
 size_t grouped_wgrad_workspace_bytes(int64_t num_experts, int sm_count, WgradTile tile);
 
-// grad[e] += x[lo_e:hi_e]^T @ dy[lo_e:hi_e] for every expert e, in one launch (plus a tiny
-// kernel that lays out the per-expert arguments on the device), with the old gradient read and
-// the sum written by the GEMM's epilogue (beta = 1). lo_e = offsets[e - 1] (0 for e = 0),
-// hi_e = offsets[e]: inclusive row-count prefix sums on the device; no host synchronisation.
-// Experts with no rows are skipped (their gradient is untouched).
+// For every expert e, in one GEMM launch (plus a tiny kernel that lays out the per-expert
+// arguments on the device): accumulate: grad[e] += x[lo_e:hi_e]^T @ dy[lo_e:hi_e] (the old gradient
+// read and the sum written by the GEMM's epilogue, beta = 1; experts with no rows untouched);
+// else grad[e] = x[lo_e:hi_e]^T @ dy[lo_e:hi_e] (beta = 0: grad is not read; experts with no rows
+// zeroed by one more small kernel). lo_e = offsets[e - 1] (0 for e = 0), hi_e = offsets[e]:
+// inclusive row-count prefix sums on the device; no host synchronisation.
 //
 // grad: [E, M, N] bf16, x: [R, M] bf16, dy: [R, N] bf16, all contiguous and 16-byte aligned;
 // M and N multiples of 8; offsets non-decreasing and offsets[E - 1] <= R.
 // Returns nullptr on success, else a static message naming what failed.
-const char* grouped_wgrad_accumulate(void* grad, const void* x, const void* dy, const int32_t* offsets,
-                                     int64_t num_experts, int64_t m, int64_t n, void* workspace,
-                                     size_t workspace_bytes, int device, int sm_count, WgradTile tile,
-                                     cudaStream_t stream);
+const char* grouped_wgrad(void* grad, const void* x, const void* dy, const int32_t* offsets, int64_t num_experts,
+                          int64_t m, int64_t n, bool accumulate, void* workspace, size_t workspace_bytes, int device,
+                          int sm_count, WgradTile tile, cudaStream_t stream);
 
 }  // namespace cutlass_kernels
 }  // namespace lightning_moe

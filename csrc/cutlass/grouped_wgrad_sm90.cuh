@@ -1,12 +1,13 @@
-// One CUTLASS 3 grouped GEMM for the expert weight gradients, accumulated in place (beta = 1).
+// One CUTLASS 3 grouped GEMM for the expert weight gradients, accumulated in place (beta = 1) or
+// written fresh (beta = 0: the epilogue then loads no C at all, CUTLASS skips it for a zero beta).
 //
-// Per expert e (one group): D_e = 1 * A_e B_e + 1 * C_e with C_e = D_e = grad[e] ([M, N],
+// Per expert e (one group): D_e = 1 * A_e B_e + beta * C_e with C_e = D_e = grad[e] ([M, N],
 // row-major), A_e = x[lo_e:hi_e]^T ([M, K_e]: x's rows are M wide, so A_e is column-major with
 // leading dimension M) and B_e = dy[lo_e:hi_e] ([K_e, N], row-major). K_e is the expert's row
 // count: it only exists on the device, so the per-group problem sizes, pointers and strides are
 // written by prepare_groups (one thread per expert) in the same stream, and the GEMM reads them
 // there: the host never learns the row counts. An expert without rows gets M = 0: no tiles, its
-// gradient untouched.
+// gradient untouched (when written fresh, grouped_wgrad.cu zeroes it).
 //
 // Included by the grouped_wgrad_<tiling>.cu files (one tiling each, so they compile in parallel).
 #pragma once
@@ -62,14 +63,15 @@ __global__ void prepare_groups(GroupArrays<G> arrays, const int32_t* __restrict_
 }
 
 template <class G>
-typename G::Gemm::Arguments make_arguments(const GroupArrays<G>& arrays, int64_t groups, int device, int sm_count) {
-  // The epilogue reads C and writes D at the same place (grad[e], beta = 1): GroupArrays' D pointer
-  // and stride array serve both.
+typename G::Gemm::Arguments make_arguments(const GroupArrays<G>& arrays, int64_t groups, int device, int sm_count,
+                                           float beta) {
+  // The epilogue reads C and writes D at the same place (grad[e]): GroupArrays' D pointer and
+  // stride array serve both.
   static_assert(std::is_same_v<typename G::StrideC, typename G::StrideD>, "C and D share their strides");
   typename G::Gemm::Arguments args;
   decltype(args.epilogue.thread) fusion;
   fusion.alpha = 1.0f;
-  fusion.beta = 1.0f;  // the old gradient, read and added in the epilogue
+  fusion.beta = beta;  // 1: the old gradient, read and added in the epilogue; 0: not read
   args = typename G::Gemm::Arguments{
       cutlass::gemm::GemmUniversalMode::kGrouped,
       {static_cast<int>(groups), arrays.problems, nullptr},  // no host problem sizes: K_e lives on the device
@@ -83,17 +85,18 @@ template <class Config>
 size_t workspace_bytes(int64_t groups, int sm_count) {
   using G = WgradGemm<Config>;
   GroupArrays<G> arrays(nullptr, groups);
-  auto args = make_arguments<G>(arrays, groups, 0, sm_count);
+  auto args = make_arguments<G>(arrays, groups, 0, sm_count, 1.0f);
   return arrays.bytes + G::Gemm::get_workspace_size(args);
 }
 
 template <class Config>
-const char* accumulate(void* grad, const void* x, const void* dy, const int32_t* offsets, int64_t groups, int64_t m,
-                       int64_t n, void* workspace, size_t bytes, int device, int sm_count, cudaStream_t stream) {
+const char* wgrad(void* grad, const void* x, const void* dy, const int32_t* offsets, int64_t groups, int64_t m,
+                  int64_t n, bool accumulate, void* workspace, size_t bytes, int device, int sm_count,
+                  cudaStream_t stream) {
   using G = WgradGemm<Config>;
   if (groups == 0) return nullptr;
   GroupArrays<G> arrays(workspace, groups);
-  auto args = make_arguments<G>(arrays, groups, device, sm_count);
+  auto args = make_arguments<G>(arrays, groups, device, sm_count, accumulate ? 1.0f : 0.0f);
   if (bytes < arrays.bytes + G::Gemm::get_workspace_size(args)) return "workspace too small";
   constexpr int kThreads = 128;
   prepare_groups<G><<<static_cast<unsigned>((groups + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
@@ -110,11 +113,11 @@ const char* accumulate(void* grad, const void* x, const void* dy, const int32_t*
   size_t workspace_bytes_##name(int64_t groups, int sm_count) {                                                 \
     return sm90::workspace_bytes<Config>(groups, sm_count);                                                     \
   }                                                                                                             \
-  const char* accumulate_##name(void* grad, const void* x, const void* dy, const int32_t* offsets, int64_t groups, \
-                                int64_t m, int64_t n, void* workspace, size_t bytes, int device, int sm_count,  \
-                                cudaStream_t stream) {                                                          \
-    return sm90::accumulate<Config>(grad, x, dy, offsets, groups, m, n, workspace, bytes, device, sm_count,     \
-                                    stream);                                                                    \
+  const char* wgrad_##name(void* grad, const void* x, const void* dy, const int32_t* offsets, int64_t groups,      \
+                           int64_t m, int64_t n, bool accumulate, void* workspace, size_t bytes, int device,     \
+                           int sm_count, cudaStream_t stream) {                                                  \
+    return sm90::wgrad<Config>(grad, x, dy, offsets, groups, m, n, accumulate, workspace, bytes, device, sm_count, \
+                               stream);                                                                         \
   }
 
 }  // namespace cutlass_kernels

@@ -67,6 +67,7 @@ __all__ = [
     "WgradFusion",
     "accumulate_wgrad_",
     "accumulation_target",
+    "fresh_wgrad_tiling",
     "fusion_pays",
     "wide_experts",
     "wgrad_streams",
@@ -118,6 +119,28 @@ WGRAD_KERNELS = ("auto", "loop", "streams", "triton", "cutlass")
 def wide_experts(w2: torch.Tensor) -> bool:
     """Whether the experts (down-projection ``[E, F, H]``) are wide enough for per-expert GEMMs to pay."""
     return fusion_pays(w2.shape[-1], w2.shape[-2], w2.element_size())
+
+
+# A fresh gradient (``.grad`` is ``None``: no accumulation) of one expert matrix smaller than this
+# goes through the CUTLASS grouped GEMM with beta = 0 under ``auto``; wider ones through
+# ``F.grouped_mm`` (Qwen3-30B-A3B: 6.3 and 3.1 MB an expert; DeepSeek-V3: 59 and 29 MB).
+_FRESH_CUTLASS_MAX_BYTES = 16 << 20
+
+
+def fresh_wgrad_tiling(x_RD: torch.Tensor, dy_RO: torch.Tensor) -> str | None:
+    """The CUTLASS tiling for a fresh ``[E, D, O]`` weight gradient, or ``None`` for ``F.grouped_mm``.
+
+    ``LIGHTNING_MOE_WGRAD_KERNEL``: ``cutlass`` takes it wherever it runs, ``auto`` for narrow
+    experts; the accumulating kernels (``loop``, ``streams``, ``triton``) leave it to ``F.grouped_mm``.
+    """
+    kernel = wgrad_kernel()
+    if kernel not in ("auto", "cutlass") or not x_RD.is_cuda:
+        return None
+    if kernel == "auto" and x_RD.shape[1] * dy_RO.shape[1] * x_RD.element_size() >= _FRESH_CUTLASS_MAX_BYTES:
+        return None
+    if x_RD.shape[1] % 8 or dy_RO.shape[1] % 8 or not wgrad_cutlass.supported(x_RD):
+        return None
+    return wgrad_cutlass.tile()
 
 
 # From this many experts on, the default deals them over two streams: hundreds of short GEMMs in

@@ -5,7 +5,9 @@ Legend: R rows grouped by expert, D input width, O output width, E experts.
 ``grad_EDO[e] += x_e^T @ dy_e`` for all experts in one warp-specialised launch that reads each
 expert's row range from the device offsets (no host sync) and adds the old gradient in its
 epilogue (beta = 1): the gradient is read once and written once, with no per-expert launch,
-memset or host bound. H200, both weights of one layer: Qwen3-30B-A3B 2.16 ms vs 2.81 for the
+memset or host bound. ``grouped_wgrad`` is the same GEMM writing a fresh gradient (beta = 0: the
+old one is not read; experts without rows are zeroed by a small kernel): what a step without
+gradient accumulation needs (``.grad`` is ``None``). H200, both weights of one layer: Qwen3-30B-A3B 2.16 ms vs 2.81 for the
 grouped GEMM plus autograd's addition (``benchmarks/wgrad_kernels.py --cutlass-only``), so the
 fusion uses it for narrow experts. For wide experts it does not win where it counts: timed
 inside the DeepSeek-V3 layer step (``benchmarks/wgrad_in_layer.py``) it takes 20.0 ms vs 18.2 for
@@ -29,7 +31,7 @@ import torch
 
 from lightning_moe.ops.build_cutlass import load_cutlass_extension
 
-__all__ = ["TILES", "grouped_wgrad_accumulate_", "reference_accumulate_", "supported", "tile"]
+__all__ = ["TILES", "grouped_wgrad", "grouped_wgrad_accumulate_", "reference_accumulate_", "supported", "tile"]
 
 TILES = {"cooperative-c1x2": 0, "cooperative": 1, "cooperative-128x256": 2, "pingpong-64x256": 3}
 DEFAULT_TILE = "cooperative-c1x2"
@@ -63,6 +65,15 @@ def grouped_wgrad_accumulate_(
         )
     offs = offs_E if offs_E.dtype == torch.int32 else offs_E.to(torch.int32)
     ops.grouped_wgrad_accumulate_(grad_EDO, x_RD.contiguous(), dy_RO.contiguous(), offs.contiguous(), TILES[tiling or tile()])
+
+
+def grouped_wgrad(x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor, tiling: str | None = None) -> torch.Tensor:
+    """A fresh ``[E, D, O]`` gradient: ``out[e] = x_RD[lo:hi]^T @ dy_RO[lo:hi]`` (zeros for experts without rows)."""
+    ops = load_cutlass_extension()
+    if ops is None:
+        raise RuntimeError("grouped_wgrad: the CUTLASS kernels are unavailable; check wgrad_cutlass.supported() first.")
+    offs = offs_E if offs_E.dtype == torch.int32 else offs_E.to(torch.int32)
+    return ops.grouped_wgrad(x_RD.contiguous(), dy_RO.contiguous(), offs.contiguous(), TILES[tiling or tile()])
 
 
 def reference_accumulate_(grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor) -> None:

@@ -85,3 +85,73 @@ def test_bad_input_is_refused_naming_it() -> None:
         wgrad_cutlass.grouped_wgrad_accumulate_(torch.zeros(3, 16, 16, device="cuda", dtype=torch.bfloat16), x, dy, offs)
     assert not wgrad_cutlass.supported(x.float(), torch.zeros(2, 16, 16, device="cuda"))
     assert not wgrad_cutlass.supported(x, torch.zeros(2, 12, 16, device="cuda", dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("tiling", sorted(wgrad_cutlass.TILES))
+@pytest.mark.parametrize(
+    "num_experts,rows,m,n,empty",
+    [
+        (8, 1000, 64, 96, 0),
+        (16, 777, 136, 264, 5),  # empty experts: zeros, though the memory held NaN before
+        (4, 3, 8, 8, 2),
+        (128, 8192, 256, 192, 9),  # many experts: several zero-fill blocks an expert
+    ],
+)
+def test_fresh_gradient_like_the_reference(num_experts, rows, m, n, empty, tiling) -> None:  # noqa: ANN001
+    gen = torch.Generator().manual_seed(num_experts * 7 + rows)
+    counts = _counts(num_experts, rows, gen, empty)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
+    x = torch.randn(rows + 3, m, generator=gen).to("cuda", torch.bfloat16)
+    dy = torch.randn(rows + 3, n, generator=gen).to("cuda", torch.bfloat16)
+    expected = torch.zeros(num_experts, m, n, device="cuda", dtype=torch.bfloat16)
+    wgrad_cutlass.reference_accumulate_(expected, x, dy, offs)
+    # Poison: the op's output comes from the caching allocator, most likely this very block.
+    poison = torch.full((num_experts, m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    del poison
+    out = wgrad_cutlass.grouped_wgrad(x, dy, offs, tiling=tiling)
+    torch.cuda.synchronize()
+    assert out.shape == (num_experts, m, n) and out.dtype == torch.bfloat16
+    for e, count in enumerate(counts):
+        if count == 0:
+            assert torch.equal(out[e], torch.zeros_like(out[e])), f"expert {e} has no rows: its gradient must be zero"
+        else:
+            assert _rel(out[e], expected[e]) <= 1e-2, f"expert {e} ({count} rows)"
+
+
+def test_fresh_gradient_of_no_rows_is_zero_and_bad_input_is_named() -> None:
+    offs = torch.zeros(3, dtype=torch.int32, device="cuda")
+    x, dy = torch.empty(0, 16, device="cuda", dtype=torch.bfloat16), torch.empty(0, 24, device="cuda", dtype=torch.bfloat16)
+    poison = torch.full((3, 16, 24), float("nan"), device="cuda", dtype=torch.bfloat16)
+    del poison
+    assert torch.equal(wgrad_cutlass.grouped_wgrad(x, dy, offs), torch.zeros(3, 16, 24, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(8, 12, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"grouped_wgrad: M=12 and N=24 must be multiples of 8"):
+        wgrad_cutlass.grouped_wgrad(x, torch.randn(8, 24, device="cuda", dtype=torch.bfloat16), offs + 8)
+
+
+def test_the_layer_takes_the_fresh_kernel_for_narrow_experts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``.grad`` is None: the weight gradients come from the beta = 0 kernel and equal the per-expert loop's."""
+    from lightning_moe.ops import grouped_gemm
+
+    calls: list[tuple[int, ...]] = []
+    real = wgrad_cutlass.grouped_wgrad
+
+    def counted(x, dy, offs, tiling=None):  # noqa: ANN001, ANN202
+        calls.append((x.shape[1], dy.shape[1]))
+        return real(x, dy, offs, tiling)
+
+    monkeypatch.setattr(wgrad_cutlass, "grouped_wgrad", counted)
+    monkeypatch.delenv("LIGHTNING_MOE_WGRAD_KERNEL", raising=False)
+    gen = torch.Generator().manual_seed(5)
+    E, H, F = 16, 256, 128
+    counts = _counts(E, 3000, gen, 3)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
+    x = torch.randn(3000, H, generator=gen).to("cuda", torch.bfloat16)
+    dy = torch.randn(3000, 2 * F, generator=gen).to("cuda", torch.bfloat16)
+    got = grouped_gemm.gmm_wgrad(x, dy, offs, "torch")
+    want = grouped_gemm.gmm_wgrad(x, dy, offs, "loop")
+    assert calls == [(H, 2 * F)]
+    assert _rel(got, want) <= 1e-2
+    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", "streams")  # an accumulating kernel asked for: F.grouped_mm
+    grouped_gemm.gmm_wgrad(x, dy, offs, "torch")
+    assert len(calls) == 1

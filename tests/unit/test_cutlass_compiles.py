@@ -23,7 +23,7 @@ KERNEL_FILES = sorted(p.name for p in SOURCE.glob("*.cu"))
 INCLUDES = cutlass_include_dirs()
 # Each kernel family: its dispatch file (<family>.cu, CUTLASS-free), header (<family>.h) and the
 # prefix of its per-tiling entry points in the dispatch table (&<prefix>_<tiling>}).
-FAMILIES = {"grouped_wgrad": "accumulate", "grouped_gemm": "gemm"}
+FAMILIES = {"grouped_wgrad": "wgrad", "grouped_gemm": "gemm"}
 DISPATCH_FILES = tuple(f"{family}.cu" for family in FAMILIES)
 
 pytestmark = [
@@ -97,7 +97,7 @@ def test_the_launchers_link(objects: dict, tmp_path: Path) -> None:
         '#include "grouped_wgrad.h"\n'
         "using namespace lightning_moe::cutlass_kernels;\n"
         "int main() {\n"
-        "  auto* a = &grouped_wgrad_accumulate; auto* b = &grouped_wgrad_workspace_bytes;\n"
+        "  auto* a = &grouped_wgrad; auto* b = &grouped_wgrad_workspace_bytes;\n"
         "  auto* c = &grouped_gemm; auto* d = &grouped_gemm_workspace_bytes;\n"
         "  return (a != nullptr && b != nullptr && c != nullptr && d != nullptr) ? 0 : 1;\n"
         "}\n"
