@@ -29,15 +29,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402
-from gpu_clocks import ClockSampler, reasons  # noqa: E402
+from gpu_clocks import ClockSampler, energy_mj, reasons  # noqa: E402
 from moe_layer import ours, skewed_input  # noqa: E402
 
 from lightning_moe.ops import wgrad_cutlass  # noqa: E402
 from lightning_moe.ops.grouped_gemm import offsets_from_counts  # noqa: E402
 from lightning_moe.ops.permute import build_permutation, permute_rows  # noqa: E402
 
-def run_for(step, seconds: float) -> tuple[float, float, list[float]]:  # noqa: ANN001
-    """Synchronised steps for ``seconds``: (wall start, wall end, per-step ms by CUDA events)."""
+def run_for(step, seconds: float) -> tuple[float, float, list[float], float | None]:  # noqa: ANN001
+    """Synchronised steps for ``seconds``: (wall start, wall end, per-step ms by CUDA events, J a step)."""
+    e0 = energy_mj()
     t0 = time.time()
     ms = []
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -47,7 +48,10 @@ def run_for(step, seconds: float) -> tuple[float, float, list[float]]:  # noqa: 
         e.record()
         torch.cuda.synchronize()
         ms.append(s.elapsed_time(e))
-    return t0, time.time(), ms
+    t1 = time.time()
+    e1 = energy_mj()
+    joules = (e1 - e0) / 1e3 / len(ms) if e0 is not None and e1 is not None and ms else None
+    return t0, t1, ms, joules
 
 
 def back_to_back_ms(step, steps: int = 20) -> float:  # noqa: ANN001
@@ -78,9 +82,14 @@ def arms(shape: str) -> dict:
     g_RH = torch.randn_like(x_RH)
     g13, g2 = torch.zeros_like(w13), torch.zeros_like(w2)
 
-    def layer_step(m):  # noqa: ANN001, ANN202
+    def layer_step(m, fresh: bool = False):  # noqa: ANN001, ANN202
+        params = list(m.parameters())
+
         def step() -> None:
             x.grad = None
+            if fresh:
+                for p in params:
+                    p.grad = None
             m(x).backward(go)
 
         return step
@@ -103,6 +112,7 @@ def arms(shape: str) -> dict:
 
     out = {
         "layer-fused-wgrad": layer_step(fused),
+        "layer-fused-wgrad-fresh-grads": layer_step(fused, fresh=True),
         "layer-plain": layer_step(plain),
         "torch-grouped_mm-ref": layer_step(ref),
         "gemms-alone": gemms,
@@ -128,10 +138,11 @@ def main() -> None:
                 step()
             torch.cuda.synchronize()
             time.sleep(0.3)  # a gap between arms so their samples do not mix
-            t0, t1, ms = run_for(step, a.seconds)
+            t0, t1, ms, joules = run_for(step, a.seconds)
             windows[name] = (t0 + 0.2, t1)  # the first 0.2 s: the clock settling
             b2b = back_to_back_ms(step)
-            results.append({"arm": name, "synced_ms": round(statistics.median(ms), 3), "back_to_back_ms": round(b2b, 3)})
+            results.append({"arm": name, "synced_ms": round(statistics.median(ms), 3), "back_to_back_ms": round(b2b, 3),
+                            "joules_per_step": None if joules is None else round(joules, 3)})
     for r in results:
         inside = smi.window(*windows[r["arm"]])
         if inside:

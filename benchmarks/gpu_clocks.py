@@ -24,7 +24,7 @@ import subprocess
 import time
 from collections import Counter
 
-__all__ = ["ClockSampler", "reasons"]
+__all__ = ["ClockSampler", "energy_mj", "reasons"]
 
 REASON_BITS = {
     0x1: "idle",
@@ -42,6 +42,23 @@ REASON_BITS = {
 def reasons(mask: int) -> str:
     """The clock-event reasons of an ``nvidia-smi`` bit mask, joined with ``+`` (``none`` if none)."""
     return "+".join(name for bit, name in REASON_BITS.items() if mask & bit) or "none"
+
+
+def energy_mj() -> float | None:
+    """The GPU's energy counter (millijoules since the driver loaded), or ``None`` without it.
+
+    Read before and after a run of steps: (after - before) / steps is the energy of one step, the
+    quantity a power-capped chip spends its time on."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=total_energy_consumption", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True, check=False,
+    )
+    try:
+        return float(out.stdout.strip().splitlines()[0])
+    except (ValueError, IndexError):
+        return None
 
 
 def _query_fields() -> str | None:

@@ -15,6 +15,7 @@
 #   bash benchmarks/h200.sh probe     # CUTLASS wgrad race + its counters (ncu), router GEMM host cost, then GPU tests
 #   bash benchmarks/h200.sh rows      # the bandwidth-bound kernels (scatter, gather-sum, SwiGLU) vs a copy; their tests
 #   bash benchmarks/h200.sh close     # a session's last call: all GPU tests, then every shape beside every peer
+#                                     # (CLOSE_FRESH=1: qwen3 with fresh gradients; CLOSE_PROBE=1: clock_probe.py on qwen3)
 #   bash benchmarks/h200.sh blas      # the cuBLAS wgrad loop per BLAS back end (memsets?), a cold launch's host cost
 #   bash benchmarks/h200.sh cold      # GPU tests, cold host µs per call after a sync, grouped GEMM layouts, qwen3 breakdown
 #   bash benchmarks/h200.sh gemm      # CUTLASS grouped expert GEMM (forward/dgrad): its GPU tests, race vs F.grouped_mm
@@ -292,6 +293,15 @@ PY
     [ "${CLOSE_MIXTRAL:-1}" = 1 ] && timeout 100 python3 benchmarks/moe_layer.py --shapes mixtral-8x7b --fuse-wgrad \
       --no-breakdown --peers "$peers" --json "$OUT/mixtral.json" > "$OUT/mixtral.log" 2>&1
     grep -h '^{"peer\|peer ms /' "$OUT/mixtral.log" 2>/dev/null | cut -c1-200; pack
+    if [ "${CLOSE_FRESH:-0}" = 1 ]; then  # qwen3 again with every .grad None each step (no accumulation)
+      timeout 100 python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b --fuse-wgrad --fresh-grads \
+        --peers torch-grouped_mm-ref,hf-grouped_mm --json "$OUT/fresh.json" > "$OUT/fresh.log" 2>&1
+      grep -h '^{"peer\|peer ms /\|GEMMs alone fwd+bwd' "$OUT/fresh.log" | cut -c1-220; pack
+    fi
+    if [ "${CLOSE_PROBE:-0}" = 1 ]; then  # clock, power, reasons and joules a step per arm (qwen3)
+      timeout 120 python3 benchmarks/clock_probe.py --shape qwen3-30b-a3b --seconds 2 > "$OUT/clocks.log" 2>&1
+      cut -c1-420 "$OUT/clocks.log" | tail -9; pack
+    fi
     ;;
   cold)  # all GPU tests; cold host cost per call after a sync; grouped GEMM layouts; qwen3 breakdown
     timeout 200 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1

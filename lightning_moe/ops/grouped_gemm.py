@@ -10,9 +10,9 @@ Backends (one facade, chosen once per ``GroupedExperts``):
 * ``torch`` — ``F.grouped_mm`` (CUDA sm_90+, and CPU on torch >= 2.9). Needs every row stride
   16-byte aligned, i.e. D and O multiples of 8 in bf16 or 4 in fp32. For wide experts on Hopper
   the forward and data-gradient GEMMs run our CUTLASS grouped GEMM instead, when it is built
-  (``ops/grouped_gemm_cutlass.py``: same contract, measured faster there); for narrow experts a
-  fresh weight gradient (nothing to accumulate into) runs our CUTLASS weight-gradient GEMM with
-  beta = 0 (``wgrad_accumulation.fresh_wgrad_tiling``).
+  (``ops/grouped_gemm_cutlass.py``: same contract, measured faster there); the weight gradient
+  runs our CUTLASS weight-gradient GEMM with beta = 0 when ``LIGHTNING_MOE_WGRAD_KERNEL=cutlass``
+  asks for it (``wgrad_accumulation.fresh_wgrad_tiling``: measured slower than ``F.grouped_mm``).
 * ``loop`` — one matmul per expert; the reference, and the fallback for odd sizes.
 * ``grouped_gemm`` — the ``grouped_gemm`` package, when importable (``ops/grouped_gemm_gg.py``).
 """
@@ -82,7 +82,7 @@ def _torch_gmm(x_RD: torch.Tensor, w_EDO: torch.Tensor, offs_E: torch.Tensor) ->
 def _torch_wgrad(x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     if x_RD.shape[0] == 0:
         return x_RD.new_zeros(offs_E.shape[0], x_RD.shape[1], dy_RO.shape[1])
-    tiling = wgrad_accumulation.fresh_wgrad_tiling(x_RD, dy_RO)  # narrow experts on Hopper: no old gradient to read
+    tiling = wgrad_accumulation.fresh_wgrad_tiling(x_RD, dy_RO)  # only when asked for (measured slower)
     if tiling is not None and dy_RO.dtype == x_RD.dtype:
         return wgrad_cutlass.grouped_wgrad(x_RD, dy_RO, offs_E, tiling)
     return F.grouped_mm(x_RD.t(), dy_RO, offs=offs_E)

@@ -121,22 +121,16 @@ def wide_experts(w2: torch.Tensor) -> bool:
     return fusion_pays(w2.shape[-1], w2.shape[-2], w2.element_size())
 
 
-# A fresh gradient (``.grad`` is ``None``: no accumulation) of one expert matrix smaller than this
-# goes through the CUTLASS grouped GEMM with beta = 0 under ``auto``; wider ones through
-# ``F.grouped_mm`` (Qwen3-30B-A3B: 6.3 and 3.1 MB an expert; DeepSeek-V3: 59 and 29 MB).
-_FRESH_CUTLASS_MAX_BYTES = 16 << 20
-
-
 def fresh_wgrad_tiling(x_RD: torch.Tensor, dy_RO: torch.Tensor) -> str | None:
-    """The CUTLASS tiling for a fresh ``[E, D, O]`` weight gradient, or ``None`` for ``F.grouped_mm``.
+    """The CUTLASS tiling for a fresh ``[E, D, O]`` weight gradient (``.grad`` is ``None``), or ``None``
+    for ``F.grouped_mm``: CUTLASS (beta = 0) only when ``LIGHTNING_MOE_WGRAD_KERNEL=cutlass`` asks for it.
 
-    ``LIGHTNING_MOE_WGRAD_KERNEL``: ``cutlass`` takes it wherever it runs, ``auto`` for narrow
-    experts; the accumulating kernels (``loop``, ``streams``, ``triton``) leave it to ``F.grouped_mm``.
+    ``auto`` keeps ``F.grouped_mm``: inside the layer step on the H200 (``benchmarks/layer_arms.py``,
+    fresh gradients, a001889) the CUTLASS kernel was slower on both shapes measured: Qwen3-30B-A3B
+    8.22 vs 8.08 ms a step, DeepSeek-V3 42.38 vs 41.81. Its edge over cuBLAS is the accumulation
+    fused into its epilogue, which a fresh gradient does not need.
     """
-    kernel = wgrad_kernel()
-    if kernel not in ("auto", "cutlass") or not x_RD.is_cuda:
-        return None
-    if kernel == "auto" and x_RD.shape[1] * dy_RO.shape[1] * x_RD.element_size() >= _FRESH_CUTLASS_MAX_BYTES:
+    if wgrad_kernel() != "cutlass" or not x_RD.is_cuda:
         return None
     if x_RD.shape[1] % 8 or dy_RO.shape[1] % 8 or not wgrad_cutlass.supported(x_RD):
         return None

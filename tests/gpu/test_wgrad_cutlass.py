@@ -129,8 +129,9 @@ def test_fresh_gradient_of_no_rows_is_zero_and_bad_input_is_named() -> None:
         wgrad_cutlass.grouped_wgrad(x, torch.randn(8, 24, device="cuda", dtype=torch.bfloat16), offs + 8)
 
 
-def test_the_layer_takes_the_fresh_kernel_for_narrow_experts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``.grad`` is None: the weight gradients come from the beta = 0 kernel and equal the per-expert loop's."""
+def test_fresh_gradients_take_the_kernel_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LIGHTNING_MOE_WGRAD_KERNEL=cutlass``: the experts' fresh gradients come from the beta = 0 kernel
+    and equal the per-expert loop's; by default (``auto``) from ``F.grouped_mm``."""
     from lightning_moe.ops import grouped_gemm
 
     calls: list[tuple[int, ...]] = []
@@ -141,17 +142,17 @@ def test_the_layer_takes_the_fresh_kernel_for_narrow_experts(monkeypatch: pytest
         return real(x, dy, offs, tiling)
 
     monkeypatch.setattr(wgrad_cutlass, "grouped_wgrad", counted)
-    monkeypatch.delenv("LIGHTNING_MOE_WGRAD_KERNEL", raising=False)
     gen = torch.Generator().manual_seed(5)
     E, H, F = 16, 256, 128
     counts = _counts(E, 3000, gen, 3)
     offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
     x = torch.randn(3000, H, generator=gen).to("cuda", torch.bfloat16)
     dy = torch.randn(3000, 2 * F, generator=gen).to("cuda", torch.bfloat16)
-    got = grouped_gemm.gmm_wgrad(x, dy, offs, "torch")
     want = grouped_gemm.gmm_wgrad(x, dy, offs, "loop")
+    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", "cutlass")
+    got = grouped_gemm.gmm_wgrad(x, dy, offs, "torch")
     assert calls == [(H, 2 * F)]
     assert _rel(got, want) <= 1e-2
-    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", "streams")  # an accumulating kernel asked for: F.grouped_mm
-    grouped_gemm.gmm_wgrad(x, dy, offs, "torch")
+    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", "auto")
+    assert _rel(grouped_gemm.gmm_wgrad(x, dy, offs, "torch"), want) <= 1e-2
     assert len(calls) == 1
