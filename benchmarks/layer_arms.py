@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402  (benchmarks/peers.py: shapes)
 from gpu_clocks import ClockSampler  # noqa: E402
-from moe_layer import ours, skewed_input  # noqa: E402
+from moe_layer import environment, ours, skewed_input  # noqa: E402
 
 
 def parse_arm(spec: str) -> tuple[str, dict[str, str]]:
@@ -56,9 +55,7 @@ def run(shape: str, specs: list[str], rounds: int, steps: int) -> list[dict]:
     with ClockSampler() as clocks:
         for _ in range(rounds):
             for label, env in arms:
-                before = {name: os.environ.get(name) for name in env}
-                os.environ.update(env)
-                try:
+                with environment(env):
                     for i in range(steps + 2):  # two warm-up steps after switching
                         if label.startswith("fresh"):
                             for p in layer.parameters():
@@ -72,12 +69,6 @@ def run(shape: str, specs: list[str], rounds: int, steps: int) -> list[dict]:
                         if i >= 2:
                             times[label].append(s.elapsed_time(e))
                             windows[label].append((t0, time.time()))
-                finally:
-                    for name, value in before.items():
-                        if value is None:
-                            os.environ.pop(name, None)
-                        else:
-                            os.environ[name] = value
     base = statistics.median(times[arms[0][0]])
     rows = []
     for label, env in arms:

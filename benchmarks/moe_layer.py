@@ -14,6 +14,7 @@ and a breakdown of our layer (router, permute, GEMMs, combine).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -262,20 +263,27 @@ def with_wgrad_kernel(kernel: str):  # noqa: ANN202
     settings = {"LIGHTNING_MOE_WGRAD_KERNEL": kernel, "LIGHTNING_MOE_WGRAD_CUTLASS_TILE": tiling or None}
 
     def call(m, x):  # noqa: ANN001, ANN202
-        before = {name: os.environ.get(name) for name in settings}
-        for name, value in settings.items():
-            if value is not None:
-                os.environ[name] = value
-        try:
+        with environment(settings):
             return m(x)
-        finally:
-            for name, value in before.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
 
     return call
+
+
+@contextlib.contextmanager
+def environment(settings: dict[str, str | None]):  # noqa: ANN201
+    """The environment variables set to ``settings`` (``None``: left as they are), restored after."""
+    before = {name: os.environ.get(name) for name in settings}
+    for name, value in settings.items():
+        if value is not None:
+            os.environ[name] = value
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _hf_call(m, x):  # noqa: ANN001, ANN202

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -121,3 +122,27 @@ def test_wgrad_in_layer_arms_ask_the_forward_for_the_right_kernel() -> None:
     for bad in ("w2=cutlass@nope", "fastest"):
         with pytest.raises(SystemExit, match="--arms"):
             bench._Arm(bad)
+
+
+def test_clock_samples_and_arm_settings_parse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nvidia-smi sampler's line parser and reason names; layer_arms' arm specs; the env helper restores."""
+    sys.path.insert(0, str(BENCHMARKS))  # layer_arms imports its siblings by name
+    clocks = _load("gpu_clocks")
+    stamp, mhz, watts, mask = clocks._parse("2026/11/29 23:10:01.250, 1710, 689.41, 0x0000000000000004")
+    assert (mhz, watts, mask) == (1710.0, 689.41, 4) and stamp % 1 == pytest.approx(0.25)
+    assert clocks._parse("2026/11/29 23:10:01.250, 1710, [N/A], 0x4") is None
+    assert clocks.reasons(0x4) == "sw-power-cap" and clocks.reasons(0x5) == "idle+sw-power-cap"
+    assert clocks.reasons(0) == "none"
+    arms = _load("layer_arms")
+    assert arms.parse_arm("gemm:LIGHTNING_MOE_GEMM_KERNEL=cutlass+X=1") == (
+        "gemm", {"LIGHTNING_MOE_GEMM_KERNEL": "cutlass", "X": "1"})
+    assert arms.parse_arm("default:") == ("default", {})
+    with pytest.raises(ValueError, match="'oops' is not NAME=VALUE"):
+        arms.parse_arm("bad:oops")
+    layer = _load("moe_layer")
+    monkeypatch.setenv("LMOE_TEST_KEPT", "before")
+    monkeypatch.delenv("LMOE_TEST_NEW", raising=False)
+    with layer.environment({"LMOE_TEST_KEPT": "during", "LMOE_TEST_NEW": "x", "LMOE_TEST_NONE": None}):
+        assert os.environ["LMOE_TEST_KEPT"] == "during" and os.environ["LMOE_TEST_NEW"] == "x"
+        assert "LMOE_TEST_NONE" not in os.environ
+    assert os.environ["LMOE_TEST_KEPT"] == "before" and "LMOE_TEST_NEW" not in os.environ
