@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402
 from gpu_clocks import ClockSampler, energy_mj, reasons  # noqa: E402
-from moe_layer import ours, skewed_input  # noqa: E402
+from moe_layer import gemm_steps, ours, skewed_input  # noqa: E402
 
 from lightning_moe.ops import wgrad_cutlass  # noqa: E402
 from lightning_moe.ops.grouped_gemm import offsets_from_counts  # noqa: E402
@@ -94,14 +94,6 @@ def arms(shape: str) -> dict:
 
         return step
 
-    def gemms() -> None:
-        F.grouped_mm(x_RH, w13, offs=offs)
-        F.grouped_mm(a_RF, w2, offs=offs)
-        F.grouped_mm(g_RH, w2.transpose(1, 2), offs=offs)
-        F.grouped_mm(a_RF.t(), g_RH, offs=offs)
-        F.grouped_mm(h_R2F, w13.transpose(1, 2), offs=offs)
-        F.grouped_mm(x_RH.t(), h_R2F, offs=offs)
-
     def wgrad_cutlass_step() -> None:
         wgrad_cutlass.grouped_wgrad_accumulate_(g13, x_RH, h_R2F, offs)
         wgrad_cutlass.grouped_wgrad_accumulate_(g2, a_RF, g_RH, offs)
@@ -115,7 +107,7 @@ def arms(shape: str) -> dict:
         "layer-fused-wgrad-fresh-grads": layer_step(fused, fresh=True),
         "layer-plain": layer_step(plain),
         "torch-grouped_mm-ref": layer_step(ref),
-        "gemms-alone": gemms,
+        "gemms-alone": gemm_steps(x_RH, w13, w2, offs, Fh)["all"],
         "wgrad-torch+add": wgrad_torch_step,
     }
     if wgrad_cutlass.supported(x_RH, w13, w2):

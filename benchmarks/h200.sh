@@ -24,6 +24,7 @@
 #   bash benchmarks/h200.sh clocks    # GPU tests; SM clock + clock-event reasons per arm (benchmarks/clock_probe.py); qwen3 layer
 #   bash benchmarks/h200.sh arms      # GEMM / wgrad kernel settings raced inside each shape's layer step (benchmarks/layer_arms.py)
 #   bash benchmarks/h200.sh fresh     # GPU tests; fresh vs accumulated weight gradients inside the step; qwen3 layer both ways
+#   bash benchmarks/h200.sh whatif    # qwen3 step with the bandwidth-bound kernels made free (fusion's upper bound) beside the GEMMs alone
 #   bash benchmarks/h200.sh peak      # the one-call path's tests, DeepSeek-V3 and Qwen3 beside torch's layer (time, activation peak)
 #   bash benchmarks/h200.sh multi     # issue 8 on a multi-GPU kind: NCCL parity, EP scaling, overlap, ECHO, DeepEP
 #                                     # (carry .deepep/: DeepEP's source as src.tar; built here by build_deepep.sh)
@@ -391,6 +392,12 @@ PY
         --json "$OUT/layers${flag:+_fresh}.json" > "$OUT/layers${flag:+_fresh}.log" 2>&1
       grep -h '^{"peer\|peer ms /\|GEMMs alone fwd+bwd\|^ \{26\}' "$OUT/layers${flag:+_fresh}.log" | cut -c1-220; pack
     done
+    ;;
+  whatif)  # qwen3: the step with its bandwidth-bound kernels made free (upper bound of fusing them), GEMMs alone beside
+    arms="default:,gemms-alone:,no-bwd-scatter:,no-gather-sums:,no-swiglu:,no-bandwidth:,fresh-grads:,no-bandwidth@fresh:,default-again:"
+    timeout 200 python3 benchmarks/layer_arms.py --shape "${SHAPE:-qwen3-30b-a3b}" --arms "${WHATIF_ARMS:-$arms}" --rounds 6 \
+      --json "$OUT/whatif.json" > "$OUT/whatif.log" 2>&1; grep -h '^{' "$OUT/whatif.log" | sed 's/, "env": {[^}]*}//' | cut -c1-200
+    grep -hE "Error|error" "$OUT/whatif.log" | tail -3; pack
     ;;
   liger)  # Liger's fused MoE alone, long enough for its autotuning; its Triton cache comes back
     timeout "${LIGER_S:-420}" python3 benchmarks/moe_layer.py --shapes "${SHAPES:-qwen3-30b-a3b}" \

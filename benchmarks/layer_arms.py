@@ -9,7 +9,19 @@ settings, a few steps of each arm in turn for several rounds, so clock drift fal
 An arm is ``label:NAME=VALUE+NAME=VALUE`` (environment variables read by the layer's ops on every
 forward: ``LIGHTNING_MOE_GEMM_KERNEL``, ``LIGHTNING_MOE_GEMM_CUTLASS_TILE``,
 ``LIGHTNING_MOE_WGRAD_KERNEL``, ``LIGHTNING_MOE_WGRAD_CUTLASS_TILE``); a label starting with
-``fresh`` also sets every parameter's ``.grad`` to ``None`` before each step (no accumulation).
+``fresh`` (or ending with ``@fresh``) also sets every parameter's ``.grad`` to ``None`` before each
+step (no accumulation).
+
+The label ``gemms-alone`` times the six grouped GEMMs of the step alone (``moe_layer.gemm_steps``,
+this routing's group sizes) in the same rounds: the comparator of "within 15 % of the GEMMs".
+
+What-if labels (timing only: the step's results are wrong): ``no-bwd-scatter``, ``no-gather-sums``,
+``no-swiglu`` and ``no-bandwidth`` (all three) replace those bandwidth-bound kernels of the fused
+experts (``ops/local_experts.py``: the backward's scatter of dy to the rows, the forward and
+backward gather-sums, the weighted SwiGLU forward and backward) by their first real result, kept
+and handed out again: what the step would cost at the power cap if a fusion made them free — the
+upper bound of what moving them into the GEMMs can buy. (The forward's scatter of x runs inside
+the one-call router and stays; it moves as many bytes as the backward's.)
 
     python benchmarks/layer_arms.py --shape qwen3-30b-a3b \\
         --arms "default:,gemm-coop:LIGHTNING_MOE_GEMM_KERNEL=cutlass+LIGHTNING_MOE_GEMM_CUTLASS_TILE=cooperative-128x256-c2x1"
@@ -18,6 +30,7 @@ forward: ``LIGHTNING_MOE_GEMM_KERNEL``, ``LIGHTNING_MOE_GEMM_CUTLASS_TILE``,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -29,7 +42,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402  (benchmarks/peers.py: shapes)
 from gpu_clocks import ClockSampler  # noqa: E402
-from moe_layer import environment, ours, skewed_input  # noqa: E402
+from moe_layer import environment, gemm_steps, ours, skewed_input  # noqa: E402
+
+from lightning_moe.ops.grouped_gemm import offsets_from_counts  # noqa: E402
+from lightning_moe.ops.permute import build_permutation, permute_rows  # noqa: E402
 
 
 def parse_arm(spec: str) -> tuple[str, dict[str, str]]:
@@ -43,27 +59,73 @@ def parse_arm(spec: str) -> tuple[str, dict[str, str]]:
     return label.strip(), env
 
 
+_SKIPPABLE = {
+    "no-bwd-scatter": ("_expert_rows_impl",),
+    "no-gather-sums": ("_unpermute_sum_impl",),
+    "no-swiglu": ("weighted_swiglu_forward", "weighted_swiglu_backward"),
+    "no-bandwidth": ("_expert_rows_impl", "_unpermute_sum_impl", "weighted_swiglu_forward", "weighted_swiglu_backward"),
+}
+
+
+@contextlib.contextmanager
+def skipped(label: str):  # noqa: ANN201
+    """For a what-if label: the named ops of ``ops/local_experts.py`` replaced by their first result."""
+    import lightning_moe.ops.local_experts as local_ops
+
+    names = _SKIPPABLE.get(label.split("@")[0], ())
+    originals = {name: getattr(local_ops, name) for name in names}
+
+    def kept(fn):  # noqa: ANN001, ANN202
+        cache: dict = {}
+
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            key = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+            if key not in cache:
+                cache[key] = fn(*args, **kwargs)
+            return cache[key]
+
+        return call
+
+    for name, fn in originals.items():
+        setattr(local_ops, name, kept(fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(local_ops, name, fn)
+
+
 def run(shape: str, specs: list[str], rounds: int, steps: int) -> list[dict]:
     T, H, Fh, E, k = peers.SHAPES[shape]
     layer = ours(H, Fh, E, k, "cuda", 0.0, fuse_wgrad=True)
     x = skewed_input(T, H, "cuda", 0.0).requires_grad_(True)
     go = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     arms = [parse_arm(s) for s in specs]
+    gemms = None
+    if any(label == "gemms-alone" for label, _ in arms):
+        with torch.no_grad():
+            perm = build_permutation(layer.router(x).topk_ids_TK, E, dropless=True)
+        x_RH = permute_rows(x.detach(), perm)
+        offs = offsets_from_counts(perm.tokens_per_expert_E)
+        gemms = gemm_steps(x_RH, layer.experts.w13.detach(), layer.experts.w2.detach(), offs, Fh)["all"]
     times: dict[str, list[float]] = {label: [] for label, _ in arms}
     windows: dict[str, list[tuple[float, float]]] = {label: [] for label, _ in arms}
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with ClockSampler() as clocks:
         for _ in range(rounds):
             for label, env in arms:
-                with environment(env):
+                with environment(env), skipped(label):
                     for i in range(steps + 2):  # two warm-up steps after switching
-                        if label.startswith("fresh"):
+                        if label.startswith("fresh") or label.endswith("@fresh"):
                             for p in layer.parameters():
                                 p.grad = None
                         x.grad = None
                         t0 = time.time()
                         s.record()
-                        layer(x).backward(go)
+                        if label == "gemms-alone":
+                            gemms()
+                        else:
+                            layer(x).backward(go)
                         e.record()
                         torch.cuda.synchronize()
                         if i >= 2:

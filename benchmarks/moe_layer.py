@@ -209,8 +209,9 @@ def _host_time(step) -> float:  # noqa: ANN001
     return (t1 - t0) * 1e3
 
 
-def gemms_alone(x_RH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, Fh: int) -> dict:
-    """The six grouped GEMMs of fwd+bwd, nothing else (this routing's real group sizes)."""
+def gemm_steps(x_RH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, Fh: int) -> dict:
+    """The six grouped GEMMs of fwd+bwd as callables (this routing's real group sizes, random operands):
+    ``fwd``, ``bwd`` (data and weight gradients), ``wgrad`` (x^T dy), ``wgrad_transposed`` (dy^T x), ``all``."""
     M, H = x_RH.shape
     a_RF = torch.randn(M, Fh, device=x_RH.device, dtype=x_RH.dtype)
     h_R2F = torch.randn(M, 2 * Fh, device=x_RH.device, dtype=x_RH.dtype)
@@ -233,6 +234,19 @@ def gemms_alone(x_RH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: t
     def wgrad_transposed() -> None:  # the same products as dy^T @ x (weights' transpose layout)
         F.grouped_mm(g_RH.t(), a_RF, offs=offs)
         F.grouped_mm(h_R2F.t(), x_RH, offs=offs)
+
+    def both() -> None:
+        fwd()
+        bwd()
+
+    return {"fwd": fwd, "bwd": bwd, "wgrad": wgrad, "wgrad_transposed": wgrad_transposed, "all": both}
+
+
+def gemms_alone(x_RH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, Fh: int) -> dict:
+    """The six grouped GEMMs of fwd+bwd, nothing else (this routing's real group sizes)."""
+    M, H = x_RH.shape
+    steps = gemm_steps(x_RH, w13, w2, offs, Fh)
+    fwd, bwd, wgrad, wgrad_transposed = steps["fwd"], steps["bwd"], steps["wgrad"], steps["wgrad_transposed"]
 
     f_ms, b_ms = peers.timeit(fwd, 3, 10), peers.timeit(bwd, 3, 10)
     return {
