@@ -395,7 +395,7 @@ PY
     ;;
   whatif)  # qwen3: the step with its bandwidth-bound kernels made free (upper bound of fusing them), GEMMs alone beside
     arms="default:,gemms-alone:,no-bwd-scatter:,no-gather-sums:,no-swiglu:,no-bandwidth:,fresh-grads:,no-bandwidth@fresh:,default-again:"
-    timeout 200 python3 benchmarks/layer_arms.py --shape "${SHAPE:-qwen3-30b-a3b}" --arms "${WHATIF_ARMS:-$arms}" --rounds 6 \
+    timeout 200 python3 benchmarks/layer_arms.py --shape "${SHAPE:-qwen3-30b-a3b}" --arms "${WHATIF_ARMS:-$arms}" --rounds "${WHATIF_ROUNDS:-6}" \
       --json "$OUT/whatif.json" > "$OUT/whatif.log" 2>&1; grep -h '^{' "$OUT/whatif.log" | sed 's/, "env": {[^}]*}//' | cut -c1-200
     grep -hE "Error|error" "$OUT/whatif.log" | tail -3; pack
     ;;
