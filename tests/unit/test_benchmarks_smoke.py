@@ -146,3 +146,39 @@ def test_clock_samples_and_arm_settings_parse(monkeypatch: pytest.MonkeyPatch) -
         assert os.environ["LMOE_TEST_KEPT"] == "during" and os.environ["LMOE_TEST_NEW"] == "x"
         assert "LMOE_TEST_NONE" not in os.environ
     assert os.environ["LMOE_TEST_KEPT"] == "before" and "LMOE_TEST_NEW" not in os.environ
+
+
+def test_what_if_arms_run_each_skipped_op_once_and_restore_it() -> None:
+    """layer_arms' ``no-bandwidth`` arm: the bandwidth-bound ops run once, then hand out that result."""
+    sys.path.insert(0, str(BENCHMARKS))
+    arms = _load("layer_arms")
+    layer_mod = _load("moe_layer")
+    import lightning_moe.ops.local_experts as local_ops
+
+    names = ("_expert_rows_impl", "_unpermute_sum_impl", "weighted_swiglu_forward", "weighted_swiglu_backward")
+    originals = {name: getattr(local_ops, name) for name in names}
+    calls = dict.fromkeys(names, 0)
+
+    def counting(name: str):  # noqa: ANN202
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    layer = layer_mod.ours(64, 32, 8, 2, "cpu", 0.0).float()
+    x = torch.randn(128, 64, requires_grad=True)
+    try:
+        for name in names:
+            setattr(local_ops, name, counting(name))
+        with arms.skipped("no-bandwidth"):
+            for _ in range(3):
+                x.grad = None
+                layer(x).backward(torch.randn(128, 64))
+        skipped_calls = dict(calls)
+        layer(x).backward(torch.randn(128, 64))  # restored: they run again
+    finally:
+        for name, fn in originals.items():
+            setattr(local_ops, name, fn)
+    assert all(n == 1 for n in skipped_calls.values()), skipped_calls
+    assert all(calls[name] > skipped_calls[name] for name in names), calls
