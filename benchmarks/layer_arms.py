@@ -16,7 +16,7 @@ The label ``gemms-alone`` times the six grouped GEMMs of the step alone (``moe_l
 this routing's group sizes) in the same rounds: the comparator of "within 15 % of the GEMMs".
 
 What-if labels (timing only: the step's results are wrong): ``no-bwd-scatter``, ``no-gather-sums``,
-``no-swiglu`` and ``no-bandwidth`` (all three) replace those bandwidth-bound kernels of the fused
+``no-swiglu`` (``-fwd``, ``-bwd``: one of the two) and ``no-bandwidth`` (all three) replace those bandwidth-bound kernels of the fused
 experts (``ops/local_experts.py``: the backward's scatter of dy to the rows, the forward and
 backward gather-sums, the weighted SwiGLU forward and backward) by their first real result, kept
 and handed out again: what the step would cost at the power cap if a fusion made them free — the
@@ -63,6 +63,8 @@ _SKIPPABLE = {
     "no-bwd-scatter": ("_expert_rows_impl",),
     "no-gather-sums": ("_unpermute_sum_impl",),
     "no-swiglu": ("weighted_swiglu_forward", "weighted_swiglu_backward"),
+    "no-swiglu-fwd": ("weighted_swiglu_forward",),
+    "no-swiglu-bwd": ("weighted_swiglu_backward",),
     "no-bandwidth": ("_expert_rows_impl", "_unpermute_sum_impl", "weighted_swiglu_forward", "weighted_swiglu_backward"),
 }
 
