@@ -7,9 +7,11 @@ would take at full clock: two implementations can differ only because one draws 
 ``ClockSampler`` records clock, power and reasons every ``interval_ms`` in an ``nvidia-smi``
 subprocess, so each timed row says what the chip ran at and why.
 
-An earlier version read NVML through ``torch.cuda.clock_rate()`` / ``power_draw()`` on a Python
-thread: on the device machine those reported ~1980 MHz and ~150–300 W during steps that
-``nvidia-smi`` saw at ~1700 MHz and ~690 W (power-capped), so its figures are not to be used.
+Read it over seconds, not over ``moe_layer.py``'s ~0.1 s of timed steps: over such a short window
+right after the set-up, both this sampler and the earlier one (NVML through
+``torch.cuda.clock_rate()`` / ``power_draw()`` on a Python thread) report ~1980 MHz and
+~150–300 W for Qwen3-30B-A3B steps that run at ~1700 MHz and ~690 W over 2 s (``clock_probe.py``):
+the power reading is an average over about a second, so a short window lags the chip.
 
     with ClockSampler() as clocks:
         ...timed loop...
