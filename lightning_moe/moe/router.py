@@ -223,7 +223,7 @@ class TopKRouter(nn.Module):
         ext = csrc_extension(x_TH)
         if ext is None:
             return None
-        rows = route(ext, x_TH, self.weight, *selection)
+        rows = route(ext, x_TH, self.weight, selection)
         perm = rows.perm
         if self.expert_bias is not None and self.training:
             self.tokens_per_expert_since_update += perm.tokens_per_expert_E.float()

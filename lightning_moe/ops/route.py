@@ -45,18 +45,9 @@ class _Route(torch.autograd.Function):
         x_TH: torch.Tensor,
         w_EH: torch.Tensor,
         ext: ModuleType,
-        bias_E: torch.Tensor | None,
-        top_k: int,
-        score_func: str,
-        pre_softmax: bool,
-        norm_topk_prob: bool,
-        scaling_factor: float,
-        num_groups: int,
-        group_topk: int,
+        selection: tuple,
     ) -> tuple[torch.Tensor, ...]:
-        outputs = ext.route(
-            x_TH, w_EH, bias_E, top_k, score_func, pre_softmax, norm_topk_prob, scaling_factor, num_groups, group_topk
-        )
+        outputs = ext.route(x_TH, w_EH, *selection)
         ctx.save_for_backward(x_TH, w_EH)
         ctx.mark_non_differentiable(*outputs[1:])
         # The moved rows get no gradient: without this autograd would hand backward a zero-filled
@@ -67,28 +58,18 @@ class _Route(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_TE: torch.Tensor | None, *unused: torch.Tensor | None):  # type: ignore[override]
         grad_x, grad_w = (None, None) if grad_TE is None else router_logits_backward(ctx, grad_TE)
-        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None
 
 
-def route(
-    ext: ModuleType,
-    x_TH: torch.Tensor,
-    w_EH: torch.Tensor,
-    bias_E: torch.Tensor | None,
-    top_k: int,
-    score_func: str,
-    pre_softmax: bool,
-    norm_topk_prob: bool,
-    scaling_factor: float,
-    num_groups: int,
-    group_topk: int,
-) -> RoutedRows:
+def route(ext: ModuleType, x_TH: torch.Tensor, w_EH: torch.Tensor, selection: tuple) -> RoutedRows:
     """Logits, top-k ids, permutation and moved rows of ``x_TH`` (contiguous, bf16/fp16 like ``w_EH``).
+
+    ``selection``: the top-k arguments after the logits, as ``TopKRouter._topk_kernel_args`` builds
+    them for the separate ``router_topk`` call too (expert bias, top_k, score function, pre_softmax,
+    norm_topk_prob, scaling factor, groups, group_topk); the bias gets no gradient.
 
     The caller checks that the extension applies (``TopKRouter.route_and_permute``); the
     extension raises with the argument and the fix otherwise.
     """
-    logits_TE, ids_TK, src_R, slot_row_TK, counts_E, offsets_E, x_RH = _Route.apply(
-        x_TH, w_EH, ext, bias_E, top_k, score_func, pre_softmax, norm_topk_prob, scaling_factor, num_groups, group_topk
-    )
+    logits_TE, ids_TK, src_R, slot_row_TK, counts_E, offsets_E, x_RH = _Route.apply(x_TH, w_EH, ext, selection)
     return RoutedRows(logits_TE, ids_TK, dropless_permutation(src_R, slot_row_TK, counts_E, offsets_E), x_RH)

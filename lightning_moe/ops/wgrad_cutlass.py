@@ -26,6 +26,7 @@ tile's epilogue overlaps the other's MMAs).
 from __future__ import annotations
 
 import os
+from types import ModuleType
 
 import torch
 
@@ -58,22 +59,27 @@ def grouped_wgrad_accumulate_(
     grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor, tiling: str | None = None
 ) -> None:
     """``grad_EDO[e] += x_RD[lo:hi]^T @ dy_RO[lo:hi]`` per expert; ``offs_E`` inclusive row ends (int32, device)."""
-    ops = load_cutlass_extension()
-    if ops is None:
-        raise RuntimeError(
-            "grouped_wgrad_accumulate_: the CUTLASS kernels are unavailable; check wgrad_cutlass.supported() first."
-        )
-    offs = offs_E if offs_E.dtype == torch.int32 else offs_E.to(torch.int32)
-    ops.grouped_wgrad_accumulate_(grad_EDO, x_RD.contiguous(), dy_RO.contiguous(), offs.contiguous(), TILES[tiling or tile()])
+    _extension("grouped_wgrad_accumulate_").grouped_wgrad_accumulate_(
+        grad_EDO, x_RD.contiguous(), dy_RO.contiguous(), _int32(offs_E), TILES[tiling or tile()]
+    )
 
 
 def grouped_wgrad(x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor, tiling: str | None = None) -> torch.Tensor:
     """A fresh ``[E, D, O]`` gradient: ``out[e] = x_RD[lo:hi]^T @ dy_RO[lo:hi]`` (zeros for experts without rows)."""
+    return _extension("grouped_wgrad").grouped_wgrad(
+        x_RD.contiguous(), dy_RO.contiguous(), _int32(offs_E), TILES[tiling or tile()]
+    )
+
+
+def _extension(op: str) -> ModuleType:
     ops = load_cutlass_extension()
     if ops is None:
-        raise RuntimeError("grouped_wgrad: the CUTLASS kernels are unavailable; check wgrad_cutlass.supported() first.")
-    offs = offs_E if offs_E.dtype == torch.int32 else offs_E.to(torch.int32)
-    return ops.grouped_wgrad(x_RD.contiguous(), dy_RO.contiguous(), offs.contiguous(), TILES[tiling or tile()])
+        raise RuntimeError(f"{op}: the CUTLASS kernels are unavailable; check wgrad_cutlass.supported() first.")
+    return ops
+
+
+def _int32(offs_E: torch.Tensor) -> torch.Tensor:
+    return (offs_E if offs_E.dtype == torch.int32 else offs_E.to(torch.int32)).contiguous()
 
 
 def reference_accumulate_(grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor) -> None:
