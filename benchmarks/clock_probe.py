@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402
 from gpu_clocks import ClockSampler, energy_mj, reasons  # noqa: E402
-from moe_layer import gemm_steps, ours, skewed_input  # noqa: E402
+from moe_layer import gemm_operands, gemm_steps, ours, skewed_input  # noqa: E402
 
 from lightning_moe.ops import wgrad_cutlass  # noqa: E402
 from lightning_moe.ops.grouped_gemm import offsets_from_counts  # noqa: E402
@@ -77,9 +77,7 @@ def arms(shape: str) -> dict:
     x_RH = permute_rows(x.detach(), perm)
     offs = offsets_from_counts(perm.tokens_per_expert_E)
     w13, w2 = fused.experts.w13.detach(), fused.experts.w2.detach()
-    a_RF = torch.randn(x_RH.shape[0], Fh, device="cuda", dtype=torch.bfloat16)
-    h_R2F = torch.randn(x_RH.shape[0], 2 * Fh, device="cuda", dtype=torch.bfloat16)
-    g_RH = torch.randn_like(x_RH)
+    a_RF, h_R2F, g_RH = operands = gemm_operands(x_RH, Fh)
     g13, g2 = torch.zeros_like(w13), torch.zeros_like(w2)
 
     def layer_step(m, fresh: bool = False):  # noqa: ANN001, ANN202
@@ -107,7 +105,7 @@ def arms(shape: str) -> dict:
         "layer-fused-wgrad-fresh-grads": layer_step(fused, fresh=True),
         "layer-plain": layer_step(plain),
         "torch-grouped_mm-ref": layer_step(ref),
-        "gemms-alone": gemm_steps(x_RH, w13, w2, offs, Fh)["all"],
+        "gemms-alone": gemm_steps(x_RH, w13, w2, offs, Fh, operands)["all"],
         "wgrad-torch+add": wgrad_torch_step,
     }
     if wgrad_cutlass.supported(x_RH, w13, w2):

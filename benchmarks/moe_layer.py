@@ -209,13 +209,23 @@ def _host_time(step) -> float:  # noqa: ANN001
     return (t1 - t0) * 1e3
 
 
-def gemm_steps(x_RH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, Fh: int) -> dict:
-    """The six grouped GEMMs of fwd+bwd as callables (this routing's real group sizes, random operands):
-    ``fwd``, ``bwd`` (data and weight gradients), ``wgrad`` (x^T dy), ``wgrad_transposed`` (dy^T x), ``all``."""
+def gemm_operands(x_RH: torch.Tensor, Fh: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random stand-ins for the step's other GEMM operands: a_RF, h_R2F and the rows' gradient g_RH."""
     M, H = x_RH.shape
-    a_RF = torch.randn(M, Fh, device=x_RH.device, dtype=x_RH.dtype)
-    h_R2F = torch.randn(M, 2 * Fh, device=x_RH.device, dtype=x_RH.dtype)
-    g_RH = torch.randn(M, H, device=x_RH.device, dtype=x_RH.dtype)
+    return (
+        torch.randn(M, Fh, device=x_RH.device, dtype=x_RH.dtype),
+        torch.randn(M, 2 * Fh, device=x_RH.device, dtype=x_RH.dtype),
+        torch.randn(M, H, device=x_RH.device, dtype=x_RH.dtype),
+    )
+
+
+def gemm_steps(
+    x_RH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, Fh: int, operands: tuple | None = None
+) -> dict:
+    """The six grouped GEMMs of fwd+bwd as callables (this routing's real group sizes; ``operands``:
+    (a_RF, h_R2F, g_RH), random by default): ``fwd``, ``bwd`` (data and weight gradients), ``wgrad``
+    (x^T dy), ``wgrad_transposed`` (dy^T x), ``all``."""
+    a_RF, h_R2F, g_RH = operands if operands is not None else gemm_operands(x_RH, Fh)
 
     def fwd() -> None:
         F.grouped_mm(x_RH, w13, offs=offs)
