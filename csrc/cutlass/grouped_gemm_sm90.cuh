@@ -79,8 +79,7 @@ template <class Config, class LayoutB>
 size_t workspace_bytes(int64_t groups, int sm_count) {
   using G = ExpertGemm<Config, LayoutB>;
   GroupArrays<G> arrays(nullptr, groups);
-  auto args = make_arguments<G>(arrays, groups, 0, sm_count);
-  return arrays.bytes + G::Gemm::get_workspace_size(args);
+  return sm90_grouped::workspace_bytes<G>(arrays, make_arguments<G>(arrays, groups, 0, sm_count));
 }
 
 template <class Config, class LayoutB>
@@ -90,12 +89,11 @@ const char* run(void* out, const void* a, const void* w, const int32_t* offsets,
   if (groups == 0) return nullptr;
   GroupArrays<G> arrays(workspace, groups);
   auto args = make_arguments<G>(arrays, groups, device, sm_count);
-  if (bytes < arrays.bytes + G::Gemm::get_workspace_size(args)) return "workspace too small";
-  constexpr int kThreads = 128;
-  prepare_groups<G><<<static_cast<unsigned>((groups + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-      arrays, offsets, groups, static_cast<int>(k), static_cast<int>(n), static_cast<const Element*>(a),
-      static_cast<const Element*>(w), static_cast<Element*>(out));
-  return sm90_grouped::launch<G>(args, static_cast<char*>(workspace) + arrays.bytes, stream);
+  return sm90_grouped::launch<G>(arrays, args, workspace, bytes, stream, [&] {
+    prepare_groups<G><<<sm90_grouped::prepare_blocks(groups), sm90_grouped::kPrepareThreads, 0, stream>>>(
+        arrays, offsets, groups, static_cast<int>(k), static_cast<int>(n), static_cast<const Element*>(a),
+        static_cast<const Element*>(w), static_cast<Element*>(out));
+  });
 }
 
 }  // namespace sm90_gemm

@@ -85,8 +85,7 @@ template <class Config>
 size_t workspace_bytes(int64_t groups, int sm_count) {
   using G = WgradGemm<Config>;
   GroupArrays<G> arrays(nullptr, groups);
-  auto args = make_arguments<G>(arrays, groups, 0, sm_count, 1.0f);
-  return arrays.bytes + G::Gemm::get_workspace_size(args);
+  return sm90_grouped::workspace_bytes<G>(arrays, make_arguments<G>(arrays, groups, 0, sm_count, 1.0f));
 }
 
 template <class Config>
@@ -97,12 +96,11 @@ const char* wgrad(void* grad, const void* x, const void* dy, const int32_t* offs
   if (groups == 0) return nullptr;
   GroupArrays<G> arrays(workspace, groups);
   auto args = make_arguments<G>(arrays, groups, device, sm_count, accumulate ? 1.0f : 0.0f);
-  if (bytes < arrays.bytes + G::Gemm::get_workspace_size(args)) return "workspace too small";
-  constexpr int kThreads = 128;
-  prepare_groups<G><<<static_cast<unsigned>((groups + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-      arrays, offsets, groups, static_cast<int>(m), static_cast<int>(n), static_cast<const Element*>(x),
-      static_cast<const Element*>(dy), static_cast<Element*>(grad));
-  return sm90_grouped::launch<G>(args, static_cast<char*>(workspace) + arrays.bytes, stream);
+  return sm90_grouped::launch<G>(arrays, args, workspace, bytes, stream, [&] {
+    prepare_groups<G><<<sm90_grouped::prepare_blocks(groups), sm90_grouped::kPrepareThreads, 0, stream>>>(
+        arrays, offsets, groups, static_cast<int>(m), static_cast<int>(n), static_cast<const Element*>(x),
+        static_cast<const Element*>(dy), static_cast<Element*>(grad));
+  });
 }
 
 }  // namespace sm90

@@ -122,15 +122,30 @@ inline cutlass::KernelHardwareInfo hardware(int device, int sm_count) {
   return hw;
 }
 
-// Checks and runs one grouped GEMM whose group arrays are already being written in `stream`;
-// nullptr or a static message naming what failed.
+// What one grouped GEMM needs in its workspace: the group arrays, then CUTLASS's own.
 template <class G>
-const char* launch(const typename G::Gemm::Arguments& args, void* gemm_workspace, cudaStream_t stream) {
+size_t workspace_bytes(const GroupArrays<G>& arrays, const typename G::Gemm::Arguments& args) {
+  return arrays.bytes + G::Gemm::get_workspace_size(args);
+}
+
+// The launch shape of a prepare kernel: one thread per group.
+constexpr int kPrepareThreads = 128;
+inline unsigned prepare_blocks(int64_t groups) {
+  return static_cast<unsigned>((groups + kPrepareThreads - 1) / kPrepareThreads);
+}
+
+// Checks the workspace, launches `prepare` (which writes the group arrays in `stream`) and then the
+// grouped GEMM reading them; nullptr or a static message naming what failed.
+template <class G, class Prepare>
+const char* launch(const GroupArrays<G>& arrays, const typename G::Gemm::Arguments& args, void* workspace,
+                   size_t bytes, cudaStream_t stream, Prepare&& prepare) {
+  if (bytes < workspace_bytes<G>(arrays, args)) return "workspace too small";
+  prepare();
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cudaGetErrorString(err);  // the prepare kernel
   typename G::Gemm gemm;
   cutlass::Status status = gemm.can_implement(args);
   if (status != cutlass::Status::kSuccess) return cutlassGetStatusString(status);
-  status = gemm.initialize(args, gemm_workspace, stream);
+  status = gemm.initialize(args, static_cast<char*>(workspace) + arrays.bytes, stream);
   if (status != cutlass::Status::kSuccess) return cutlassGetStatusString(status);
   status = gemm.run(stream);
   if (status != cutlass::Status::kSuccess) return cutlassGetStatusString(status);
