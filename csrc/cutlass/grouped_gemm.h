@@ -19,17 +19,15 @@ namespace cutlass_kernels {
 // The tilings built, to be raced against torch's F.grouped_mm on the H200 (output tile M x N;
 // "cooperative": both consumer warp groups share one tile; "pingpong": each owns a tile and one's
 // epilogue overlaps the other's MMAs; "c2x1": clusters of two along M sharing the w tile through TMA
-// multicast; "direct": the epilogue stores from registers, no shared-memory staging or TMA store).
-// kCooperative128x256Cluster2x1 is the tiling torch's grouped_mm uses on sm_90: the control.
+// multicast). kCooperative128x256Cluster2x1 is the tiling torch's grouped_mm uses on sm_90: the
+// control.
 enum class GemmTile : int {
   kCooperative128x256Cluster2x1 = 0,
   kPingpong128x128 = 1,
   kPingpong128x128Cluster2x1 = 2,
   kPingpong64x256 = 3,
-  kCooperative128x256Cluster2x1Direct = 4,
-  kPingpong64x256Direct = 5,
 };
-constexpr int kGemmTilings = 6;
+constexpr int kGemmTilings = 4;
 
 // Bytes of device workspace grouped_gemm needs for `num_experts` groups on a GPU with `sm_count`
 // multiprocessors.

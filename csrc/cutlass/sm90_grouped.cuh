@@ -37,33 +37,23 @@ constexpr int kAlignment = 8;                                                   
 // follows the tile's MMAs. Ping-pong: each consumer warp group owns a whole tile and one group's
 // epilogue overlaps the other's MMAs. Clusters share operand tiles through TMA multicast. EpiN: the
 // epilogue's sub-tile width (128 x EpiN; 0 = CUTLASS's choice).
-// Direct stores (DirectStore = true): the epilogue writes D from the accumulator registers to global
-// memory, no shared-memory staging and no TMA store (CUTLASS's PtrArrayNoSmemWarpSpecialized), which
-// leaves all of shared memory to the mainloop's stages. The shape an epilogue fusion computing from
-// several accumulator columns of a thread at once (SwiGLU's gate and up) would take; raced to learn
-// what the staging is worth.
-template <bool DirectStore, class TmaSchedule>
-using EpilogueStores = std::conditional_t<DirectStore, cutlass::epilogue::PtrArrayNoSmemWarpSpecialized, TmaSchedule>;
-
-template <int TileM, int TileN, int ClusterM, int ClusterN, int EpiN = 0, bool DirectStore = false>
+template <int TileM, int TileN, int ClusterM, int ClusterN, int EpiN = 0>
 struct Cooperative {
   using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::_64>;
   using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
   using EpilogueTile = std::conditional_t<EpiN == 0, cutlass::epilogue::collective::EpilogueTileAuto,
                                           cute::Shape<cute::_128, cute::Int<EpiN>>>;
   using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = EpilogueStores<DirectStore, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
-  static constexpr bool kDirectStore = DirectStore;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
-template <int TileM, int TileN, int ClusterM, int ClusterN, bool DirectStore = false>
+template <int TileM, int TileN, int ClusterM, int ClusterN>
 struct Pingpong {
   using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::_64>;
   using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
   using EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto;
   using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using EpilogueSchedule = EpilogueStores<DirectStore, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
-  static constexpr bool kDirectStore = DirectStore;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
 // The kernel of one grouped GEMM: D_g = alpha * A_g B_g (+ beta * C_g) per group, bf16 operands and
@@ -72,15 +62,11 @@ struct Pingpong {
 // shared memory the epilogue leaves.
 template <class Config, class LayoutA, class LayoutB, class ElementC, class LayoutD>
 struct GroupedGemm {
-  // D = alpha * acc + beta * C. The direct-store epilogue's builder matches the operation's source
-  // type against ElementC (void: no source), the TMA one takes the default (D's type).
-  using Fusion = std::conditional_t<Config::kDirectStore,
-                                    cutlass::epilogue::fusion::LinearCombination<Element, Accumulator, ElementC, Accumulator>,
-                                    cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
       typename Config::EpilogueTile, Accumulator, Accumulator, ElementC, LayoutD*, kAlignment,
-      Element, LayoutD*, kAlignment, typename Config::EpilogueSchedule, Fusion>::CollectiveOp;
+      Element, LayoutD*, kAlignment, typename Config::EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignment, Element, LayoutB*,

@@ -31,10 +31,7 @@ The same cooperative 128 x 256 tiling torch uses ran slower here than in torch o
 ``cooperative-128x256-c2x1`` (default: 128 x 256 tiles, both consumer warp groups on one tile,
 clusters of two along M sharing the ``w`` tile through TMA multicast; the tiling torch's
 ``grouped_mm`` uses on sm_90), ``pingpong-128x128`` (each consumer warp group owns a tile, one's
-epilogue overlapping the other's MMAs), ``pingpong-128x128-c2x1`` or ``pingpong-64x256``; the
-``-direct`` twins of the first and last store the output straight from the accumulator registers
-(no shared-memory staging, no TMA store: all shared memory goes to the mainloop), the epilogue an
-epilogue fusion reading several of a thread's accumulator columns at once would build on.
+epilogue overlapping the other's MMAs), ``pingpong-128x128-c2x1`` or ``pingpong-64x256``.
 """
 
 from __future__ import annotations
@@ -47,14 +44,7 @@ from lightning_moe.ops.build_cutlass import load_cutlass_extension
 
 __all__ = ["DEFAULT_TILE", "GEMM_KERNELS", "TILES", "grouped_mm", "layer_tiling", "supported", "tile"]
 
-TILES = {
-    "cooperative-128x256-c2x1": 0,
-    "pingpong-128x128": 1,
-    "pingpong-128x128-c2x1": 2,
-    "pingpong-64x256": 3,
-    "cooperative-128x256-c2x1-direct": 4,
-    "pingpong-64x256-direct": 5,
-}
+TILES = {"cooperative-128x256-c2x1": 0, "pingpong-128x128": 1, "pingpong-128x128-c2x1": 2, "pingpong-64x256": 3}
 DEFAULT_TILE = "cooperative-128x256-c2x1"
 _ENV = "LIGHTNING_MOE_GEMM_CUTLASS_TILE"
 GEMM_KERNELS = ("auto", "torch", "cutlass")
