@@ -24,7 +24,6 @@
 #   bash benchmarks/h200.sh clocks    # GPU tests; SM clock + clock-event reasons per arm (benchmarks/clock_probe.py); qwen3 layer
 #   bash benchmarks/h200.sh arms      # GEMM / wgrad kernel settings raced inside each shape's layer step (benchmarks/layer_arms.py)
 #   bash benchmarks/h200.sh fresh     # GPU tests; fresh vs accumulated weight gradients inside the step; qwen3 layer both ways
-#   bash benchmarks/h200.sh stages    # CUTLASS GEMM builds (torch's unread-source buffers, 3 stages): tests, alone, qwen3 step
 #   bash benchmarks/h200.sh whatif    # qwen3 step with the bandwidth-bound kernels made free (fusion's upper bound) beside the GEMMs alone
 #   bash benchmarks/h200.sh peak      # the one-call path's tests, DeepSeek-V3 and Qwen3 beside torch's layer (time, activation peak)
 #   bash benchmarks/h200.sh multi     # issue 8 on a multi-GPU kind: NCCL parity, EP scaling, overlap, ECHO, DeepEP
@@ -376,18 +375,6 @@ PY
     done
     [ "${ARMS_TESTS:-1}" = 1 ] && timeout 200 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1
     grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" 2>/dev/null | tail -12; tail -1 "$OUT/gpu_tests.log" 2>/dev/null; pack
-    ;;
-  stages)  # CUTLASS GEMM builds beside torch's: its tests, alone vs F.grouped_mm, qwen3 inside the step (STAGES_ARMS)
-    timeout 200 python3 -m pytest tests/gpu/test_grouped_gemm_cutlass.py -q -p no:cacheprovider -rf \
-      > "$OUT/gpu_gemm_tests.log" 2>&1; grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_gemm_tests.log" | tail -8
-    tail -1 "$OUT/gpu_gemm_tests.log"; pack
-    timeout 200 python3 benchmarks/expert_gemms.py --shapes qwen3-30b-a3b deepseek-v3 --dgrad --no-loops \
-      --json "$OUT/gemms.json" > "$OUT/gemms.log" 2>&1; grep -h '^{' "$OUT/gemms.log" | cut -c1-200; pack
-    G=LIGHTNING_MOE_GEMM_KERNEL=cutlass+LIGHTNING_MOE_GEMM_CUTLASS_TILE
-    arms="default:,gemm-coop:$G=cooperative-128x256-c2x1,gemm-coop-csmem:$G=cooperative-128x256-c2x1-csmem,gemm-coop-s3:$G=cooperative-128x256-c2x1-s3,gemms-alone,default-again:"
-    timeout 200 python3 benchmarks/layer_arms.py --shape qwen3-30b-a3b --arms "${STAGES_ARMS:-$arms}" --rounds "${ARMS_ROUNDS:-6}" \
-      --json "$OUT/arms_qwen3.json" > "$OUT/arms_qwen3.log" 2>&1; grep -h '^{' "$OUT/arms_qwen3.log" | sed 's/, "env": {[^}]*}//' | cut -c1-200
-    grep -hE "Error|error" "$OUT/arms_qwen3.log" | tail -3; pack
     ;;
   fresh)  # all GPU tests; fresh (beta = 0) vs accumulating weight gradients in the step; qwen3 beside torch both ways
     timeout 240 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1

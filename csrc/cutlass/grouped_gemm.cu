@@ -17,8 +17,6 @@ LMOE_GEMM_ENTRY_POINTS(cooperative_128x256_c2x1)
 LMOE_GEMM_ENTRY_POINTS(pingpong_128x128)
 LMOE_GEMM_ENTRY_POINTS(pingpong_128x128_c2x1)
 LMOE_GEMM_ENTRY_POINTS(pingpong_64x256)
-LMOE_GEMM_ENTRY_POINTS(cooperative_128x256_c2x1_csmem)
-LMOE_GEMM_ENTRY_POINTS(cooperative_128x256_c2x1_s3)
 
 namespace {
 
@@ -34,8 +32,6 @@ constexpr Tiling kTable[kGemmTilings] = {
     {&gemm_workspace_bytes_pingpong_128x128, &gemm_pingpong_128x128},
     {&gemm_workspace_bytes_pingpong_128x128_c2x1, &gemm_pingpong_128x128_c2x1},
     {&gemm_workspace_bytes_pingpong_64x256, &gemm_pingpong_64x256},
-    {&gemm_workspace_bytes_cooperative_128x256_c2x1_csmem, &gemm_cooperative_128x256_c2x1_csmem},
-    {&gemm_workspace_bytes_cooperative_128x256_c2x1_s3, &gemm_cooperative_128x256_c2x1_s3},
 };
 
 bool known(GemmTile tile) { return static_cast<int>(tile) >= 0 && static_cast<int>(tile) < kGemmTilings; }

@@ -26,10 +26,8 @@ enum class GemmTile : int {
   kPingpong128x128 = 1,
   kPingpong128x128Cluster2x1 = 2,
   kPingpong64x256 = 3,
-  kCooperative128x256Cluster2x1SourceBuffers = 4,  // shared memory kept for an unread C (torch's build)
-  kCooperative128x256Cluster2x1Stages3 = 5,        // three mainloop stages
 };
-constexpr int kGemmTilings = 6;
+constexpr int kGemmTilings = 4;
 
 // Bytes of device workspace grouped_gemm needs for `num_experts` groups on a GPU with `sm_count`
 // multiprocessors.

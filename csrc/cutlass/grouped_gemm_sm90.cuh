@@ -38,8 +38,7 @@ using KMajor = cutlass::layout::ColumnMajor;  // w[e] [K, N] with K contiguous
 // ElementC = void: no source tensor (beta = 0), so no C loads and no C buffers in shared memory,
 // which leaves more of it to the mainloop's stages.
 template <class Config, class LayoutB>
-using ExpertGemm =
-    sm90_grouped::GroupedGemm<Config, LayoutA, LayoutB, std::conditional_t<Config::kSourceBuffers, Element, void>, LayoutD>;
+using ExpertGemm = sm90_grouped::GroupedGemm<Config, LayoutA, LayoutB, void, LayoutD>;
 
 // One thread per expert. Only M varies between groups; N and K are every expert's. A decreasing
 // pair of offsets (outside the contract) gives that expert no rows rather than a negative M.
@@ -67,18 +66,11 @@ typename G::Gemm::Arguments make_arguments(const GroupArrays<G>& arrays, int64_t
   decltype(args.epilogue.thread) fusion;
   fusion.alpha = 1.0f;
   fusion.beta = 0.0f;  // no source: a void-C epilogue only accepts beta = 0
-  // C: none, or (source buffers kept) D's own places, never read with beta = 0: the epilogue still
-  // builds a TMA descriptor for it from a real address.
-  decltype(args.epilogue) epilogue{fusion, nullptr, nullptr, arrays.d, arrays.stride_d};
-  if constexpr (!std::is_void_v<typename G::Kernel::ElementC>) {
-    epilogue.ptr_C = const_cast<const Element**>(arrays.d);
-    epilogue.dC = arrays.stride_d;
-  }
   args = typename G::Gemm::Arguments{
       cutlass::gemm::GemmUniversalMode::kGrouped,
       {static_cast<int>(groups), arrays.problems, nullptr},  // no host problem sizes: M_e lives on the device
       {arrays.a, arrays.stride_a, arrays.b, arrays.stride_b},
-      epilogue,
+      {fusion, nullptr, nullptr, arrays.d, arrays.stride_d},  // C: none
       sm90_grouped::hardware(device, sm_count)};
   return args;
 }

@@ -37,10 +37,7 @@ constexpr int kAlignment = 8;                                                   
 // follows the tile's MMAs. Ping-pong: each consumer warp group owns a whole tile and one group's
 // epilogue overlaps the other's MMAs. Clusters share operand tiles through TMA multicast. EpiN: the
 // epilogue's sub-tile width (128 x EpiN; 0 = CUTLASS's choice).
-// Stages: the mainloop's pipeline depth (0 = as many as the shared memory the epilogue leaves holds).
-// SourceBuffers: the forward GEMM's epilogue keeps shared memory for a source C it never reads
-// (beta = 0), as torch's grouped_mm does, which leaves the mainloop fewer stages.
-template <int TileM, int TileN, int ClusterM, int ClusterN, int EpiN = 0, int Stages = 0, bool SourceBuffers = false>
+template <int TileM, int TileN, int ClusterM, int ClusterN, int EpiN = 0>
 struct Cooperative {
   using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::_64>;
   using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
@@ -48,8 +45,6 @@ struct Cooperative {
                                           cute::Shape<cute::_128, cute::Int<EpiN>>>;
   using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-  static constexpr int kStages = Stages;
-  static constexpr bool kSourceBuffers = SourceBuffers;
 };
 
 template <int TileM, int TileN, int ClusterM, int ClusterN>
@@ -59,8 +54,6 @@ struct Pingpong {
   using EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto;
   using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-  static constexpr int kStages = 0;
-  static constexpr bool kSourceBuffers = false;
 };
 
 // The kernel of one grouped GEMM: D_g = alpha * A_g B_g (+ beta * C_g) per group, bf16 operands and
@@ -78,9 +71,7 @@ struct GroupedGemm {
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignment, Element, LayoutB*,
       kAlignment, Accumulator, typename Config::Tile, typename Config::Cluster,
-      std::conditional_t<Config::kStages == 0,
-                         cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-                         cutlass::gemm::collective::StageCount<Config::kStages>>,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Config::MainloopSchedule>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
