@@ -376,18 +376,6 @@ PY
     [ "${ARMS_TESTS:-1}" = 1 ] && timeout 200 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1
     grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" 2>/dev/null | tail -12; tail -1 "$OUT/gpu_tests.log" 2>/dev/null; pack
     ;;
-  clusters)  # more cooperative tilings (clusters 4x1 and 1x2, 256 x 128): their tests, alone vs F.grouped_mm, qwen3 inside the step
-    timeout 200 python3 -m pytest tests/gpu/test_grouped_gemm_cutlass.py -q -p no:cacheprovider -rf \
-      > "$OUT/gpu_gemm_tests.log" 2>&1; grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_gemm_tests.log" | tail -8
-    tail -1 "$OUT/gpu_gemm_tests.log"; pack
-    timeout 200 python3 benchmarks/expert_gemms.py --shapes qwen3-30b-a3b --dgrad --no-loops \
-      --json "$OUT/gemms.json" > "$OUT/gemms.log" 2>&1; grep -h '^{' "$OUT/gemms.log" | cut -c1-200; pack
-    G=LIGHTNING_MOE_GEMM_KERNEL=cutlass+LIGHTNING_MOE_GEMM_CUTLASS_TILE
-    arms="default:,gemm-coop:$G=cooperative-128x256-c2x1,gemm-coop-c4x1:$G=cooperative-128x256-c4x1,gemm-coop256x128:$G=cooperative-256x128-c2x1,gemm-coop-c1x2:$G=cooperative-128x256-c1x2,gemms-alone,default-again:"
-    timeout 220 python3 benchmarks/layer_arms.py --shape qwen3-30b-a3b --arms "${CLUSTER_ARMS:-$arms}" --rounds "${ARMS_ROUNDS:-6}" \
-      --json "$OUT/arms_qwen3.json" > "$OUT/arms_qwen3.log" 2>&1; grep -h '^{' "$OUT/arms_qwen3.log" | sed 's/, "env": {[^}]*}//' | cut -c1-200
-    grep -hE "Error|error" "$OUT/arms_qwen3.log" | tail -3; pack
-    ;;
   fresh)  # all GPU tests; fresh (beta = 0) vs accumulating weight gradients in the step; qwen3 beside torch both ways
     timeout 240 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf > "$OUT/gpu_tests.log" 2>&1
     grep -hE "FAILED|ERROR|Fatal" "$OUT/gpu_tests.log" | tail -12; tail -1 "$OUT/gpu_tests.log"; pack

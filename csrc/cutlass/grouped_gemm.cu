@@ -17,9 +17,6 @@ LMOE_GEMM_ENTRY_POINTS(cooperative_128x256_c2x1)
 LMOE_GEMM_ENTRY_POINTS(pingpong_128x128)
 LMOE_GEMM_ENTRY_POINTS(pingpong_128x128_c2x1)
 LMOE_GEMM_ENTRY_POINTS(pingpong_64x256)
-LMOE_GEMM_ENTRY_POINTS(cooperative_128x256_c4x1)
-LMOE_GEMM_ENTRY_POINTS(cooperative_256x128_c2x1)
-LMOE_GEMM_ENTRY_POINTS(cooperative_128x256_c1x2)
 
 namespace {
 
@@ -35,9 +32,6 @@ constexpr Tiling kTable[kGemmTilings] = {
     {&gemm_workspace_bytes_pingpong_128x128, &gemm_pingpong_128x128},
     {&gemm_workspace_bytes_pingpong_128x128_c2x1, &gemm_pingpong_128x128_c2x1},
     {&gemm_workspace_bytes_pingpong_64x256, &gemm_pingpong_64x256},
-    {&gemm_workspace_bytes_cooperative_128x256_c4x1, &gemm_cooperative_128x256_c4x1},
-    {&gemm_workspace_bytes_cooperative_256x128_c2x1, &gemm_cooperative_256x128_c2x1},
-    {&gemm_workspace_bytes_cooperative_128x256_c1x2, &gemm_cooperative_128x256_c1x2},
 };
 
 bool known(GemmTile tile) { return static_cast<int>(tile) >= 0 && static_cast<int>(tile) < kGemmTilings; }

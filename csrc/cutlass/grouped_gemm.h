@@ -26,11 +26,8 @@ enum class GemmTile : int {
   kPingpong128x128 = 1,
   kPingpong128x128Cluster2x1 = 2,
   kPingpong64x256 = 3,
-  kCooperative128x256Cluster4x1 = 4,
-  kCooperative256x128Cluster2x1 = 5,
-  kCooperative128x256Cluster1x2 = 6,
 };
-constexpr int kGemmTilings = 7;
+constexpr int kGemmTilings = 4;
 
 // Bytes of device workspace grouped_gemm needs for `num_experts` groups on a GPU with `sm_count`
 // multiprocessors.

@@ -44,15 +44,7 @@ from lightning_moe.ops.build_cutlass import load_cutlass_extension
 
 __all__ = ["DEFAULT_TILE", "GEMM_KERNELS", "TILES", "grouped_mm", "layer_tiling", "supported", "tile"]
 
-TILES = {
-    "cooperative-128x256-c2x1": 0,
-    "pingpong-128x128": 1,
-    "pingpong-128x128-c2x1": 2,
-    "pingpong-64x256": 3,
-    "cooperative-128x256-c4x1": 4,
-    "cooperative-256x128-c2x1": 5,
-    "cooperative-128x256-c1x2": 6,
-}
+TILES = {"cooperative-128x256-c2x1": 0, "pingpong-128x128": 1, "pingpong-128x128-c2x1": 2, "pingpong-64x256": 3}
 DEFAULT_TILE = "cooperative-128x256-c2x1"
 _ENV = "LIGHTNING_MOE_GEMM_CUTLASS_TILE"
 GEMM_KERNELS = ("auto", "torch", "cutlass")
