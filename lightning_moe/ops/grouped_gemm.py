@@ -83,7 +83,7 @@ def _torch_wgrad(x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor) 
     if x_RD.shape[0] == 0:
         return x_RD.new_zeros(offs_E.shape[0], x_RD.shape[1], dy_RO.shape[1])
     tiling = wgrad_accumulation.fresh_wgrad_tiling(x_RD, dy_RO)  # only when asked for (measured slower)
-    if tiling is not None and dy_RO.dtype == x_RD.dtype:
+    if tiling is not None:
         return wgrad_cutlass.grouped_wgrad(x_RD, dy_RO, offs_E, tiling)
     return F.grouped_mm(x_RD.t(), dy_RO, offs=offs_E)
 

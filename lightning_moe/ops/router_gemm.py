@@ -30,7 +30,7 @@ def router_logits_reference(x_TH: torch.Tensor, w_EH: torch.Tensor, dtype: torch
     return F.linear(x_TH.to(dtype), w_EH.to(dtype))
 
 
-def mixed_ok(x_TH: torch.Tensor, w_EH: torch.Tensor, dtype: torch.dtype) -> bool:
+def _mixed_ok(x_TH: torch.Tensor, w_EH: torch.Tensor, dtype: torch.dtype) -> bool:
     return (
         dtype == torch.float32
         and x_TH.is_cuda
@@ -80,7 +80,7 @@ class _RouterLogits(torch.autograd.Function):
 
 def router_logits(x_TH: torch.Tensor, w_EH: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Differentiable ``x @ w^T`` in ``dtype`` (see the module docstring for the fast case)."""
-    if mixed_ok(x_TH, w_EH, dtype):
+    if _mixed_ok(x_TH, w_EH, dtype):
         try:
             return _RouterLogits.apply(x_TH.contiguous(), w_EH)
         except (RuntimeError, TypeError):  # torch without mm(out_dtype=) for this device

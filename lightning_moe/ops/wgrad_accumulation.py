@@ -130,7 +130,7 @@ def fresh_wgrad_tiling(x_RD: torch.Tensor, dy_RO: torch.Tensor) -> str | None:
     8.22 vs 8.08 ms a step, DeepSeek-V3 42.38 vs 41.81. Its edge over cuBLAS is the accumulation
     fused into its epilogue, which a fresh gradient does not need.
     """
-    if wgrad_kernel() != "cutlass" or not x_RD.is_cuda:
+    if wgrad_kernel() != "cutlass" or not x_RD.is_cuda or dy_RO.dtype != x_RD.dtype:
         return None
     if x_RD.shape[1] % 8 or dy_RO.shape[1] % 8 or not wgrad_cutlass.supported(x_RD):
         return None

@@ -384,8 +384,8 @@ def test_fresh_gradients_take_cutlass_only_when_asked(monkeypatch: pytest.Monkey
     monkeypatch.delenv("LIGHTNING_MOE_WGRAD_KERNEL", raising=False)
     monkeypatch.delenv("LIGHTNING_MOE_WGRAD_CUTLASS_TILE", raising=False)
 
-    def rows(width: int) -> SimpleNamespace:  # only .is_cuda and .shape are read
-        return SimpleNamespace(is_cuda=True, shape=(4096, width))
+    def rows(width: int, dtype: torch.dtype = torch.bfloat16) -> SimpleNamespace:  # only .is_cuda, .dtype, .shape are read
+        return SimpleNamespace(is_cuda=True, dtype=dtype, shape=(4096, width))
 
     assert wacc.fresh_wgrad_tiling(rows(2048), rows(1536)) is None  # auto: F.grouped_mm
     for kernel in ("loop", "streams", "triton"):
@@ -396,6 +396,7 @@ def test_fresh_gradients_take_cutlass_only_when_asked(monkeypatch: pytest.Monkey
     monkeypatch.setenv("LIGHTNING_MOE_WGRAD_CUTLASS_TILE", "cooperative")
     assert wacc.fresh_wgrad_tiling(rows(7168), rows(4096)) == "cooperative"
     assert wacc.fresh_wgrad_tiling(rows(12), rows(16)) is None  # not multiples of 8
+    assert wacc.fresh_wgrad_tiling(rows(2048), rows(1536, torch.float32)) is None  # dtypes differ
     assert wacc.fresh_wgrad_tiling(torch.zeros(4, 64), torch.zeros(4, 64)) is None  # CPU
     monkeypatch.setattr(wgrad_cutlass, "supported", lambda x, *weights: False)
     assert wacc.fresh_wgrad_tiling(rows(2048), rows(1536)) is None  # not built: F.grouped_mm
