@@ -25,6 +25,7 @@
 #   bash benchmarks/h200.sh arms      # GEMM / wgrad kernel settings raced inside each shape's layer step (benchmarks/layer_arms.py)
 #   bash benchmarks/h200.sh fresh     # GPU tests; fresh vs accumulated weight gradients inside the step; qwen3 layer both ways
 #   bash benchmarks/h200.sh whatif    # qwen3 step with the bandwidth-bound kernels made free (fusion's upper bound) beside the GEMMs alone
+#   bash benchmarks/h200.sh floor     # qwen3 step as the best fused design would run it (bytes it cannot avoid kept) beside the GEMMs alone
 #   bash benchmarks/h200.sh peak      # the one-call path's tests, DeepSeek-V3 and Qwen3 beside torch's layer (time, activation peak)
 #   bash benchmarks/h200.sh multi     # issue 8 on a multi-GPU kind: NCCL parity, EP scaling, overlap, ECHO, DeepEP
 #                                     # (carry .deepep/: DeepEP's source as src.tar; built here by build_deepep.sh)
@@ -398,6 +399,12 @@ PY
     timeout 200 python3 benchmarks/layer_arms.py --shape "${SHAPE:-qwen3-30b-a3b}" --arms "${WHATIF_ARMS:-$arms}" --rounds "${WHATIF_ROUNDS:-6}" \
       --json "$OUT/whatif.json" > "$OUT/whatif.log" 2>&1; grep -h '^{' "$OUT/whatif.log" | sed 's/, "env": {[^}]*}//' | cut -c1-200
     grep -hE "Error|error" "$OUT/whatif.log" | tail -3; pack
+    ;;
+  floor)  # qwen3: the step with only the traffic a fused design keeps (layer_arms.py floor labels), GEMMs alone beside
+    arms="default:,gemms-alone:,router-ops:,floor:,floor-atomic:,no-bandwidth:,fresh-grads:,floor@fresh:,default-again:"
+    timeout 300 python3 benchmarks/layer_arms.py --shape "${SHAPE:-qwen3-30b-a3b}" --arms "${FLOOR_ARMS:-$arms}" --rounds "${FLOOR_ROUNDS:-10}" \
+      --json "$OUT/floor.json" > "$OUT/floor.log" 2>&1; grep -h '^{' "$OUT/floor.log" | sed 's/, "env": {[^}]*}//' | cut -c1-200
+    grep -hE "Error|error" "$OUT/floor.log" | tail -3; pack
     ;;
   liger)  # Liger's fused MoE alone, long enough for its autotuning; its Triton cache comes back
     timeout "${LIGER_S:-420}" python3 benchmarks/moe_layer.py --shapes "${SHAPES:-qwen3-30b-a3b}" \

@@ -23,6 +23,17 @@ and handed out again: what the step would cost at the power cap if a fusion made
 upper bound of what moving them into the GEMMs can buy. (The forward's scatter of x runs inside
 the one-call router and stays; it moves as many bytes as the backward's.)
 
+Floor labels (timing only) emulate the best a fused design on this GPU can do, bytes it cannot
+avoid included: ``floor`` turns the one-call router off (the forward's x scatter then runs in
+``ops/local_experts.py`` and is skipped with the backward's dy scatter: both rows' moves made free,
+as operand gathers in the GEMMs' loads would make them), and runs, instead of the weighted SwiGLU,
+only the traffic its fusion into the GEMM epilogues keeps: forward, the up-projection's epilogue
+writing ``a_RF`` beside ``h`` (a write of R·F values); backward, the down-projection's data-gradient
+epilogue reading ``h`` and writing ``grad_h`` where it wrote ``grad_a`` (R·2F read, R·F more
+written). The gather-sums (the sum over each token's K rows) stay: without atomics no GEMM epilogue
+can do them. ``floor-atomic`` makes them free as well; ``router-ops`` only turns the one-call router
+off (the separate router, permutation and scatter calls: the host-path part of ``floor``).
+
     python benchmarks/layer_arms.py --shape qwen3-30b-a3b \\
         --arms "default:,gemm-coop:LIGHTNING_MOE_GEMM_KERNEL=cutlass+LIGHTNING_MOE_GEMM_CUTLASS_TILE=cooperative-128x256-c2x1"
 """
@@ -66,6 +77,27 @@ _SKIPPABLE = {
     "no-swiglu-fwd": ("weighted_swiglu_forward",),
     "no-swiglu-bwd": ("weighted_swiglu_backward",),
     "no-bandwidth": ("_expert_rows_impl", "_unpermute_sum_impl", "weighted_swiglu_forward", "weighted_swiglu_backward"),
+    "floor": ("_expert_rows_impl", "weighted_swiglu_forward", "weighted_swiglu_backward"),
+    "floor-atomic": ("_expert_rows_impl", "_unpermute_sum_impl", "weighted_swiglu_forward", "weighted_swiglu_backward"),
+}
+_ROUTER_OFF = ("floor", "floor-atomic", "router-ops")
+
+
+def _swiglu_forward_kept_traffic(h_R2F: torch.Tensor, *_: object) -> None:
+    """What SwiGLU in the up-projection's epilogue still moves: its store of ``a_RF`` (R·F values)."""
+    torch.empty((h_R2F.shape[0], h_R2F.shape[1] // 2), dtype=h_R2F.dtype, device=h_R2F.device).fill_(1.0)
+
+
+def _swiglu_backward_kept_traffic(h_R2F: torch.Tensor, *_: object) -> None:
+    """What SwiGLU's backward in the data-gradient epilogue still moves: ``h`` read, R·F more written."""
+    Fh = h_R2F.shape[1] // 2
+    torch.add(h_R2F[:, :Fh], h_R2F[:, Fh:])
+
+
+# Floor labels: what a skipped op's fusion would still cost, run before its kept result is handed out.
+_KEPT_TRAFFIC = {
+    "weighted_swiglu_forward": _swiglu_forward_kept_traffic,
+    "weighted_swiglu_backward": _swiglu_backward_kept_traffic,
 }
 
 
@@ -74,25 +106,36 @@ def skipped(label: str):  # noqa: ANN201
     """For a what-if label: the named ops of ``ops/local_experts.py`` replaced by their first result."""
     import lightning_moe.ops.local_experts as local_ops
 
-    names = _SKIPPABLE.get(label.split("@")[0], ())
+    from lightning_moe.moe.router import TopKRouter
+
+    base = label.split("@")[0]
+    names = _SKIPPABLE.get(base, ())
+    floor = base.startswith("floor")
     originals = {name: getattr(local_ops, name) for name in names}
 
-    def kept(fn):  # noqa: ANN001, ANN202
+    def kept(name, fn):  # noqa: ANN001, ANN202
         cache: dict = {}
+        traffic = _KEPT_TRAFFIC.get(name) if floor else None
 
         def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             key = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
             if key not in cache:
                 cache[key] = fn(*args, **kwargs)
+            elif traffic is not None:
+                traffic(*args)
             return cache[key]
 
         return call
 
     for name, fn in originals.items():
-        setattr(local_ops, name, kept(fn))
+        setattr(local_ops, name, kept(name, fn))
+    one_call = TopKRouter.route_and_permute
+    if base in _ROUTER_OFF:
+        TopKRouter.route_and_permute = lambda self, x_TH: None  # type: ignore[method-assign]
     try:
         yield
     finally:
+        TopKRouter.route_and_permute = one_call  # type: ignore[method-assign]
         for name, fn in originals.items():
             setattr(local_ops, name, fn)
 

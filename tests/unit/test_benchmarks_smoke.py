@@ -182,3 +182,49 @@ def test_what_if_arms_run_each_skipped_op_once_and_restore_it() -> None:
             setattr(local_ops, name, fn)
     assert all(n == 1 for n in skipped_calls.values()), skipped_calls
     assert all(calls[name] > skipped_calls[name] for name in names), calls
+
+
+def test_floor_arm_runs_the_kept_traffic_and_turns_the_one_call_router_off_until_restored() -> None:
+    """layer_arms' ``floor`` arm: SwiGLU runs once, then only the traffic its fusion would keep; the
+    gather-sums still run every step; the one-call router answers ``None`` inside the arm only."""
+    sys.path.insert(0, str(BENCHMARKS))
+    arms = _load("layer_arms")
+    layer_mod = _load("moe_layer")
+    import lightning_moe.ops.local_experts as local_ops
+    from lightning_moe.moe.router import TopKRouter
+
+    traffic_calls = {name: 0 for name in arms._KEPT_TRAFFIC}
+    originals = dict(arms._KEPT_TRAFFIC)
+    sums = {"n": 0}
+    real_sum = local_ops._unpermute_sum_impl
+
+    def counting_sum(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        sums["n"] += 1
+        return real_sum(*args, **kwargs)
+
+    def counting(name: str):  # noqa: ANN202
+        def call(*args) -> None:  # noqa: ANN002
+            traffic_calls[name] += 1
+            originals[name](*args)
+
+        return call
+
+    layer = layer_mod.ours(64, 32, 8, 2, "cpu", 0.0).float()
+    x = torch.randn(128, 64, requires_grad=True)
+    one_call = TopKRouter.route_and_permute
+    try:
+        local_ops._unpermute_sum_impl = counting_sum
+        for name in originals:
+            arms._KEPT_TRAFFIC[name] = counting(name)
+        with arms.skipped("floor"):
+            assert TopKRouter.route_and_permute is not one_call  # on CPU the real one answers None too
+            assert layer.router.route_and_permute(x.detach()) is None
+            for _ in range(3):
+                x.grad = None
+                layer(x).backward(torch.randn(128, 64))
+    finally:
+        local_ops._unpermute_sum_impl = real_sum
+        arms._KEPT_TRAFFIC.update(originals)
+    assert TopKRouter.route_and_permute is one_call
+    assert traffic_calls == {"weighted_swiglu_forward": 2, "weighted_swiglu_backward": 2}, traffic_calls
+    assert sums["n"] == 6  # forward and backward gather-sums of all three steps
