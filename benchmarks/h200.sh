@@ -401,7 +401,7 @@ PY
     grep -hE "Error|error" "$OUT/whatif.log" | tail -3; pack
     ;;
   floor)  # qwen3: the step with only the traffic a fused design keeps (layer_arms.py floor labels), GEMMs alone beside
-    arms="default:,gemms-alone:,router-ops:,floor:,floor-atomic:,no-bandwidth:,fresh-grads:,floor@fresh:,default-again:"
+    arms="default:,gemms-alone:,no-bwd-scatter:,floor:,floor-atomic:,no-bandwidth:,router-ops:,fresh-grads:,floor@fresh:,default-again:"
     timeout 300 python3 benchmarks/layer_arms.py --shape "${SHAPE:-qwen3-30b-a3b}" --arms "${FLOOR_ARMS:-$arms}" --rounds "${FLOOR_ROUNDS:-10}" \
       --json "$OUT/floor.json" > "$OUT/floor.log" 2>&1; grep -h '^{' "$OUT/floor.log" | sed 's/, "env": {[^}]*}//' | cut -c1-200
     grep -hE "Error|error" "$OUT/floor.log" | tail -3; pack

@@ -24,15 +24,15 @@ upper bound of what moving them into the GEMMs can buy. (The forward's scatter o
 the one-call router and stays; it moves as many bytes as the backward's.)
 
 Floor labels (timing only) emulate the best a fused design on this GPU can do, bytes it cannot
-avoid included: ``floor`` turns the one-call router off (the forward's x scatter then runs in
-``ops/local_experts.py`` and is skipped with the backward's dy scatter: both rows' moves made free,
-as operand gathers in the GEMMs' loads would make them), and runs, instead of the weighted SwiGLU,
-only the traffic its fusion into the GEMM epilogues keeps: forward, the up-projection's epilogue
-writing ``a_RF`` beside ``h`` (a write of R·F values); backward, the down-projection's data-gradient
-epilogue reading ``h`` and writing ``grad_h`` where it wrote ``grad_a`` (R·2F read, R·F more
-written). The gather-sums (the sum over each token's K rows) stay: without atomics no GEMM epilogue
-can do them. ``floor-atomic`` makes them free as well; ``router-ops`` only turns the one-call router
-off (the separate router, permutation and scatter calls: the host-path part of ``floor``).
+avoid included: ``floor`` makes the backward's dy scatter free (as an operand gather in the GEMMs'
+loads would), and runs, instead of the weighted SwiGLU, only the traffic its fusion into the GEMM
+epilogues keeps: forward, the up-projection's epilogue writing ``a_RF`` beside ``h`` (a write of
+R·F values); backward, the down-projection's data-gradient epilogue reading ``h`` and writing
+``grad_h`` where it wrote ``grad_a`` (R·2F read, R·F more written). The gather-sums (the sum over
+each token's K rows) stay: without atomics no GEMM epilogue can do them. ``floor-atomic`` makes
+them free as well. The forward's x scatter stays in both (inside the one-call router; the dy
+scatter's removal, the same bytes, is measured by ``no-bwd-scatter``). ``router-ops`` turns the
+one-call router off: the separate router, permutation and scatter calls (the host path it saves).
 
     python benchmarks/layer_arms.py --shape qwen3-30b-a3b \\
         --arms "default:,gemm-coop:LIGHTNING_MOE_GEMM_KERNEL=cutlass+LIGHTNING_MOE_GEMM_CUTLASS_TILE=cooperative-128x256-c2x1"
@@ -77,10 +77,10 @@ _SKIPPABLE = {
     "no-swiglu-fwd": ("weighted_swiglu_forward",),
     "no-swiglu-bwd": ("weighted_swiglu_backward",),
     "no-bandwidth": ("_expert_rows_impl", "_unpermute_sum_impl", "weighted_swiglu_forward", "weighted_swiglu_backward"),
-    "floor": ("_expert_rows_impl", "weighted_swiglu_forward", "weighted_swiglu_backward"),
+    "floor": ("_expert_rows_impl", "weighted_swiglu_forward", "weighted_swiglu_backward"),  # dy scatter: x's is in the router
     "floor-atomic": ("_expert_rows_impl", "_unpermute_sum_impl", "weighted_swiglu_forward", "weighted_swiglu_backward"),
 }
-_ROUTER_OFF = ("floor", "floor-atomic", "router-ops")
+_ROUTER_OFF = ("router-ops",)
 
 
 def _swiglu_forward_kept_traffic(h_R2F: torch.Tensor, *_: object) -> None:
