@@ -95,6 +95,9 @@ class HFMoELanguageModel(MoELanguageModel):
         attn_implementation: transformers attention backend (``sdpa``, ``eager``, ...).
         experts_implementation: transformers experts backend when ``swap=False``
             (``grouped_mm``, ``eager``, ...); unused for swapped blocks.
+        fused_norms: compute the model's RMSNorms with one fused kernel each
+            (:func:`~lightning_moe.models.hf_norms.swap_rms_norms`: same weights and checkpoint
+            keys; in bf16 outputs differ from transformers' by about one unit in the last place).
         learning_rate, weight_decay, warmup_steps, betas, log_layer_load, optimizer_impl: as in
             :class:`~lightning_moe.lit.MoELanguageModel`.
     """
@@ -114,6 +117,7 @@ class HFMoELanguageModel(MoELanguageModel):
         betas: tuple[float, float] = (0.9, 0.95),
         log_layer_load: bool = True,
         optimizer_impl: str = "auto",
+        fused_norms: bool = True,
     ) -> None:
         hparams = {k: v for k, v in locals().items() if k != "self"}
         check_optimizer_impl(optimizer_impl, "HFMoELanguageModel")
@@ -128,6 +132,10 @@ class HFMoELanguageModel(MoELanguageModel):
             swap_moe_blocks(self.model, **(moe or {}))
         elif moe:
             raise ValueError("HFMoELanguageModel: moe overrides need swap=True; drop moe or set swap=True.")
+        if fused_norms:
+            from lightning_moe.models.hf_norms import swap_rms_norms
+
+            swap_rms_norms(self.model)
         self.config = self.model.config
         self.val_history: list[tuple[int, float]] = []
         self._val_sum = torch.zeros(2)
