@@ -30,7 +30,10 @@ def test_fused_norm_matches_transformers_on_cuda(shape: tuple[int, ...], dtype: 
     dy = torch.randn(shape, device="cuda").to(dtype)
     (y_ref.float() * dy.float()).sum().backward()
     (y_fused.float() * dy.float()).sum().backward()
-    torch.testing.assert_close(x_fused.grad.float(), x_ref.grad.float(), **tol)
-    if shape[0]:
-        grad_tol = {"rtol": 3e-2, "atol": 3e-2 * float(w_ref.grad.float().abs().max())} if dtype == torch.bfloat16 else tol
-        torch.testing.assert_close(weight.grad.float(), w_ref.grad.float(), **grad_tol)
+    # Gradients hold row sums (over H for x, over the tokens for the weight) taken in another order
+    # by the fused kernel: tolerances relative to the largest value.
+    for got, want in ((x_fused.grad, x_ref.grad), (weight.grad, w_ref.grad)):
+        if want.numel() and shape[0]:
+            scale = float(want.float().abs().max())
+            rtol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+            torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=rtol * scale)
