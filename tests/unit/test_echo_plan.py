@@ -100,3 +100,12 @@ def test_expert_with_no_tokens_and_empty_input_are_handled() -> None:
 def test_bad_arguments_name_the_value(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         plan_clones(**kwargs)
+
+
+def test_physical_ids_split_ignores_dropped_slots_ahead_of_an_experts_slots() -> None:
+    plan = plan_clones(torch.tensor([100, 100, 0, 0, 0, 0, 0, 0]), ep_size=4, spare_slots=1)
+    # The dropped slot (0, 0) comes first and must not count as one of expert 0's slots:
+    # expert 0 has 4 slots, cuts floor([0, .5, 1] * 4) = [0, 2, 4]: slots 0,1 -> slot 5; 2,3 -> slot 11
+    # expert 1 has 2 slots, cuts [1, 2]: first home (1), second -> slot 8; expert 6 stays home (9).
+    ids_TK = torch.tensor([[-1, 0], [0, 1], [1, 0], [0, 6]])
+    assert plan.physical_ids(ids_TK).tolist() == [[-1, 5], [5, 1], [8, 11], [11, 9]]

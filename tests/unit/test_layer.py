@@ -374,3 +374,25 @@ def test_routing_weights_are_built_after_the_first_expert_gemm_is_launched(monke
     # own count (RouterOutput.tokens_per_expert_E) comes after the GEMM, when the layer records it.
     assert before.count("scatter_add_") == 1 and "scatter_add_" in after, before
     assert layer.last_tokens_per_expert.sum().item() == 6 * 2  # counted all the same, after
+
+
+def test_automatic_rebuild_choice_decides_each_buffer_by_its_own_cost() -> None:
+    """Re-gathering x_RH costs 4H*200 / (18HF) of the GEMMs (cheap when F > 1778), recomputing
+    a_RF 6F*200 / (18HF) (cheap when H > 2667): shapes where only one is cheap tell them apart."""
+    from lightning_moe.ops.local_experts import rebuild_is_cheap
+
+    assert rebuild_is_cheap(2048, 2048) == (True, False)  # x: 800/36864 = 2.2 %; a: 1200/36864 = 3.3 %
+    assert rebuild_is_cheap(4096, 1024) == (False, True)  # x: 800/18432 = 4.3 %; a: 1200/73728 = 1.6 %
+
+
+def test_frozen_experts_still_pass_the_routing_weights_gradient_to_the_router() -> None:
+    """Experts frozen (router-only fine-tuning): the router weight and x still get the gradient
+    through the combine weights, equal to the dense per-token reference's."""
+    layer = _make_layer()
+    layer.experts.w13.requires_grad_(False)
+    layer.experts.w2.requires_grad_(False)
+    x, g = _data()
+    got = _forward_backward(layer, layer, x, g)
+    expected = _forward_backward(lambda x: dense_reference(layer, x), layer, x, g)
+    assert set(got[2]) == {"router.weight"}
+    _assert_same(got, expected)

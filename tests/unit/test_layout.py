@@ -350,3 +350,10 @@ def test_check_experts_rejects_non_positive_counts() -> None:
 def test_bad_query_raises(call: Callable[[FoldedLayout], object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call(FoldedLayout(8, tp=2, ep=4))
+
+
+def test_check_experts_suggests_etp_that_divides_the_ranks_left_per_expert_replica() -> None:
+    # W=16, ep=2: an etp must divide ffn_hidden_size=12 and W / ep = 8 -> [1, 2, 4] (not W / etp = 2).
+    layout = FoldedLayout(16, ep=2, etp=8)
+    with pytest.raises(ValueError, match=r"etp=8 must divide ffn_hidden_size=12; choose etp from \[1, 2, 4\]"):
+        layout.check_experts(num_experts=8, ffn_hidden_size=12)

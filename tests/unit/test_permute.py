@@ -322,3 +322,21 @@ def test_expert_rows_scatter_only_where_every_row_has_one_slot(monkeypatch, capa
     if rows_of == "tokens":
         kept = perm.slot_of_row_R >= 0
         torch.testing.assert_close(out[kept], permute_rows_reference(x, perm.src_token_R)[kept], atol=0, rtol=0)
+
+
+def test_unpermute_sum_of_bf16_rows_with_fp32_weights_rounds_once_from_an_fp32_sum() -> None:
+    """bf16 rows, fp32 router weights (the layer's dtypes): products and the K-slot sum run in
+    fp32 and only the result is rounded to bf16, so each output is within one bf16 rounding
+    (half an ulp, 2**-9 relative) of the exact float64 sum; rtol 2**-8 leaves a factor 2 of margin.
+    Rounding the weights or the products to bf16 first lands several ulps off (cancellation)."""
+    g = torch.Generator().manual_seed(0)
+    T, K, E, H = 16, 4, 8, 32
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    perm = build_permutation_reference(ids, E, dropless=True)
+    y = torch.randn(perm.num_rows, H, generator=g).to(torch.bfloat16)
+    w = torch.rand(T, K, generator=g)
+    out = unpermute_sum(y, perm, w)
+    assert out.dtype == torch.bfloat16
+    rows_TK = perm.slot_row_TK.long()
+    exact = (y.double()[rows_TK] * w.double().unsqueeze(-1)).sum(1)
+    torch.testing.assert_close(out.double(), exact, atol=1e-6, rtol=2**-8)

@@ -357,3 +357,12 @@ def test_router_without_expert_bias_has_no_bias_buffers() -> None:
     assert router.expert_bias is None
     assert set(dict(router.named_buffers())) == set()
     router.update_expert_bias()  # a no-op, not an error
+
+
+def test_routing_override_with_a_negative_id_raises() -> None:
+    """-1 means "dropped by capacity" downstream, so a replayed -1 would silently route nowhere."""
+    cfg = MoEConfig(hidden_size=4, ffn_hidden_size=4, num_experts=4, top_k=2)
+    router = _identity_router(cfg)
+    router.set_routing_override(lambda computed: torch.tensor([[-1, 1]]))
+    with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
+        router(torch.zeros(1, 4))
