@@ -15,7 +15,9 @@ contender, trained by ``lightning.Trainer`` in this one process:
 Per contender: tokens/s = tokens per step / median step time over the timed steps (after
 warm-up; CUDA-synchronised wall clock around each training step incl. optimizer; the mean-based
 figure is reported too), MFU, and peak memory (``max_memory_allocated`` over
-the whole fit: weights, gradients, AdamW state, activations). Ratios against ``hf``.
+the whole fit: weights, gradients, AdamW state, activations; taken above what was allocated before
+the contender was built, so memory an earlier contender left behind is not counted twice — a
+contender that leaves memory allocated is reported). Ratios against ``hf``.
 FLOPs per token = 6 * N_active + 6 * L * S * n_heads * head_dim, where N_active counts every
 parameter a token touches except the input embedding (routed experts scaled by K/E; the LM head
 included) and the second term is causal attention (PaLM's 12*L*H*Q*T, halved for the mask).
@@ -343,6 +345,9 @@ def _head_dim(lit: L.LightningModule, shape: Shape, notes: dict[str, Any]) -> in
 def run_one(name: str, shape: Shape, device: str, strategy: str, profile_steps: int = 0) -> dict[str, Any]:
     """Build, train ``warmup + steps`` steps, and measure one contender (then ``profile_steps`` profiled)."""
     torch.manual_seed(0)
+    gc.collect()
+    # What an earlier contender left allocated is not this one's: the peak is taken above it.
+    held_before = torch.cuda.memory_allocated() if device == "cuda" else 0
     lit, notes = BUILDERS[name](shape, device)
     n_active = active_params(lit, shape.top_k, shape.experts)
     timer = StepTimer()
@@ -364,7 +369,7 @@ def run_one(name: str, shape: Shape, device: str, strategy: str, profile_steps: 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     trainer.fit(lit, data)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    peak = (torch.cuda.max_memory_allocated() - held_before) / 2**30 if device == "cuda" else None
     timed = timer.times[shape.warmup : shape.warmup + shape.steps]
     if len(timed) != shape.steps:
         raise RuntimeError(f"{name}: timed {len(timed)} steps, expected {shape.steps}")
@@ -388,7 +393,19 @@ def run_one(name: str, shape: Shape, device: str, strategy: str, profile_steps: 
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
+        result["left_allocated_gib"] = (torch.cuda.memory_allocated() - held_before) / 2**30
+        if result["left_allocated_gib"] > 0.25:
+            _report_leftovers(name, result["left_allocated_gib"])
     return result
+
+
+def _report_leftovers(name: str, gib: float) -> None:
+    """A contender's device memory outlived it: say so, and name the optimizers still alive and who holds them."""
+    print(f"[{name}] WARNING: {gib:.2f} GiB still allocated after the contender was deleted", flush=True)
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.optim.Optimizer):
+            holders = [type(r).__name__ for r in gc.get_referrers(obj) if not isinstance(r, list)]
+            print(f"[{name}]   live {type(obj).__name__} held by {holders[:8]}", flush=True)
 
 
 def run(
