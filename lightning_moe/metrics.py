@@ -45,7 +45,7 @@ def rank_load_from_experts(tokens_LE: torch.Tensor, ep_size: int) -> torch.Tenso
 
 def _check_positive(owner: str, **values: int) -> None:
     for name, value in values.items():
-        if not isinstance(value, int) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{owner}: {name}={value!r} must be a positive int.")
 
 

@@ -219,3 +219,13 @@ def test_token_dataset_errors() -> None:
 def test_dataloader_before_setup_raises() -> None:
     with pytest.raises(RuntimeError, match=r"setup\(\)"):
         MoEDataModule().train_dataloader()
+
+
+def test_val_dataloader_keeps_window_order_and_last_partial_batch() -> None:
+    dm = _fit_dm(seq_len=8, batch_size=4, max_bytes=4_000, val_fraction=0.1, seed=3)
+    val = dm.val_dataset
+    assert val is not None and len(val) % 4 != 0  # 400 val tokens: 49 windows, the last batch partial
+    batches = list(dm.val_dataloader())
+    seen = torch.cat([b["input_ids"] for b in batches])
+    expected = torch.stack([val[i]["input_ids"] for i in range(len(val))])
+    assert torch.equal(seen, expected)

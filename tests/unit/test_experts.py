@@ -131,6 +131,20 @@ def test_expert_mlp_handles_zero_rows(backend: str) -> None:
     assert x.grad.shape == (0, H) and w_R.grad.shape == (0,)
 
 
+@pytest.mark.parametrize("backend", ["torch", "loop"])
+def test_expert_mlp_with_frozen_expert_weights_still_gives_input_and_row_weight_grads(backend: str) -> None:
+    counts = COUNTS_CASES["random_2"]
+    x, w13, w2, w_R, grad_y = _inputs(counts, seed=13, weighted=True)
+    offs = offsets_from_counts(torch.tensor(counts))
+    xa, wa = _leaves(x, w_R)  # w13 and w2 frozen: no grad wanted
+    expert_swiglu_mlp(xa, w13, w2, offs, wa, backend).backward(grad_y)
+    xr, wr = _leaves(x, w_R)
+    per_expert_swiglu(xr, w13, w2, counts, wr).backward(grad_y)
+    assert xa.grad is not None and wa.grad is not None
+    _assert_close(xa.grad, xr.grad, "grad x")
+    _assert_close(wa.grad, wr.grad, "grad w_R")
+
+
 def test_library_reference_matches_independent_reference() -> None:
     counts = COUNTS_CASES["empty_ends"]
     x, w13, w2, w_R, _ = _inputs(counts, seed=3, weighted=True)
@@ -139,6 +153,17 @@ def test_library_reference_matches_independent_reference() -> None:
         per_expert_swiglu(x, w13, w2, counts, w_R),
         "reference",
     )
+
+
+def test_library_reference_gives_zero_rows_past_the_last_expert() -> None:
+    counts = COUNTS_CASES["empty_middle"]  # 10 routed rows
+    x, w13, w2, w_R, _ = _inputs(counts, seed=5, weighted=True)
+    x_padded = torch.cat([x, torch.randn(3, H)])  # 3 padding rows past offs[-1]
+    w_R_padded = torch.cat([w_R, torch.ones(3)])
+    y = expert_swiglu_mlp_reference(x_padded, w13, w2, torch.tensor(counts), w_R_padded)
+    assert y.shape == (sum(counts) + 3, H)
+    _assert_close(y[: sum(counts)], per_expert_swiglu(x, w13, w2, counts, w_R), "routed rows")
+    assert torch.count_nonzero(y[sum(counts) :]) == 0
 
 
 # ---- GroupedExperts module -----------------------------------------------------------------------

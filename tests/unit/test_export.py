@@ -115,3 +115,30 @@ def test_strip_prefix_without_match_names_the_flag() -> None:
 def test_load_checkpoint_missing_path_raises(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
         load_checkpoint(tmp_path / "nope.ckpt")
+
+
+def _block_w13_by_hand(w13_EH2F: torch.Tensor, etp: int) -> torch.Tensor:
+    """``[gate | up]`` columns to the folded_moe ETP layout ``[gate_0 | up_0 | gate_1 | up_1 | ...]``."""
+    F = w13_EH2F.shape[-1] // 2
+    f = F // etp
+    gate, up = w13_EH2F[..., :F], w13_EH2F[..., F:]
+    pieces = [(gate[..., j * f : (j + 1) * f], up[..., j * f : (j + 1) * f]) for j in range(etp)]
+    return torch.cat([t for pair in pieces for t in pair], -1)
+
+
+def test_export_with_etp_reorders_blocked_w13_back_to_gate_then_up(tmp_path: Path) -> None:
+    lit = HFMoELanguageModel(hf_config=HF_CONFIGS["qwen3_moe"]).eval()
+    state = lit.model.state_dict()
+    blocked = {k: _block_w13_by_hand(v, 2) if k.endswith("experts.w13") else v for k, v in state.items()}
+    assert not torch.equal(blocked["model.layers.0.mlp.experts.w13"], state["model.layers.0.mlp.experts.w13"])
+    out = export_state_dict(blocked, tmp_path / "hf", hf_config=lit.model.config, etp=2)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    for i in range(2):
+        w13 = state[f"model.layers.{i}.mlp.experts.w13"]
+        assert torch.equal(hf.model.layers[i].mlp.experts.gate_up_proj, w13.transpose(1, 2))
+
+
+def test_export_rejects_etp_below_one_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="etp=0 must be >= 1"):
+        export_state_dict({}, tmp_path / "hf", hf_config=HF_CONFIGS["qwen3_moe"], etp=0)
+

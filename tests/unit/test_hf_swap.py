@@ -214,3 +214,94 @@ def test_swapped_layers_are_moe_layers_with_hf_dtype() -> None:
     assert layer.experts.w13.dtype == torch.bfloat16 and layer.router.weight.dtype == torch.bfloat16
     out = model(input_ids=_ids()).logits
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+
+
+def test_swap_rejects_deepseek_single_expert_with_renormalisation() -> None:
+    cfg = _deepseek_v3()
+    cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob = 1, 1, 1, True
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match="num_experts_per_tok=1 with norm_topk_prob=True"):
+        swap_moe_blocks(model)
+
+
+def test_swap_rejects_non_silu_experts_naming_the_activation() -> None:
+    cfg = _qwen3()
+    cfg.hidden_act = "gelu"
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match="hidden_act='gelu'; MoELayer experts are SwiGLU"):
+        swap_moe_blocks(model)
+
+
+# ---- transformers 4.x layout: one MLP module per expert (w1 gate, w3 up, w2 down) ---------------
+
+
+class _ExpertMLP4x(nn.Module):
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, ffn, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class MixtralSparseMoeBlock(nn.Module):
+    """transformers 4.x Mixtral block, written out: softmax over E, top-k, renormalised, ModuleList experts."""
+
+    def __init__(self, hidden: int = 16, ffn: int = 12, num_experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.jitter_noise = 0.0
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(_ExpertMLP4x(hidden, ffn) for _ in range(num_experts))
+
+    def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
+        logits_TE = self.gate(x_TH)
+        weights_TK, ids_TK = logits_TE.float().softmax(-1).topk(self.top_k, dim=-1)
+        weights_TK = (weights_TK / weights_TK.sum(-1, keepdim=True)).to(x_TH.dtype)
+        y_TH = torch.zeros_like(x_TH)
+        for t in range(x_TH.shape[0]):
+            for k in range(self.top_k):
+                y_TH[t] += weights_TK[t, k] * self.experts[int(ids_TK[t, k])](x_TH[t])
+        return y_TH.view_as(x_BSH), logits_TE
+
+
+def _block_4x() -> nn.Module:
+    torch.manual_seed(0)
+    holder = nn.Module()
+    holder.moe = MixtralSparseMoeBlock()
+    with torch.no_grad():
+        for p in holder.parameters():
+            p.normal_(std=0.3)
+    return holder
+
+
+def test_swap_of_per_expert_module_list_keeps_gate_and_up_apart_and_the_output() -> None:
+    ref = _block_4x()
+    ours = swap_moe_blocks(copy.deepcopy(ref), experts_backend="loop")
+    layer = ours.moe
+    assert isinstance(layer, HFMoELayer) and layer.returns_router_logits
+    F = layer.config.ffn_hidden_size
+    for e, mlp in enumerate(ref.moe.experts):
+        assert torch.equal(layer.experts.w13[e, :, :F], mlp.w1.weight.t())  # gate columns first
+        assert torch.equal(layer.experts.w13[e, :, F:], mlp.w3.weight.t())
+        assert torch.equal(layer.experts.w2[e], mlp.w2.weight.t())
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    y, logits = layer(x)
+    y_ref, logits_ref = ref.moe(x)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, logits_ref, atol=1e-6, rtol=1e-6)
+
+
+def test_export_of_per_expert_module_list_writes_trained_gate_and_up_back_to_w1_and_w3() -> None:
+    model = swap_moe_blocks(_block_4x())
+    with torch.no_grad():
+        F = model.moe.config.ffn_hidden_size
+        model.moe.experts.w13[:, :, :F].fill_(1.0)  # "trained" gate columns
+        model.moe.experts.w13[:, :, F:].fill_(-2.0)  # "trained" up columns
+    export_moe_blocks(model)
+    for mlp in model.moe.experts:
+        assert torch.equal(mlp.w1.weight, torch.ones_like(mlp.w1.weight))
+        assert torch.equal(mlp.w3.weight, torch.full_like(mlp.w3.weight, -2.0))

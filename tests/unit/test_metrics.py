@@ -70,3 +70,17 @@ def test_non_positive_sizes_are_rejected_at_construction() -> None:
         ExpertLoad(2, 0)
     with pytest.raises(ValueError, match="RankLoad: ep_size=0"):
         RankLoad(2, 0)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: ExpertLoad(2, 2.5), "ExpertLoad: num_experts=2.5 must be a positive int"),
+        (lambda: RankLoad(2.0, 4), "RankLoad: num_layers=2.0 must be a positive int"),
+        (lambda: LayerMean(1.5), "LayerMean: num_layers=1.5 must be a positive int"),
+        (lambda: LayerMean(True), "LayerMean: num_layers=True must be a positive int"),
+    ],
+)
+def test_non_int_sizes_are_rejected_at_construction_naming_the_value(make, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make()

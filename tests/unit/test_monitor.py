@@ -177,3 +177,32 @@ def test_missing_matplotlib_is_reported_with_the_extra(monkeypatch: pytest.Monke
 def test_bad_arguments_are_rejected_at_construction(kwargs: dict[str, int], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         MoEMonitor(**kwargs)
+
+
+class _RouterPerBatch(L.Callback):
+    """Gives the routers different weights every micro-batch (lr 0 keeps them) and keeps each
+    micro-batch's per-layer aux losses, in order."""
+
+    def __init__(self) -> None:
+        self.z_loss_L1: list[float] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        g = torch.Generator().manual_seed(idx)
+        for _, layer in find_moe_layers(pl_module):
+            layer.router.weight.data.copy_(torch.randn(layer.router.weight.shape, generator=g) * (idx + 1))
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        self.z_loss_L1.append(float(find_moe_layers(pl_module)[1][1].last_aux_losses["z_loss"]))
+
+
+def test_aux_loss_means_restart_after_every_log(tmp_path: Path) -> None:
+    spy = _RouterPerBatch()
+    monitor = MoEMonitor(log_every_n_steps=1, heatmap_every_n_steps=None)
+    trainer = tiny_trainer(tmp_path, [spy, monitor], max_steps=2, accumulate_grad_batches=2, log_every_n_steps=1)
+    trainer.fit(_constructed_model(), train_dataloaders=token_loader())
+    assert len(spy.z_loss_L1) == 4 and len(set(spy.z_loss_L1)) == 4  # 2 steps x 2 micro-batches, all different
+    # The last log (step 2) averages step 2's micro-batches only, not step 1's as well.
+    expected = sum(spy.z_loss_L1[2:]) / 2
+    assert monitor.last_values[f"moe/z_loss/{L1}"] == pytest.approx(expected, rel=1e-5)

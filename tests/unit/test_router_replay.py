@@ -8,11 +8,13 @@ callback by ``(global_step, micro_batch)``.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
+import torch.utils.checkpoint as checkpoint_utils
 from _callback_models import CheckpointedLM, tiny_config, tiny_trainer, token_loader
 from lightning.pytorch.demos.boring_classes import BoringModel
 
@@ -23,7 +25,9 @@ from lightning_moe.callbacks.router_replay import (
     load_shard,
     shard_name,
 )
+from lightning_moe.config import MoEConfig
 from lightning_moe.lit import MoELanguageModel
+from lightning_moe.moe.layer import MoELayer
 from lightning_moe.moe.utils import find_moe_layers
 
 Key = tuple[int, int]
@@ -185,3 +189,64 @@ def test_model_without_moe_layer_is_refused_with_the_fix(tmp_path: Path) -> None
 def test_bad_arguments_are_rejected_at_construction(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         RouterReplay(**{"mode": "record", "path": "x", **kwargs})
+
+
+# ---- driven without a Trainer: the callback's hooks called by hand on a bare MoELayer ------------
+
+
+def _bare_model(num_experts: int, top_k: int = 2, hidden: int = 8) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = MoEConfig(
+        hidden_size=hidden, ffn_hidden_size=8, num_experts=num_experts, top_k=top_k, pre_softmax=True,
+        aux_loss="none", experts_backend="torch",
+    )  # fmt: skip
+    return torch.nn.Sequential(MoELayer(cfg))  # the layer is named "0"
+
+
+def _trainer_stub(step: int = 0) -> Any:
+    return SimpleNamespace(global_step=step, global_rank=0, world_size=1)
+
+
+def test_recorded_ids_of_more_than_int16_experts_are_kept_in_int32(tmp_path: Path) -> None:
+    model, trainer = _bare_model(num_experts=40_000), _trainer_stub()
+    with torch.no_grad():
+        model[0].router.weight.zero_()
+        model[0].router.weight[39_999] = 1.0  # every token's top expert is 39999 (> int16 max 32767)
+    rr = RouterReplay("record", str(tmp_path / "r"))
+    rr.setup(trainer, model, "fit")
+    rr.on_train_batch_start(trainer, model, None, 0)
+    with torch.no_grad():
+        model(torch.ones(1, 3, 8))
+    rr.on_train_batch_end(trainer, model, None, None, 0)
+    rr.on_train_end(trainer, model)
+    ids = load_shard(tmp_path / "r" / shard_name(0, 0))["steps"][(0, 0)]["0"]
+    assert ids.dtype == torch.int32
+    assert ids[:, 0].tolist() == [39_999, 39_999, 39_999]
+
+
+def test_recompute_of_repeated_identical_forwards_gets_each_forwards_replayed_ids(tmp_path: Path) -> None:
+    # One layer runs twice on the same input per micro-batch, each call checkpointed on its own:
+    # backward recomputes call 2 first, then call 1, and each must see the ids replayed to it.
+    ids_call1 = torch.tensor([[0, 1], [0, 1], [0, 1]], dtype=torch.int16)
+    ids_call2 = torch.tensor([[2, 3], [3, 2], [2, 3]], dtype=torch.int16)
+    routes = tmp_path / "r"
+    routes.mkdir()
+    shard = {
+        "format": FORMAT, "version": VERSION, "rank": 0, "world_size": 1, "layers": ["0"],
+        "num_experts": {"0": 4}, "top_k": {"0": 2}, "steps": {(0, 0): {"0": [ids_call1, ids_call2]}},
+    }  # fmt: skip
+    torch.save(shard, routes / shard_name(0, 0))
+    model, trainer = _bare_model(num_experts=4), _trainer_stub()
+    seen: list[torch.Tensor] = []
+    model[0].router.register_forward_hook(lambda m, a, out: seen.append(out.routed_ids_TK.clone()))
+    rr = RouterReplay("replay", str(routes))
+    rr.setup(trainer, model, "fit")
+    rr.on_train_batch_start(trainer, model, None, 0)
+    x = torch.randn(1, 3, 8, requires_grad=True)
+    y1 = checkpoint_utils.checkpoint(model, x, use_reentrant=False)
+    y2 = checkpoint_utils.checkpoint(model, x, use_reentrant=False)
+    (y1.sum() + 2 * y2.sum()).backward()
+    rr.on_train_batch_end(trainer, model, None, None, 0)
+    assert len(seen) == 4, "two forwards and their two recomputes"
+    expected = [ids_call1, ids_call2, ids_call2, ids_call1]  # forward order, then backward (reverse) order
+    assert all(torch.equal(s, e.long()) for s, e in zip(seen, expected)), seen

@@ -133,3 +133,21 @@ def test_upcycle_model_skips_existing_moe_layers() -> None:
     model = nn.ModuleDict({"moe": layer, "mlp": DenseMLP(8, 16)})
     upcycle_model(model, 4, 2)
     assert model["moe"] is layer and isinstance(model["mlp"], MoELayer)
+
+
+def test_normal_router_init_draws_from_the_generator_scaled_by_router_std() -> None:
+    layer = upcycle_mlp(_mlp(), 8, 2, router_init="normal", router_std=0.05, generator=torch.Generator().manual_seed(4))
+    expected = torch.randn(8, 32, generator=torch.Generator().manual_seed(4)) * 0.05  # [E, H]; no noise drawn first
+    torch.testing.assert_close(layer.router.weight.detach(), expected, atol=0, rtol=0)
+
+
+def test_match_output_false_copies_down_projection_unscaled_and_output_is_k_over_e_times_dense() -> None:
+    mlp = _mlp()
+    # pre_softmax without renormalisation: s = K/E = 2/8 at the uniform (zero) router.
+    layer = upcycle_mlp(
+        mlp, 8, 2, match_output=False, pre_softmax=True, norm_topk_prob=False, experts_backend="loop", aux_loss="none"
+    )
+    w2_expected = mlp.down_proj.weight.detach().t().expand(8, -1, -1)
+    torch.testing.assert_close(layer.experts.w2.detach(), w2_expected, atol=0, rtol=0)
+    x = _x()
+    torch.testing.assert_close(layer(x), mlp(x) * (2 / 8), atol=1e-6, rtol=1e-5)

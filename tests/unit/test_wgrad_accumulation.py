@@ -400,3 +400,16 @@ def test_fresh_gradients_take_cutlass_only_when_asked(monkeypatch: pytest.Monkey
     assert wacc.fresh_wgrad_tiling(torch.zeros(4, 64), torch.zeros(4, 64)) is None  # CPU
     monkeypatch.setattr(wgrad_cutlass, "supported", lambda x, *weights: False)
     assert wacc.fresh_wgrad_tiling(rows(2048), rows(1536)) is None  # not built: F.grouped_mm
+
+
+def test_accumulation_adds_each_experts_product_and_ignores_rows_past_the_last_offset() -> None:
+    # bounds [0, 2, 2, 5]: expert 1 has no rows; rows 5 and 6 are padding past offs[-1].
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(3, 3, 4, generator=g)
+    x, dy = torch.randn(7, 3, generator=g), torch.randn(7, 4, generator=g)
+    x[5:], dy[5:] = 1e3, 1e3  # padding that must not reach any gradient
+    grad = old.clone()
+    wacc.accumulate_wgrad_(grad, x, dy, [0, 2, 2, 5])
+    torch.testing.assert_close(grad[0], old[0] + x[:2].t() @ dy[:2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad[1], old[1], atol=0, rtol=0)
+    torch.testing.assert_close(grad[2], old[2] + x[2:5].t() @ dy[2:5], atol=1e-5, rtol=1e-5)
