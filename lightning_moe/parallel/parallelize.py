@@ -175,6 +175,8 @@ def init_experts_by_id(module: nn.Module, mesh: FoldedMesh, seed: int) -> None:
 
     For meta-device (empty) init: every EP rank gets different experts, and the values do not
     depend on the layout (the same as one process drawing each expert from its own seed).
+    Call it on a module :func:`parallelize_moe_model` has sharded: each layer's ``num_experts`` is
+    the global count there, and this rank's experts are ``num_experts // ep`` of them.
     """
     lay = mesh.layout
     for index, (_, layer) in enumerate((n, m) for n, m in module.named_modules() if isinstance(m, MoELayer)):

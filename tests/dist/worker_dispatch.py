@@ -51,6 +51,9 @@ def run(dispatcher, experts, x, ids, w, c, weighted: bool):
     x = x.clone().requires_grad_(True)
     w = w.clone().requires_grad_(True)
     d, handle = dispatcher.dispatch(x, ids, w, None)
+    rows = int(d.tokens_per_expert_e.sum())  # every dispatched row belongs to a local expert: none past the last
+    if d.x_RH.shape[0] != rows or d.weights_R.shape[0] != rows:
+        raise AssertionError(f"{dispatcher!r}: {d.x_RH.shape[0]} rows, {d.weights_R.shape[0]} weights, {rows} counted")
     y_R = experts(d.x_RH, d.tokens_per_expert_e, None if weighted else d.weights_R)
     y = dispatcher.combine(y_R, handle, weighted=weighted)
     (y * c).sum().backward()

@@ -151,6 +151,31 @@ def test_replay_runs_eager_when_the_aux_loss_scale_changes() -> None:
     assert calls == ["eager"]
 
 
+def test_replay_runs_eager_with_one_warning_while_a_routing_override_is_set() -> None:
+    layer = MoELayer(MoEConfig(hidden_size=8, ffn_hidden_size=8, num_experts=4, top_k=2, **STATIC))
+    replay, calls = _replay_for(layer, torch.randn(6, 8))
+    layer.router.set_routing_override(lambda ids_TK: ids_TK)
+    with pytest.warns(UserWarning, match=r"ffn has a routing override set"):
+        replay(torch.randn(6, 8, requires_grad=True))
+    layer.router.set_routing_override(None)
+    replay(torch.randn(6, 8, requires_grad=True))
+    assert calls == ["eager", "graph"]
+
+
+def test_replay_runs_eager_silently_in_the_other_training_mode() -> None:
+    """Captured in training mode (dropout, aux losses): an eval-mode call under grad runs eager."""
+    layer = MoELayer(MoEConfig(hidden_size=8, ffn_hidden_size=8, num_experts=4, top_k=2, **STATIC))
+    replay, calls = _replay_for(layer, torch.randn(6, 8))
+    assert replay.target.training
+    layer.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        replay(torch.randn(6, 8, requires_grad=True))
+    layer.train()
+    replay(torch.randn(6, 8, requires_grad=True))
+    assert calls == ["eager", "graph"]
+
+
 class _FakeGraph:
     """Stands in for a captured graph on CPU: replay runs a function writing static buffers."""
 

@@ -37,7 +37,7 @@ def _ranks(world: int) -> list[int]:
 def as_rank() -> Iterator[Callable[[int, int], None]]:
     """``as_rank(rank, world)``: make this process ``rank`` of a fake world (torn down after)."""
     if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
+        pytest.fail("a process group is already open in this process (an earlier test left it; tests/unit/conftest.py closes them per module)")
 
     def init(rank: int, world: int) -> None:
         if dist.is_initialized():

@@ -90,6 +90,50 @@ def test_offload_budget_keeps_the_rest_on_the_device_and_training_identical() ->
     capped.detach()
 
 
+def test_offload_budget_equal_to_the_full_size_offloads_everything() -> None:
+    """The budget is inclusive: activations that sum to exactly ``max_bytes_per_step`` all leave."""
+    model = _model()
+    unlimited = ActivationOffloader(select_modules("t", model, ["*layers.*.*"], "activations"), CPU, min_tensor_bytes=0)
+    unlimited.attach()
+    _train(model, steps=1)
+    everything = unlimited.offloaded_bytes
+    unlimited.detach()
+    model = _model()
+    exact = ActivationOffloader(
+        select_modules("t", model, ["*layers.*.*"], "activations"), CPU, min_tensor_bytes=0, max_bytes_per_step=everything
+    )
+    exact.attach()
+    _train(model, steps=1)
+    assert exact.offloaded_bytes == everything > 0
+    exact.detach()
+
+
+class _SliceSquare(torch.nn.Module):
+    """``(x @ w)[:, :4] ** 2``: the product saves a 64-byte view of a 1 KiB storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 64, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = (x @ self.w)[:, :4]
+        return s * s
+
+
+def test_small_view_of_a_large_storage_stays_on_the_device() -> None:
+    """Offloading copies whole storages: a view under half its storage is kept, its base not copied."""
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    ref = _SliceSquare()
+    ref(x).sum().backward()
+    module = _SliceSquare()
+    offloader = ActivationOffloader([("m", module)], CPU, min_tensor_bytes=0)
+    offloader.attach()
+    module(x).sum().backward()
+    offloader.detach()
+    assert offloader.offloaded_bytes == x.numel() * x.element_size()  # only x (saved for w's gradient)
+    torch.testing.assert_close(module.w.grad, ref.w.grad, rtol=0, atol=0)
+
+
 def test_offloaded_experts_rebuild_instead_of_copying_and_are_restored_on_detach() -> None:
     base = _train(_model())
     copied = {}

@@ -59,6 +59,7 @@ def test_mesh_read_before_setup_raises() -> None:
         ({"cp": 2}, "cp=2 is not supported yet"),
         ({"ep": 0}, "ep=0 must be a positive int"),
         ({"dp": 0}, "dp=0 must be 'auto' or a positive int"),
+        ({"edp": True}, "edp=True must be 'auto' or a positive int"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs: dict, match: str) -> None:
@@ -104,6 +105,37 @@ def test_model_rules_fail_in_setup_environment_before_any_collective(
     kwargs: dict, model_kwargs: dict, match: str
 ) -> None:
     strategy = _env_strategy(8, _lm(**model_kwargs), **kwargs)
+    with pytest.raises(ValueError, match=match):
+        strategy.setup_environment()
+
+
+def _lm_with(moe_kwargs: dict, **model_kwargs: object) -> MoELanguageModel:
+    moe = MoEConfig(**{"hidden_size": 32, "ffn_hidden_size": 16, "num_experts": 8, "top_k": 2, **moe_kwargs})
+    return MoELanguageModel(TransformerConfig(vocab_size=32, hidden_size=32, num_layers=1, moe=moe, **model_kwargs))  # type: ignore[arg-type]
+
+
+class _RootParameterLM(MoELanguageModel):
+    def __init__(self) -> None:
+        super().__init__(_lm().config)
+        self.temperature = torch.nn.Parameter(torch.ones(()))
+
+
+@pytest.mark.parametrize(
+    ("model", "kwargs", "match"),
+    [
+        ("padded", {"ep": 2}, r"pad_to_capacity=True with ep=2 is not supported yet"),
+        ("gqa", {"tp": 4}, r"tp=4 must divide the 4 query and 2 key/value heads"),
+        ("root_parameter", {"ep": 2}, r"_RootParameterLM holds parameters directly"),
+    ],
+)
+def test_more_model_rules_fail_in_setup_environment_naming_the_value(model: str, kwargs: dict, match: str) -> None:
+    """Padded capacity under EP, key/value heads tp does not divide (GQA), a parameter on the root."""
+    lm = {
+        "padded": lambda: _lm_with({"capacity_factor": 1.0, "pad_to_capacity": True}, num_heads=4),
+        "gqa": lambda: _lm_with({}, num_heads=4, num_kv_heads=2),
+        "root_parameter": _RootParameterLM,
+    }[model]()
+    strategy = _env_strategy(8, lm, **kwargs)
     with pytest.raises(ValueError, match=match):
         strategy.setup_environment()
 
