@@ -71,14 +71,20 @@ def test_activation_offload_gives_identical_training(patterns: list[str]) -> Non
     offloader.detach()
 
 
-def test_offload_budget_keeps_the_rest_on_the_device_and_training_identical() -> None:
-    base = _train(_model())
+def _offloaded_bytes_without_budget() -> int:
+    """Bytes one training step offloads with no budget (every block child's activations)."""
     model = _model()
     unlimited = ActivationOffloader(select_modules("t", model, ["*layers.*.*"], "activations"), CPU, min_tensor_bytes=0)
     unlimited.attach()
     _train(model, steps=1)
     everything = unlimited.offloaded_bytes
     unlimited.detach()
+    return everything
+
+
+def test_offload_budget_keeps_the_rest_on_the_device_and_training_identical() -> None:
+    base = _train(_model())
+    everything = _offloaded_bytes_without_budget()
     budget = everything // 3
     model = _model()
     capped = ActivationOffloader(
@@ -92,12 +98,7 @@ def test_offload_budget_keeps_the_rest_on_the_device_and_training_identical() ->
 
 def test_offload_budget_equal_to_the_full_size_offloads_everything() -> None:
     """The budget is inclusive: activations that sum to exactly ``max_bytes_per_step`` all leave."""
-    model = _model()
-    unlimited = ActivationOffloader(select_modules("t", model, ["*layers.*.*"], "activations"), CPU, min_tensor_bytes=0)
-    unlimited.attach()
-    _train(model, steps=1)
-    everything = unlimited.offloaded_bytes
-    unlimited.detach()
+    everything = _offloaded_bytes_without_budget()
     model = _model()
     exact = ActivationOffloader(
         select_modules("t", model, ["*layers.*.*"], "activations"), CPU, min_tensor_bytes=0, max_bytes_per_step=everything
