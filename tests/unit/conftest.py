@@ -4,7 +4,7 @@ later module start from none instead of skipping."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch.distributed as dist
@@ -14,4 +14,22 @@ import torch.distributed as dist
 def _no_process_group_outlives_its_module() -> Iterator[None]:
     yield
     if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def fake_world() -> Iterator[Callable[[int, int], None]]:
+    """``fake_world(rank, world)``: make this process ``rank`` of a fake world (``fake`` backend:
+    collectives move no data; a second call replaces the first), torn down after the test."""
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    if dist.is_initialized():
+        pytest.fail("a process group is already open in this process (an earlier test in this module left it)")
+
+    def init(rank: int, world: int) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world)
+
+    yield init
+    if dist.is_initialized():
         dist.destroy_process_group()

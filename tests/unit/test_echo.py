@@ -6,6 +6,7 @@ balance and checkpoint resume; ``test_echo_plan.py`` checks the planner.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -84,7 +85,9 @@ def test_echo_dispatcher_refuses_a_flex_exchange_that_cannot_carry_clones() -> N
             EchoDispatcher(base, experts, 1)
 
 
-def test_each_plan_uses_only_the_counts_routed_since_the_previous_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_plan_uses_only_the_counts_routed_since_the_previous_plan(
+    monkeypatch: pytest.MonkeyPatch, fake_world: Callable[[int, int], None]
+) -> None:
     """interval=2, two micro-batches a step: plans at steps 2 and 4, from steps 0-1 and 2-3 alone.
 
     Rank 0 of a fake 2-rank world (``fake_pg``: collectives move no data, so the all-reduced
@@ -97,41 +100,35 @@ def test_each_plan_uses_only_the_counts_routed_since_the_previous_plan(monkeypat
     from lightning_moe.moe.dispatch_alltoall import AllToAllDispatcher
     from lightning_moe.moe.layer import MoELayer
 
-    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
-    if dist.is_initialized():
-        pytest.fail("a process group is already open in this process (an earlier test left it; tests/unit/conftest.py closes them per module)")
-    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=2)
-    try:
-        layer = MoELayer(MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2))
-        layer.experts = GroupedExperts(2, 8, 4, backend="loop")  # this rank's 2 of 4 experts
-        layer.dispatcher = AllToAllDispatcher(4, ep_group=dist.group.WORLD)
+    fake_world(0, 2)
+    layer = MoELayer(MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2))
+    layer.experts = GroupedExperts(2, 8, 4, backend="loop")  # this rank's 2 of 4 experts
+    layer.dispatcher = AllToAllDispatcher(4, ep_group=dist.group.WORLD)
 
-        class Holder(torch.nn.Module):
-            device = torch.device("cpu")
+    class Holder(torch.nn.Module):
+        device = torch.device("cpu")
 
-            def __init__(self) -> None:
-                super().__init__()
-                self.moe = layer
+        def __init__(self) -> None:
+            super().__init__()
+            self.moe = layer
 
-        holder = Holder()
-        seen: list[torch.Tensor] = []
-        real_plan = echo_mod.plan_clones
-        monkeypatch.setattr(echo_mod, "plan_clones", lambda c, *a: (seen.append(c.clone()), real_plan(c, *a))[1])
-        refreshed: list[int] = []
-        monkeypatch.setattr(EchoDispatcher, "refresh_clones", lambda self: refreshed.append(trainer.global_step))
-        cb = ECHOExpertCloning(spare_slots_per_rank=1, interval=2)
-        trainer = SimpleNamespace(global_step=0, strategy=SimpleNamespace(), precision_plugin=SimpleNamespace())
-        cb.on_train_start(trainer, holder)  # type: ignore[arg-type]
-        per_step = [torch.tensor(c, dtype=torch.float64) for c in ([8, 0, 0, 0], [0, 8, 0, 0], [0, 0, 8, 0], [0, 0, 0, 8])]
-        for step in range(5):
-            trainer.global_step = step
-            for micro in range(2):
-                cb.on_train_batch_start(trainer, holder, None, 2 * step + micro)  # type: ignore[arg-type]
-                layer.last_tokens_per_expert = per_step[step % 4]
-                cb.on_train_batch_end(trainer, holder, None, None, 2 * step + micro)  # type: ignore[arg-type]
-        cb.on_train_end(trainer, holder)  # type: ignore[arg-type]
-    finally:
-        dist.destroy_process_group()
+    holder = Holder()
+    seen: list[torch.Tensor] = []
+    real_plan = echo_mod.plan_clones
+    monkeypatch.setattr(echo_mod, "plan_clones", lambda c, *a: (seen.append(c.clone()), real_plan(c, *a))[1])
+    refreshed: list[int] = []
+    monkeypatch.setattr(EchoDispatcher, "refresh_clones", lambda self: refreshed.append(trainer.global_step))
+    cb = ECHOExpertCloning(spare_slots_per_rank=1, interval=2)
+    trainer = SimpleNamespace(global_step=0, strategy=SimpleNamespace(), precision_plugin=SimpleNamespace())
+    cb.on_train_start(trainer, holder)  # type: ignore[arg-type]
+    per_step = [torch.tensor(c, dtype=torch.float64) for c in ([8, 0, 0, 0], [0, 8, 0, 0], [0, 0, 8, 0], [0, 0, 0, 8])]
+    for step in range(5):
+        trainer.global_step = step
+        for micro in range(2):
+            cb.on_train_batch_start(trainer, holder, None, 2 * step + micro)  # type: ignore[arg-type]
+            layer.last_tokens_per_expert = per_step[step % 4]
+            cb.on_train_batch_end(trainer, holder, None, None, 2 * step + micro)  # type: ignore[arg-type]
+    cb.on_train_end(trainer, holder)  # type: ignore[arg-type]
     assert cb.plans_made == 2 and len(seen) == 2
     assert refreshed == [0, 1, 2, 3, 4]  # once per optimizer step, not per micro-batch
     torch.testing.assert_close(seen[0], torch.tensor([16.0, 16.0, 0.0, 0.0], dtype=torch.float64), rtol=0, atol=0)

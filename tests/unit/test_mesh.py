@@ -8,7 +8,7 @@ rank 0's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch.distributed as dist
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lightning_moe.parallel.layout import AXIS_NAMES, FoldedLayout
 from lightning_moe.parallel.mesh import FoldedMesh
 
-fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+pytest.importorskip("torch.testing._internal.distributed.fake_pg")
 
 
 class _PipelineLayout(FoldedLayout):
@@ -31,22 +31,6 @@ def _ranks(world: int) -> list[int]:
     if world <= 128:
         return list(range(world))
     return sorted({0, 1, world // 3, world // 2 + 1, world - 2, world - 1})
-
-
-@pytest.fixture
-def as_rank() -> Iterator[Callable[[int, int], None]]:
-    """``as_rank(rank, world)``: make this process ``rank`` of a fake world (torn down after)."""
-    if dist.is_initialized():
-        pytest.fail("a process group is already open in this process (an earlier test left it; tests/unit/conftest.py closes them per module)")
-
-    def init(rank: int, world: int) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world)
-
-    yield init
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _group_ranks(mesh: FoldedMesh, name: str) -> list[int]:
@@ -70,11 +54,11 @@ CASES = [
 
 @pytest.mark.parametrize("layout", CASES, ids=_case_id)
 def test_dense_and_expert_mesh_groups_equal_folded_layout_groups_on_every_rank(
-    layout: FoldedLayout, as_rank: Callable[[int, int], None]
+    layout: FoldedLayout, fake_world: Callable[[int, int], None]
 ) -> None:
     world = layout.world_size
     for rank in _ranks(world):
-        as_rank(rank, world)
+        fake_world(rank, world)
         mesh = FoldedMesh.build(layout, "cpu")
         for name in AXIS_NAMES:
             want = layout.group_of(name, rank)
@@ -89,9 +73,9 @@ def test_dense_and_expert_mesh_groups_equal_folded_layout_groups_on_every_rank(
 
 @pytest.mark.parametrize("layout", CASES, ids=_case_id)
 def test_mesh_axes_follow_the_order_string_slowest_first(
-    layout: FoldedLayout, as_rank: Callable[[int, int], None]
+    layout: FoldedLayout, fake_world: Callable[[int, int], None]
 ) -> None:
-    as_rank(0, layout.world_size)
+    fake_world(0, layout.world_size)
     mesh = FoldedMesh.build(layout, "cpu")
     for kind, device_mesh in (("dense", mesh.dense), ("expert", mesh.expert)):
         shape = layout.mesh_shape(kind)
@@ -102,9 +86,9 @@ def test_mesh_axes_follow_the_order_string_slowest_first(
     assert mesh.expert_shard_mesh.mesh_dim_names == want
 
 
-def test_unknown_axis_name_is_rejected_with_the_valid_names(as_rank: Callable[[int, int], None]) -> None:
+def test_unknown_axis_name_is_rejected_with_the_valid_names(fake_world: Callable[[int, int], None]) -> None:
     layout = FoldedLayout(64, tp=2, ep=8)
-    as_rank(5, 64)
+    fake_world(5, 64)
     mesh = FoldedMesh.build(layout, "cpu")
     with pytest.raises(ValueError, match=r"name='expert' is not an axis name; use one of \('tp', 'cp'"):
         mesh.mesh("expert")

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lightning_moe.config import MoEConfig
 from lightning_moe.moe.layer import MoELayer
@@ -14,20 +13,13 @@ from lightning_moe.parallel.layout import FoldedLayout
 from lightning_moe.parallel.mesh import FoldedMesh
 from lightning_moe.parallel.parallelize import init_experts_by_id, parallelize_moe_model
 
-fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
-
 E, H, F = 4, 8, 4
 
 
 @pytest.fixture
-def ep2_rank1_mesh() -> Iterator[FoldedMesh]:
-    if dist.is_initialized():
-        pytest.fail("a process group is already open in this process (an earlier test left it; tests/unit/conftest.py closes them per module)")
-    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=1, world_size=2)
-    try:
-        yield FoldedMesh.build(FoldedLayout(2, ep=2), "cpu")
-    finally:
-        dist.destroy_process_group()
+def ep2_rank1_mesh(fake_world: Callable[[int, int], None]) -> FoldedMesh:
+    fake_world(1, 2)
+    return FoldedMesh.build(FoldedLayout(2, ep=2), "cpu")
 
 
 def test_init_experts_by_id_draws_every_global_expert_from_its_own_seed(ep2_rank1_mesh: FoldedMesh) -> None:
