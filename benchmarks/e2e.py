@@ -399,13 +399,17 @@ def run_one(name: str, shape: Shape, device: str, strategy: str, profile_steps: 
     return result
 
 
+def live_optimizers() -> list[torch.optim.Optimizer]:
+    """Every optimizer the garbage collector still tracks (Lightning's wrappers included)."""
+    return [obj for obj in gc.get_objects() if isinstance(obj, torch.optim.Optimizer)]
+
+
 def _report_leftovers(name: str, gib: float) -> None:
     """A contender's device memory outlived it: say so, and name the optimizers still alive and who holds them."""
     print(f"[{name}] WARNING: {gib:.2f} GiB still allocated after the contender was deleted", flush=True)
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.optim.Optimizer):
-            holders = [type(r).__name__ for r in gc.get_referrers(obj) if not isinstance(r, list)]
-            print(f"[{name}]   live {type(obj).__name__} held by {holders[:8]}", flush=True)
+    for opt in live_optimizers():
+        holders = [type(r).__name__ for r in gc.get_referrers(opt) if not isinstance(r, list)]
+        print(f"[{name}]   live {type(opt).__name__} held by {holders[:8]}", flush=True)
 
 
 def run(

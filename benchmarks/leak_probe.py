@@ -29,7 +29,7 @@ def describe(r: object) -> str:
 shape = e2e.Shape(layers=1, steps=2, warmup=1) if torch.cuda.is_available() else e2e.QUICK
 e2e.run_one("lightning_moe", shape, "cuda" if torch.cuda.is_available() else "cpu", "folded_moe")
 gc.collect()
-opts = [o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer) and type(o).__name__ == "AdamW"]
+opts = [o for o in e2e.live_optimizers() if type(o).__name__ == "AdamW"]  # the optimizer, not its Lightning wrapper
 print("live AdamW:", len(opts), flush=True)
 if opts:
     frontier, seen = [(opts[0], "AdamW")], {id(opts[0])}

@@ -31,7 +31,8 @@ HF_RMS_NORMS: tuple[str, ...] = ("Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm", "MixtralR
 
 def hf_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' formula, for the mixed-dtype case and as the tests' reference."""
-    normalised = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    x32 = x.float()
+    normalised = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normalised.to(x.dtype)
 
 
