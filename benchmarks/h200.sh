@@ -51,6 +51,12 @@ python3 -c "from lightning_moe.ops.build import load_extension; print(load_exten
 export TRITON_CACHE_DIR="$PWD/.tcache" TRITON_CACHE_AUTOTUNING=1
 trap 'tar czf "$OUT/kcache.tgz" -C "$LIGHTNING_MOE_CACHE" . 2>/dev/null' EXIT
 MODE=${1:-layer}
+# One shape's step under labelled arms (benchmarks/layer_arms.py): NAME ARMS ROUNDS SECONDS -> $OUT/NAME.{json,log}.
+step_arms() {
+  timeout "$4" python3 benchmarks/layer_arms.py --shape "${SHAPE:-qwen3-30b-a3b}" --arms "$2" --rounds "$3" \
+    --json "$OUT/$1.json" > "$OUT/$1.log" 2>&1; grep -h '^{' "$OUT/$1.log" | sed 's/, "env": {[^}]*}//' | cut -c1-200
+  grep -hE "Error|error" "$OUT/$1.log" | tail -3; pack
+}
 pack() { (cd "$OUT" && tar czf "results_$MODE${TAG:-}.tgz" *.log *.json 2>/dev/null); }  # TAG: one archive per call of a mode  # what came back if a later step hangs
 case "$MODE" in
   tests)
@@ -396,15 +402,11 @@ PY
     ;;
   whatif)  # qwen3: the step with its bandwidth-bound kernels made free (upper bound of fusing them), GEMMs alone beside
     arms="default:,gemms-alone:,no-bwd-scatter:,no-gather-sums:,no-swiglu:,no-bandwidth:,fresh-grads:,no-bandwidth@fresh:,default-again:"
-    timeout 200 python3 benchmarks/layer_arms.py --shape "${SHAPE:-qwen3-30b-a3b}" --arms "${WHATIF_ARMS:-$arms}" --rounds "${WHATIF_ROUNDS:-6}" \
-      --json "$OUT/whatif.json" > "$OUT/whatif.log" 2>&1; grep -h '^{' "$OUT/whatif.log" | sed 's/, "env": {[^}]*}//' | cut -c1-200
-    grep -hE "Error|error" "$OUT/whatif.log" | tail -3; pack
+    step_arms whatif "${WHATIF_ARMS:-$arms}" "${WHATIF_ROUNDS:-6}" 200
     ;;
   floor)  # qwen3: the step with only the traffic a fused design keeps (layer_arms.py floor labels), GEMMs alone beside
     arms="default:,gemms-alone:,no-bwd-scatter:,floor:,floor-atomic:,no-bandwidth:,router-ops:,fresh-grads:,floor@fresh:,default-again:"
-    timeout 300 python3 benchmarks/layer_arms.py --shape "${SHAPE:-qwen3-30b-a3b}" --arms "${FLOOR_ARMS:-$arms}" --rounds "${FLOOR_ROUNDS:-10}" \
-      --json "$OUT/floor.json" > "$OUT/floor.log" 2>&1; grep -h '^{' "$OUT/floor.log" | sed 's/, "env": {[^}]*}//' | cut -c1-200
-    grep -hE "Error|error" "$OUT/floor.log" | tail -3; pack
+    step_arms floor "${FLOOR_ARMS:-$arms}" "${FLOOR_ROUNDS:-10}" 300
     ;;
   liger)  # Liger's fused MoE alone, long enough for its autotuning; its Triton cache comes back
     timeout "${LIGER_S:-420}" python3 benchmarks/moe_layer.py --shapes "${SHAPES:-qwen3-30b-a3b}" \
