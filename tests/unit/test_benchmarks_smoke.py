@@ -15,10 +15,15 @@ import torch
 from lightning_moe.moe.dispatch import LocalDispatcher
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+PROBES = BENCHMARKS / "probes"
 
 
 def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCHMARKS / f"{name}.py")
+    """A benchmark module by name: ``benchmarks/NAME.py``, else ``benchmarks/probes/NAME.py``."""
+    path = BENCHMARKS / f"{name}.py"
+    if not path.exists():
+        path = PROBES / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared modules
 import peers  # noqa: E402  (benchmarks/peers.py: shapes)
 from gpu_clocks import ClockSampler  # noqa: E402
 from moe_layer import environment, gemm_steps, ours, skewed_input  # noqa: E402

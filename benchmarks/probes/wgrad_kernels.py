@@ -19,9 +19,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
-import peers  # benchmarks/peers.py: the shared timer
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +30,9 @@ from lightning_moe.ops import build_cutlass, wgrad_cutlass
 from lightning_moe.ops.wgrad_accumulation import accumulate_wgrad_
 from lightning_moe.ops.wgrad_triton import WgradTile, grouped_wgrad_accumulate_
 from lightning_moe.ops.wgrad_triton_desc import DescTile, grouped_wgrad_accumulate_desc_
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared modules
+import peers  # noqa: E402  (benchmarks/peers.py: the shared timer)
 
 # name: (tokens, hidden, ffn, experts, top_k)
 SHAPES = {

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared modules
 import peers  # noqa: E402
 from gpu_clocks import ClockSampler, energy_mj, reasons  # noqa: E402
 from moe_layer import gemm_operands, gemm_steps, ours, skewed_input  # noqa: E402
