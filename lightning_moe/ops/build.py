@@ -1,5 +1,9 @@
 """JIT build and load of the CUDA kernels in ``csrc/``, with a clean fallback to torch.
 
+The sources are found by :func:`lightning_moe.resources.csrc_dir`: ``csrc/`` at the top of a
+source checkout, ``lightning_moe/_csrc/`` inside an installed wheel (the same files);
+:func:`kernel_files` lists every file a build reads.
+
 :func:`load_extension` compiles ``csrc/*.cu`` and ``csrc/bindings.cpp`` with
 ``torch.utils.cpp_extension.load`` (ninja) the first time it is called in a process, and returns
 the op namespace ``torch.ops.lightning_moe_C`` (the ops are registered with ``TORCH_LIBRARY``; see
@@ -8,6 +12,14 @@ the op namespace ``torch.ops.lightning_moe_C`` (the ops are registered with ``TO
 sources, the flags and the torch / CUDA / Python versions, so a stale build is never loaded.
 Concurrent builds (several ranks on one node) are serialised by torch's lock file in that
 directory.
+
+Environment (machine facts only, each read where it is used; these three are the only ones the
+JIT builders read):
+
+* ``LIGHTNING_MOE_KERNELS``: whether to build (below).
+* ``LIGHTNING_MOE_CACHE``: the build cache directory (default ``~/.cache/lightning_moe``).
+* ``LIGHTNING_MOE_CUTLASS_DIR``: a CUTLASS checkout for the optional kernels in ``csrc/cutlass/``
+  (read by :mod:`lightning_moe.ops.build_cutlass`).
 
 ``LIGHTNING_MOE_KERNELS`` chooses what happens:
 
@@ -37,7 +49,9 @@ from typing import Literal
 
 import torch
 
-__all__ = ["load_extension", "csrc_dir", "cache_dir"]
+from lightning_moe import resources
+
+__all__ = ["cache_dir", "csrc_dir", "kernel_files", "load_extension"]
 
 KernelsMode = Literal["auto", "csrc", "torch"]
 _MODES: tuple[str, ...] = ("auto", "csrc", "torch")
@@ -57,8 +71,8 @@ _MIN_CAPABILITY = (8, 0)  # bf16x2 conversions and match_any in the kernels
 
 
 def csrc_dir() -> Path:
-    """The kernel sources: ``csrc/`` at the root of a source checkout of lightning-moe."""
-    return Path(__file__).resolve().parents[2] / "csrc"
+    """The kernel sources: ``csrc/`` in a source checkout, ``lightning_moe/_csrc/`` in a wheel."""
+    return resources.csrc_dir()
 
 
 def cache_dir() -> Path:
@@ -118,6 +132,17 @@ def _sources(root: Path | None = None) -> list[Path]:
     return sorted(root.glob("*.cu")) + [root / "bindings.cpp"]
 
 
+def _headers(root: Path) -> list[Path]:
+    """The headers of ``root`` (``*.cuh``, ``*.h``): part of every build's key."""
+    return sorted(root.glob("*.cuh")) + sorted(root.glob("*.h"))
+
+
+def kernel_files(root: Path | None = None) -> list[Path]:
+    """Every file a build of ``root`` (default: ``csrc/``) reads: its sources, then its headers."""
+    root = csrc_dir() if root is None else root
+    return _sources(root) + _headers(root)
+
+
 def _build_key(
     sources: list[Path],
     root: Path | None = None,
@@ -129,7 +154,7 @@ def _build_key(
     ``root`` (default: ``csrc/``), ``extra`` file, flag or the torch / CUDA / Python version, so a
     stale build is never loaded."""
     root = csrc_dir() if root is None else root
-    files = sorted(sources) + sorted(root.glob("*.cuh")) + sorted(root.glob("*.h")) + list(extra)
+    files = sorted(sources) + _headers(root) + list(extra)
     h = hashlib.sha256()
     for path in files:
         h.update(path.name.encode())
@@ -165,7 +190,7 @@ def _unavailable_reason() -> str | None:
         return toolchain
     missing = [str(p) for p in _sources() if not p.exists()]
     if missing or not list(csrc_dir().glob("*.cu")):
-        return f"kernel sources not found under {csrc_dir()} (use a source checkout of lightning-moe)"
+        return f"kernel sources not found under {csrc_dir()} (this lightning-moe lacks its csrc/ files; reinstall it)"
     return None
 
 

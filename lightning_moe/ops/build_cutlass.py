@@ -7,6 +7,12 @@ warp-specialised kernel: wgmma and TMA, so it is compiled for ``sm_90a`` and run
 * ``pip install nvidia-cutlass`` (the headers come inside its ``cutlass_library`` package), or
 * ``LIGHTNING_MOE_CUTLASS_DIR=/path/to/cutlass`` (a checkout: ``include/`` and ``tools/util/include/``).
 
+The sources sit in ``csrc/cutlass/`` of a source checkout or ``lightning_moe/_csrc/cutlass/`` of
+an installed wheel (:func:`lightning_moe.resources.csrc_dir`); :func:`cutlass_kernel_files` lists
+every file a build reads. Environment: ``LIGHTNING_MOE_CUTLASS_DIR`` (above),
+``LIGHTNING_MOE_KERNELS=torch`` (never build) and ``LIGHTNING_MOE_CACHE`` (the build cache), as
+in ``ops/build.py``; nothing else.
+
 :func:`load_cutlass_extension` returns ``torch.ops.lightning_moe_cutlass_C`` or ``None``. Missing
 headers, another GPU or ``LIGHTNING_MOE_KERNELS=torch`` give ``None`` quietly (the kernels are an
 optional accelerator; :func:`cutlass_unavailable_reason` says why); a failed build warns once with
@@ -27,7 +33,13 @@ import torch
 
 from lightning_moe.ops import build
 
-__all__ = ["cutlass_include_dirs", "cutlass_sources", "cutlass_unavailable_reason", "load_cutlass_extension"]
+__all__ = [
+    "cutlass_include_dirs",
+    "cutlass_kernel_files",
+    "cutlass_sources",
+    "cutlass_unavailable_reason",
+    "load_cutlass_extension",
+]
 
 _NAME = "lightning_moe_cutlass_C"
 CUDA_FLAGS: tuple[str, ...] = (
@@ -68,9 +80,14 @@ def cutlass_sources() -> list[Path]:
     return build._sources(_root())
 
 
+def cutlass_kernel_files() -> list[Path]:
+    """Every file of ``csrc/cutlass/`` a build reads (sources, then headers); CUTLASS's own are not listed."""
+    return build.kernel_files(_root())
+
+
 def cutlass_unavailable_reason() -> str | None:
     """Why the CUTLASS kernels cannot be used here (cheap checks, no compiler run); ``None`` if they can."""
-    if os.environ.get("LIGHTNING_MOE_KERNELS", "auto").strip().lower() == "torch":
+    if build._mode_from_env() == "torch":
         return "LIGHTNING_MOE_KERNELS=torch"
     if torch.version.cuda is None or not torch.cuda.is_available():
         return "no CUDA device"
@@ -83,7 +100,7 @@ def cutlass_unavailable_reason() -> str | None:
     if toolchain is not None:
         return toolchain
     if not all(p.exists() for p in cutlass_sources()):
-        return f"kernel sources not found under {_root()} (use a source checkout of lightning-moe)"
+        return f"kernel sources not found under {_root()} (this lightning-moe lacks its csrc/ files; reinstall it)"
     return None
 
 
