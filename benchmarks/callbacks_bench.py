@@ -6,7 +6,7 @@
     python benchmarks/callbacks_bench.py --arms recompute --batch 16 --recompute moe_act,norm,attn
     python benchmarks/callbacks_bench.py --arms offload --offload '*layers.*.ffn'
 
-Model: the 4-layer Qwen3-30B-A3B-shaped transformer of BENCHMARKS.md (hidden 2048, 32 heads with
+Model: the 4-layer Qwen3-30B-A3B-shaped transformer of ``e2e.py`` (hidden 2048, 32 heads with
 4 KV heads, 128 experts, top-8, expert FFN 768, vocabulary 151936), bf16 parameters, AdamW.
 Plain torch loops (model + AdamW), same seed and batches in every arm. The LM head and loss run
 in token chunks under checkpoint in every arm (``ChunkedLM``), so [T, V] logits do not swamp the

@@ -1,6 +1,6 @@
 """Token exchange on its own: parity and bandwidth of the EP dispatchers (all-to-all, DeepEP, Hybrid-EP).
 
-Issue 8, "Flex dispatcher". Every rank of ``torchrun --nproc_per_node=P`` is one EP rank holding
+Every rank of ``torchrun --nproc_per_node=P`` is one EP rank holding
 ``E / P`` experts; each feeds its own ``--tokens`` tokens, routed top-``K`` by random logits (no
 expert twice per token), through each dispatcher named in ``--dispatchers``:
 

@@ -1,6 +1,6 @@
 """End to end on one GPU: lightning-moe vs the same model from HF transformers, in one run.
 
-Protocol (BENCHMARKS.md, "End to end on one GPU"): a 4-layer model with the Qwen3-30B-A3B block
+Protocol: a 4-layer model with the Qwen3-30B-A3B block
 shape (hidden 2048, 32 heads, 4 KV heads, head dim 128, 128 experts, top-8, expert FFN 768),
 sequence 4096, bf16, the same random-token batches and the same number of steps for every
 contender, trained by ``lightning.Trainer`` in this one process:
@@ -25,11 +25,11 @@ MFU = tokens/s * FLOPs per token / 989e12 (H200 dense bf16 peak).
 
 ``--profile`` (CUDA only; skipped with a note on CPU): after the timed steps, 2 more steps of each
 contender run under ``torch.profiler`` (CUDA activity); it prints the top 20 kernels by total
-device time (ms per step, calls per step) and the sum of all kernel time per step beside the
+GPU time (ms per step, calls per step) and the sum of all kernel time per step beside the
 median step time (the difference is time the GPU sat idle: host work and launch gaps), and stores
 them under ``results[contender]["profile"]``. The profiled steps are not timed.
 
-    python benchmarks/e2e.py                       # the BENCHMARKS.md shape (one H200)
+    python benchmarks/e2e.py                       # the Qwen3-30B-A3B shape (one H200)
     python benchmarks/e2e.py --quick               # tiny shapes, CPU smoke test
     python benchmarks/e2e.py --only hf,lightning_moe_hf --out e2e.json
     python benchmarks/e2e.py --only lightning_moe --profile
@@ -76,7 +76,7 @@ FORMULA = (
 
 @dataclass(frozen=True, kw_only=True)
 class Shape:
-    """Model and run shape. Defaults: BENCHMARKS.md (Qwen3-30B-A3B block, 4 layers)."""
+    """Model and run shape. Defaults: the Qwen3-30B-A3B block, 4 layers."""
 
     layers: int = 4
     hidden: int = 2048

@@ -1,6 +1,6 @@
 """EP scaling: a Qwen3-30B-A3B-shaped stack of MoE layers under an EP dispatcher (``--dispatcher``).
 
-Protocol (BENCHMARKS.md, "Multi-GPU"; issue 8). Every rank builds the same stack of ``--layers``
+Protocol: every rank builds the same stack of ``--layers``
 residual MoE FFN layers (``x = x + moe(x)``; hidden 2048, 128 experts, top-8, expert FFN 768,
 softmax top-k renormalised, router in fp32, dropless, random router weights so the load is about
 balanced), bf16 on CUDA and fp32 on CPU, and feeds it its own ``--tokens`` tokens. The experts
@@ -380,7 +380,7 @@ def run_echo(
 
 
 def _profile_steps(step: Callable[[], None], device: torch.device, rank: int, steps: int = 3) -> dict[str, Any]:
-    """Rank 0's device time per kernel over ``steps`` steps (every rank steps: the collectives need all)."""
+    """Rank 0's GPU time per kernel over ``steps`` steps (every rank steps: the collectives need all)."""
     from profiling import device_kernels
     from torch.profiler import ProfilerActivity, profile
 
@@ -543,7 +543,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["alltoall", "alltoall_dedup", "allgather", "deepep", "hybridep"],
         help="token exchange (the exposed-exchange share brackets all_to_all_single and the library exchanges)",
     )
-    p.add_argument("--profile", action="store_true", help="add rank 0's per-kernel device time over 3 steps (CUDA)")
+    p.add_argument("--profile", action="store_true", help="add rank 0's per-kernel GPU time over 3 steps (CUDA)")
     p.add_argument("--quick", action="store_true", help=f"tiny shapes, CPU smoke test: {QUICK}")
     p.add_argument("--out", type=Path, default=None, help="write rank 0's JSON report here")
     return p.parse_args(argv)

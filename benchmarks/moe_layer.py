@@ -1,12 +1,12 @@
 """One MoE FFN layer, forward + backward, lightning-moe beside its peers in one process.
 
-Protocol (BENCHMARKS.md): bf16 parameters and activations, router in fp32, SwiGLU experts,
+Protocol: bf16 parameters and activations, router in fp32, SwiGLU experts,
 softmax top-k with renormalised weights, dropless; median of >= 8 timed steps after warm-up
 with CUDA events; TFLOP/s on the expert GEMMs only (18*T*k*H*F per fwd+bwd); activation peak =
 max_memory_allocated above the allocation before the step. Prints ratios against every peer
 and a breakdown of our layer (router, permute, GEMMs, combine).
 
-    python benchmarks/moe_layer.py                     # the three BENCHMARKS.md shapes
+    python benchmarks/moe_layer.py                     # the three shapes of peers.SHAPES
     python benchmarks/moe_layer.py --quick             # tiny shapes (CPU smoke test)
     python benchmarks/moe_layer.py --json out.json --skew 0,2
 """

@@ -8,7 +8,7 @@
 // the host to reach it. Measured on the H200 right after a synchronised step: a cold cuBLAS call
 // costs ~100 us of host time more than a plain kernel launch (its handle, heuristics and
 // workspace paths are out of the CPU caches), and the device idles for all of it. A plain launch
-// of this kernel pays only the launch. Its device time is bounded by reading x once (x is
+// of this kernel pays only the launch. Its GPU time is bounded by reading x once (x is
 // T*H*2 bytes; w, E*H*2 bytes, stays in L2 for all blocks).
 //
 // Tiling: a 64 or 128 (tokens) x 128 (experts) block tile, 32-wide k steps, 8 warps as 2 x 4

@@ -1,7 +1,7 @@
 // Weighted SwiGLU between the two expert GEMMs: h = x @ w13 is [R, 2F] = [gate | up] and
 //   a[r, f] = silu(gate[r, f]) * up[r, f] * w[r].
-// Carrying the routing weight w into the activation (the memory-efficient permutation of
-// DESIGN.md §4) makes combine a plain sum and gives the weight's gradient from h alone:
+// Carrying the routing weight w into the activation (the memory-efficient permutation: the
+// weight scales the activation, not the combined output) makes combine a plain sum and gives the weight's gradient from h alone:
 //   grad_w[r] = sum_f grad_a[r, f] * silu(gate[r, f]) * up[r, f].
 // Both kernels are bandwidth-bound elementwise passes: 16-byte vectors when F allows it, fp32
 // math, one rounding to h's dtype at the store.

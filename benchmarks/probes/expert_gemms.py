@@ -4,7 +4,7 @@
 (the layer's forward reads its weights N-major, its data gradient K-major).
 
 Per shape and projection (``y_e = x_e @ w[e]`` for every expert, as the forward and the data
-gradient of a BENCHMARKS.md layer run them): ``F.grouped_mm`` against a per-expert ``torch.mm``
+gradient of a benchmark layer run them): ``F.grouped_mm`` against a per-expert ``torch.mm``
 loop with experts dealt round-robin over 1, 2 and 4 streams, and every tiling of the CUTLASS
 grouped GEMM (``ops/grouped_gemm_cutlass.py``; skipped, saying why, where it cannot run) on both
 weight layouts, each with its largest relative error against ``F.grouped_mm`` on the same layout.

@@ -1,6 +1,6 @@
 """The router's logits GEMM alone: the csrc kernel (64- and 128-token tiles) beside cuBLAS.
 
-Per BENCHMARKS.md shape: ``logits[T, E] = x[T, H] @ w[E, H]^T`` with fp32 output, device ms
+Per benchmark shape: ``logits[T, E] = x[T, H] @ w[E, H]^T`` with fp32 output, device ms
 (median of 20, CUDA events) of ``torch.ops.lightning_moe_C.router_logits`` at each tile and of
 ``torch.mm(..., out_dtype=torch.float32)`` (cuBLAS), plus the largest deviation from the latter.
 

@@ -1,6 +1,6 @@
 """The layer's bandwidth-bound kernels alone: achieved TB/s against a device copy of the same size.
 
-Per BENCHMARKS.md shape, on a random (about balanced) routing: the row scatter (token order to
+Per benchmark shape, on a random (about balanced) routing: the row scatter (token order to
 expert order: the forward's permute and the combine's backward), the gather-sum (the combine and
 the permute's backward), the weighted SwiGLU forward and backward. Each is timed with the protocol's
 timer (median of 20 after warm-up, CUDA events) and its bytes (each buffer read or written once)

@@ -2,7 +2,7 @@
 
 The two-stream loop (``ops/wgrad_accumulation.accumulate_wgrad_``: one ``addmm_`` with beta = 1 per
 expert) is the fused accumulation for wide experts. Profiled inside the DeepSeek-V3 layer it comes
-with one device memset per GEMM (513 a step, ~1.4 ms of device time). This times the loop per
+with one device memset per GEMM (513 a step, ~1.4 ms of GPU time). This times the loop per
 weight under ``torch.backends.cuda.preferred_blas_library`` ``cublas`` and ``cublaslt`` and lists
 what one call runs on the device (kernel names, counts, ms), so the memsets' source shows.
 

@@ -1,6 +1,6 @@
 """One expert weight-gradient kernel, run for Nsight Compute to read its hardware counters.
 
-Runs one arm on one weight of a BENCHMARKS.md layer twice (a warm-up, then the launch to profile),
+Runs one arm on one weight of a benchmark layer twice (a warm-up, then the launch to profile),
 so ``ncu --launch-skip 1 --launch-count 1 -k regex:device_kernel`` catches the second launch:
 
     ncu --clock-control none -k regex:device_kernel --launch-skip 1 --launch-count 1 \\

@@ -1,6 +1,6 @@
 """Expert weight-gradient GEMMs that add into an existing gradient: every implementation, one process.
 
-Per shape (one expert weight of a BENCHMARKS.md layer: ``dw[e] += x_e^T @ dy_e`` over all experts):
+Per shape (one expert weight of a benchmark layer: ``dw[e] += x_e^T @ dy_e`` over all experts):
 
 * ``grouped fresh``  — ``F.grouped_mm`` into a new buffer (what autograd computes; adds nothing)
 * ``grouped + add``  — the same, then ``dw.add_`` (autograd's accumulation into an existing ``.grad``)
@@ -63,7 +63,7 @@ TILES = (
 )
 
 
-# The tiles worth trying again after the first full sweep (commit be13a1f's run), and TMA variants.
+# The tiles worth trying again the fastest of the full sweep on the H200, and TMA variants.
 SHORT_TILES = (
     WgradTile(128, 128, 32, 4, 4, "init"),
     WgradTile(128, 128, 64, 4, 3, "early"),
@@ -109,7 +109,7 @@ def _loop_transposed(dw: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, bounds
 
 
 def _top_kernels(label: str, arm: str, fn: Callable[[], None]) -> None:
-    """Device time by kernel name over one call (profiler): which kernels, how many, memsets."""
+    """GPU time by kernel name over one call (profiler): which kernels, how many, memsets."""
     from profiling import device_kernels  # benchmarks/profiling.py
 
     from torch.profiler import ProfilerActivity, profile

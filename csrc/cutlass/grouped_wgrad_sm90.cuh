@@ -35,7 +35,7 @@ using LayoutC = cutlass::layout::RowMajor;     // grad[e]
 // (all of a 256 x 128 tile's C in flight) were measured on the H200 and did not pay: DeepSeek-V3 w13
 // 12.42 (128 x 64) and 14.24 ms (128 x 128) vs 12.28 with 128 x 32; w2 5.79-5.86 vs 6.13 ms; Qwen3
 // both weights slower. The knob stays for the next tiling experiment.
-// Also measured there and not kept (H200, `benchmarks/h200.sh probe`, ed15547): all eight C sub-tiles
+// Also measured there and not kept (H200, `benchmarks/probes/wgrad_kernels.py --cutlass-only`): all eight C sub-tiles
 // loaded ahead into buffers of their own (the epilogue's dispatch policy with StagesC = 8 and
 // ReuseSmemC = false) was slower (DeepSeek-V3 w13 13.29 vs 12.51 ms; Qwen3 1.60 vs 1.44), as were
 // 128 x 128 tiles (12.49 / 1.61) and 2 x 2 clusters (15.68 / 1.71): the old gradient's loads are not

@@ -58,7 +58,7 @@ def strategy_expert_grad_scale(trainer: L.Trainer) -> float:
 
 
 class ECHOExpertCloning(Callback):
-    """Balance expert-parallel load by cloning hot experts into spare slots (DESIGN.md §7).
+    """Balance expert-parallel load by cloning hot experts into spare slots.
 
     Args:
         spare_slots_per_rank: S spare expert slots per EP rank and MoE layer.

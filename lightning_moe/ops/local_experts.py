@@ -179,7 +179,7 @@ def local_experts(
     they are the largest buffer of the forward); moved here when ``None`` or of another dtype.
     """
     # The rows are moved first: the device copies them while the host sets up the fusion and the
-    # autograd node below (host time before the first GEMM's launch is idle device time).
+    # autograd node below (host time before the first GEMM's launch is time the GPU sits idle).
     x_RH = None if x_RH is None else resolved(x_RH)
     if x_RH is None or x_RH.dtype != x_TH.dtype:
         x_RH = _expert_rows_impl(x_TH.detach(), perm)

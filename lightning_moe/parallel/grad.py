@@ -1,6 +1,6 @@
 """Gradients across the two meshes: expert scaling, no-sync accumulation, norm and clipping.
 
-**Expert gradient scale** (DESIGN.md §5). Dense parameters are averaged by FSDP over ``dp_cp``:
+**Expert gradient scale** (parallel folding: experts laid out ``etp x ep x edp``). Dense parameters are averaged by FSDP over ``dp_cp``:
 ``g = 1/(DP*CP) * sum_s g_s`` over the DP*CP data shards s. An expert shard (expert g, ETP slice
 j) receives, through the dispatcher, the tokens of every rank whose ETP coordinate is j: those
 ``W/ETP`` ranks cover each data shard ``TP/ETP`` times (tensor-parallel replicas hold the same

@@ -1,7 +1,7 @@
 """FoldedMesh: the dense and the expert DeviceMesh views of one world.
 
 A :class:`~lightning_moe.parallel.layout.FoldedLayout` is rank algebra only; this file turns it
-into process groups. It is the only place in the package that builds groups (STYLE rule 2):
+into process groups. It is the only place in the package that builds groups:
 everything below (``parallelize``, the dispatchers, the layers) receives a mesh or a group.
 
 Stages of :meth:`FoldedMesh.build` (every rank must call it, in the same order):

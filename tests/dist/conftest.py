@@ -1,8 +1,8 @@
-"""One torchrun job per world size for the whole dist session.
+"""One torchrun job per world size for the whole dist test run.
 
 Starting W processes that import torch and Lightning takes longer on 2 cores than most of the
 checks they run, so tests do not launch their own jobs. A test names the parts it needs with a
-marker (``@pytest.mark.suite4("fit:ep=4")``) and takes the session fixture of that world size
+marker (``@pytest.mark.suite4("fit:ep=4")``) and takes the session-scoped fixture of that world size
 (``suite2``, ``suite4``, ``suite8``). The fixture collects the parts of every *selected* test, runs them in
 one ``worker_suite.py`` job (with a timeout, so a hang fails) and hands each test its result:
 ``suite.check(part)`` fails that test, with the job's output, if its part did not finish.

@@ -1,6 +1,6 @@
 """``benchmarks/dispatch_exchange.py`` on 2 gloo ranks.
 
-The GPU run (issue 8) compares DeepEP / Hybrid-EP / all-to-all against the closed form (itself
+On GPUs the script compares DeepEP / Hybrid-EP / all-to-all against the closed form (itself
 checked in ``tests/unit/test_benchmarks_smoke.py``); here the script runs end to end with
 ``--check`` (all-to-all exact in fp32; the libraries, absent here, reported as skipped rather
 than failed).

@@ -1,6 +1,6 @@
 """Distributed checkpoints: identical resume, reshard on load, every expert id stored.
 
-The worker (``worker_ckpt.py``, in the session's 4-rank job) trains with AdamW and a warm-up/
+The worker (``worker_ckpt.py``, in the shared 4-rank job) trains with AdamW and a warm-up/
 cosine schedule, accumulation 2 and clipping for 4 optimizer steps, checkpointing after steps 2
 and 4; a fresh run resumed from step 2 must reproduce the continuous run's loss tail bit for bit.
 The worker itself checks the resumed run's final parameters, loads the step-4 folder at TP1 with

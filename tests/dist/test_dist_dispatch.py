@@ -1,6 +1,6 @@
 """AllToAll / AllGather / flex (DeepEP and Hybrid-EP stand-ins) dispatchers against LocalDispatcher on 4 gloo ranks (uneven, empty experts).
 
-Every case runs in the session's shared 4-rank job (``conftest.py``); the worker compares outputs
+Every case runs in the shared 4-rank job (``conftest.py``); the worker compares outputs
 and gradients itself (fp64) and reports the case done.
 """
 

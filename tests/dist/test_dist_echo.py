@@ -1,7 +1,7 @@
 """ECHO expert cloning under FoldedMoEStrategy(ep=4) on 4 gloo ranks (the ``echo`` suite part).
 
 The routers are biased so every token takes expert 0 (home: EP rank 0) plus one other, so EP
-rank 0 processes ~2.3x the mean load. Acceptance (issue 5):
+rank 0 processes ~2.3x the mean load. Checked:
 
 (a) losses and parameters after 5 steps equal the run without ECHO to 1e-5 (fp32);
 (b) the monitor's max/mean rows per EP rank drops from >= 2.0 to <= 1.25 once clones exist;
@@ -14,7 +14,7 @@ import pytest
 import torch
 from _harness import Suite
 
-pytestmark = [pytest.mark.dist, pytest.mark.suite4("echo")]  # the session's 4-rank job (conftest.py)
+pytestmark = [pytest.mark.dist, pytest.mark.suite4("echo")]  # the shared 4-rank job (conftest.py)
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 

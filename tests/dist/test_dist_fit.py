@@ -2,7 +2,7 @@
 
 Each layout trains 3 optimizer steps with gradient accumulation 2 and gradient clipping, fp32.
 The reference runs each DP shard as its own micro-batch (so per-rank router statistics and
-aux losses match) and scales like DP averaging. The W=2 layouts share the session's 2-rank job,
+aux losses match) and scales like DP averaging. The W=2 layouts share one 2-rank job,
 the W=4 ones its 4-rank job, the W=8 ones its 8-rank job (``conftest.py``). ``bf16=1`` layouts
 train with ``precision="bf16-mixed"`` and are held to bf16's tolerance against the fp32 reference
 (the same layouts in fp32 are held to 1e-5, so a layout bug cannot hide in the looser bound).

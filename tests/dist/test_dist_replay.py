@@ -2,7 +2,7 @@
 
 Each rank records its own shard; the replay run (routers perturbed) must route the recorded ids
 in every forward, including the recomputed forward of checkpointed blocks, and the routers
-must still receive gradients. Both layouts run in the session's shared 4-rank job.
+must still receive gradients. Both layouts run in the shared 4-rank job.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from _harness import Suite
 pytestmark = pytest.mark.dist
 
 
-@pytest.mark.suite4("replay:ep=2", "replay:ep=4+recompute")  # the session's 4-rank job (conftest.py)
+@pytest.mark.suite4("replay:ep=2", "replay:ep=4+recompute")  # the shared 4-rank job (conftest.py)
 def test_replay_forces_recorded_ids_on_every_rank_with_ep2_and_ep4_recompute(suite4: Suite) -> None:
     for part in ("replay:ep=2", "replay:ep=4+recompute"):
         suite4.check(part)

@@ -1,4 +1,4 @@
-"""GPU checks of issue 6: recompute, CPUOffload and CUDAGraphCapture change no number, and act.
+"""GPU checks of the memory and launch callbacks: recompute, CPUOffload and CUDAGraphCapture change no number, and act.
 
 Every test compares a run with the feature to the same run without it (same seed, same batches):
 losses and gradients equal (bitwise where the feature only moves or rebuilds data), plus the

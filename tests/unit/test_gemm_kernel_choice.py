@@ -9,7 +9,7 @@ import torch
 
 from lightning_moe.ops import grouped_gemm_cutlass as cg
 
-# Rows on a GPU (only .is_cuda and .shape are read before `supported`), BENCHMARKS.md's row counts.
+# Rows on a GPU (only .is_cuda and .shape are read before `supported`), the benchmark shapes' row counts.
 CUDA_ROWS = SimpleNamespace(is_cuda=True, shape=(16384 * 8, 2048))  # 512 an expert of DeepSeek-V3's 256
 QWEN3_W13 = torch.empty(128, 2048, 1536, dtype=torch.bfloat16, device="meta")  # 6.3 MB an expert: narrow
 DEEPSEEK_W2 = torch.empty(256, 2048, 7168, dtype=torch.bfloat16, device="meta")  # 29 MB an expert: wide

@@ -1,4 +1,4 @@
-"""``import lightning_moe`` loads none of the optional accelerators (STYLE convention 8).
+"""``import lightning_moe`` loads none of the optional accelerators (they are imported lazily, where used).
 
 Fake packages that record their own import stand in for the accelerators, so the test fails if
 any module imports one eagerly, whether or not the real package is installed here.

@@ -98,7 +98,7 @@ def _layouts() -> list[FoldedLayout]:
 LAYOUTS = _layouts()
 LAYOUT_IDS = [f"W{l.world_size}-tp{l.tp}-cp{l.cp}-pp{l.pp}-ep{l.ep}-etp{l.etp}-{l.order}" for l in LAYOUTS]
 
-# ---- hand-worked examples (DESIGN.md section 5) --------------------------------------------------
+# ---- hand-worked examples (rank pictures of parallel folding) --------------------------------------------------
 
 
 def test_groups_match_worked_example_tp2_ep8() -> None:
