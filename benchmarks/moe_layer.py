@@ -164,7 +164,7 @@ def breakdown(T: int, H: int, Fh: int, E: int, k: int, dev: str, skew: float, fu
 
 
 def _timeline(step) -> dict:  # noqa: ANN001
-    """One step's device timeline (``profiling.step_timeline``): idle time and who the device waits for."""
+    """One step's GPU timeline (``profiling.step_timeline``): idle time and who the device waits for."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile, record_function

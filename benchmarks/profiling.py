@@ -1,4 +1,4 @@
-"""Per-kernel GPU time and the step's device timeline from a ``torch.profiler`` run (shared by the benchmarks)."""
+"""Per-kernel GPU time and the step's GPU timeline from a ``torch.profiler`` run (shared by the benchmarks)."""
 
 from __future__ import annotations
 
