@@ -17,8 +17,8 @@
 //               count in shared memory across steps of 32).
 // Rows of expert e are therefore in increasing slot order: the same order as
 // torch.argsort(ids.flatten(), stable=True). Splitting the scan per expert keeps every load
-// coalesced and spreads it over E blocks; a single-block scan of all E * chunks entries was
-// the slowest step in the first version.
+// coalesced and spreads it over E blocks; a single-block scan of all E * chunks entries measured
+// as the slowest part of routing.
 //
 // router_topk: one warp per token; lane l holds experts l, l + 32, ... (coalesced loads,
 // E <= 1024 means <= 32 values per lane in registers). Every selection is a warp arg-max

@@ -31,18 +31,12 @@ using LayoutB = cutlass::layout::RowMajor;     // dy_e: N contiguous
 using LayoutC = cutlass::layout::RowMajor;     // grad[e]
 
 // EpiN: the epilogue's sub-tile width (128 x EpiN; 0 = CUTLASS's choice, 128 x 32 here). The epilogue
-// prefetches up to four sub-tiles of the old gradient (C) while the tile's MMAs run. Wider sub-tiles
-// (all of a 256 x 128 tile's C in flight) were measured on the H200 and did not pay: DeepSeek-V3 w13
-// 12.42 (128 x 64) and 14.24 ms (128 x 128) vs 12.28 with 128 x 32; w2 5.79-5.86 vs 6.13 ms; Qwen3
-// both weights slower. The knob stays for the next tiling experiment.
-// Also measured there and not kept (H200, `benchmarks/probes/wgrad_kernels.py --cutlass-only`): all eight C sub-tiles
-// loaded ahead into buffers of their own (the epilogue's dispatch policy with StagesC = 8 and
-// ReuseSmemC = false) was slower (DeepSeek-V3 w13 13.29 vs 12.51 ms; Qwen3 1.60 vs 1.44), as were
-// 128 x 128 tiles (12.49 / 1.61) and 2 x 2 clusters (15.68 / 1.71): the old gradient's loads are not
-// what holds the kernel back. Nsight Compute on the default tiling (DeepSeek-V3 w13): DRAM 57 % of
-// peak (2.7 TB/s), tensor pipe 38 %, 1 block of 3 warp groups per SM; neither bound is reached, the
-// tile's epilogue and its MMAs take turns. A ping-pong 64 x 256 tiling (one tile's epilogue overlapping the
-// other's MMAs) was slower still (w13 14.68 vs 12.40 ms, w2 7.44 vs 6.07; Qwen3 1.85 vs 1.45 / 0.87 vs 0.76).
+// prefetches up to four sub-tiles of the old gradient (C) while the tile's MMAs run. On the H200,
+// wider sub-tiles, all eight C sub-tiles loaded ahead, 128 x 128 tiles, 2 x 2 clusters and a ping-pong
+// 64 x 256 tiling were all slower than this default (figures: docs/kernels.md): the old gradient's
+// loads are not what holds the kernel back. Nsight Compute on the default tiling (DeepSeek-V3 w13):
+// DRAM 57 % of peak (2.7 TB/s), tensor pipe 38 %, 1 block of 3 warp groups per SM; neither bound is
+// reached, the tile's epilogue and its MMAs take turns.
 template <class Config>
 using WgradGemm = sm90_grouped::GroupedGemm<Config, LayoutA, LayoutB, Element, LayoutC>;
 
