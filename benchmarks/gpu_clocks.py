@@ -2,7 +2,7 @@
 
 On one H200 the expert GEMMs of a layer step hold the chip at its power cap (~700 W): the clock
 drops (1575–1725 MHz instead of 1980) and the reason reads ``sw-power-cap``
-(``benchmarks/clock_probe.py``). A step then costs what its energy costs, not what its kernels
+(``benchmarks/probes/clock_probe.py``). A step then costs what its energy costs, not what its kernels
 would take at full clock: two implementations can differ only because one draws more power.
 ``ClockSampler`` records clock, power and reasons every ``interval_ms`` in an ``nvidia-smi``
 subprocess, so each timed row says what the chip ran at and why.

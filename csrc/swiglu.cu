@@ -31,7 +31,7 @@ __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-
 
 // Layout as in permute.cu: groups of 2^tpr_log2 threads own one row per grid-stride step, here
 // with at least two of the row's vectors per thread (kVecsPerThread): H200, bf16,
-// benchmarks/row_kernels.py — Qwen3-30B-A3B (F = 768: 96 vectors a row, which one vector per thread
+// benchmarks/probes/row_kernels.py — Qwen3-30B-A3B (F = 768: 96 vectors a row, which one vector per thread
 // spread over 128 threads, 32 idle) forward 0.204 -> 0.174 ms, backward 0.331 -> 0.260 ms
 // (3.0 -> 3.5 and 3.9 TB/s; a copy: 4.1); DeepSeek-V3 backward 0.382 -> 0.350 ms. Four per thread
 // gained nothing more; the permute kernels were not faster with two (they keep one).

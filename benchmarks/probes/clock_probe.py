@@ -11,7 +11,7 @@ Per arm it also times the step twice: synchronised after every step (the protoco
 ``benchmarks/moe_layer.py``: the device idles while the host issues the step's first kernels) and
 back to back (the host runs ahead, as in training): their difference is the host-bound share.
 
-    python benchmarks/clock_probe.py --shape qwen3-30b-a3b --seconds 2
+    python benchmarks/probes/clock_probe.py --shape qwen3-30b-a3b --seconds 2
 """
 
 from __future__ import annotations

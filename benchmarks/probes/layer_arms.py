@@ -1,6 +1,6 @@
 """lightning-moe's layer step under several kernel settings, interleaved in one process.
 
-On one H200 the layer step holds the chip at its power cap (``benchmarks/clock_probe.py``), so a
+On one H200 the layer step holds the chip at its power cap (``benchmarks/probes/clock_probe.py``), so a
 kernel raced alone, at whatever clock its own power allows, can rank differently inside the step,
 where the bandwidth-bound kernels around it draw less. This times the fused-wgrad layer step
 (synchronised, CUDA events, as ``benchmarks/moe_layer.py``) under each arm's environment
@@ -34,7 +34,7 @@ them free as well. The forward's x scatter stays in both (inside the one-call ro
 scatter's removal, the same bytes, is measured by ``no-bwd-scatter``). ``router-ops`` turns the
 one-call router off: the separate router, permutation and scatter calls (the host path it saves).
 
-    python benchmarks/layer_arms.py --shape qwen3-30b-a3b \\
+    python benchmarks/probes/layer_arms.py --shape qwen3-30b-a3b \\
         --arms "default:,gemm-coop:LIGHTNING_MOE_GEMM_KERNEL=cutlass+LIGHTNING_MOE_GEMM_CUTLASS_TILE=cooperative-128x256-c2x1"
 """
 

@@ -4,7 +4,7 @@ Per benchmark shape: ``logits[T, E] = x[T, H] @ w[E, H]^T`` with fp32 output, de
 (median of 20, CUDA events) of ``torch.ops.lightning_moe_C.router_logits`` at each tile and of
 ``torch.mm(..., out_dtype=torch.float32)`` (cuBLAS), plus the largest deviation from the latter.
 
-    python benchmarks/router_gemm.py --shapes qwen3-30b-a3b deepseek-v3 mixtral-8x7b
+    python benchmarks/probes/router_gemm.py --shapes qwen3-30b-a3b deepseek-v3 mixtral-8x7b
 """
 
 from __future__ import annotations

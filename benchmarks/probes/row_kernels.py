@@ -7,7 +7,7 @@ timer (median of 20 after warm-up, CUDA events) and its bytes (each buffer read 
 are divided by that time; ``copy`` is ``torch.Tensor.copy_`` of an R x H buffer, the ceiling for a
 half-read half-written pass, and ``write`` (``fill_``) and ``read`` (``sum``) the one-sided ones.
 
-    python benchmarks/row_kernels.py --shapes qwen3-30b-a3b,deepseek-v3
+    python benchmarks/probes/row_kernels.py --shapes qwen3-30b-a3b,deepseek-v3
 """
 
 from __future__ import annotations

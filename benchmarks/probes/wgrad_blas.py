@@ -6,7 +6,7 @@ with one device memset per GEMM (513 a step, ~1.4 ms of GPU time). This times th
 weight under ``torch.backends.cuda.preferred_blas_library`` ``cublas`` and ``cublaslt`` and lists
 what one call runs on the device (kernel names, counts, ms), so the memsets' source shows.
 
-    python benchmarks/wgrad_blas.py --shape deepseek-v3
+    python benchmarks/probes/wgrad_blas.py --shape deepseek-v3
 """
 
 from __future__ import annotations

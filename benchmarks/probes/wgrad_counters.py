@@ -5,7 +5,7 @@ so ``ncu --launch-skip 1 --launch-count 1 -k regex:device_kernel`` catches the s
 
     ncu --clock-control none -k regex:device_kernel --launch-skip 1 --launch-count 1 \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis \\
-        python benchmarks/wgrad_counters.py --shape deepseek-v3 --weight w13 --arm cutlass:cooperative-c1x2
+        python benchmarks/probes/wgrad_counters.py --shape deepseek-v3 --weight w13 --arm cutlass:cooperative-c1x2
 
 Arms: ``grouped-fresh`` (``F.grouped_mm`` into a new buffer: the GEMM autograd runs, no addition)
 and ``cutlass:<tiling>`` (``ops/wgrad_cutlass.py``: the old gradient read and added in the

@@ -10,7 +10,7 @@ its side stream before returning), and the rest of the step.
 Arms: ``streams``, ``cutlass@<tiling>``, and ``w2=cutlass@<tiling>`` (w13 over the two-stream
 loop, w2 through CUTLASS).
 
-    python benchmarks/wgrad_in_layer.py --shape deepseek-v3 --arms streams,cutlass@cooperative-c1x2,w2=cutlass@cooperative-c1x2
+    python benchmarks/probes/wgrad_in_layer.py --shape deepseek-v3 --arms streams,cutlass@cooperative-c1x2,w2=cutlass@cooperative-c1x2
 """
 
 from __future__ import annotations

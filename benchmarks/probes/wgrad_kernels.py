@@ -11,7 +11,7 @@ Prints ms (median of 10 after warm-up, CUDA events), TFLOP/s, the bandwidth of r
 the gradient once, and each Triton tile's largest relative error against an fp32 reference on a few
 experts. ``--json`` writes the rows.
 
-    python benchmarks/wgrad_kernels.py --shapes deepseek-v3 mixtral-8x7b --json out.json
+    python benchmarks/probes/wgrad_kernels.py --shapes deepseek-v3 mixtral-8x7b --json out.json
 """
 
 from __future__ import annotations

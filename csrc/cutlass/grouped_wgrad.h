@@ -17,7 +17,7 @@ namespace cutlass_kernels {
 
 // The GEMM tilings built (output tile M x N; "cooperative": both consumer warp groups share one
 // tile; a cluster of two along N shares the x_e^T tile's loads through TMA multicast). H200,
-// benchmarks/wgrad_kernels.py: the clustered 256 x 128 tiling was fastest summed over both weights
+// benchmarks/probes/wgrad_kernels.py: the clustered 256 x 128 tiling was fastest summed over both weights
 // on DeepSeek-V3, Qwen3-30B-A3B and Mixtral; pingpong 128 x 128 tiles, clusters along M and wider
 // epilogue sub-tiles (128 x 64, 128 x 128: the Cooperative template's EpiN), 128 x 128 cooperative
 // tiles, 2 x 2 clusters and all of C loaded ahead (StagesC) were not faster summed over both

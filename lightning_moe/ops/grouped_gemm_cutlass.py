@@ -16,7 +16,7 @@ and data-gradient GEMM of the ``torch`` backend): ``LIGHTNING_MOE_GEMM_KERNEL`` 
 (default: CUTLASS ping-pong 64 x 256 for wide experts with few rows each, ``F.grouped_mm``
 otherwise), ``torch``
 (always ``F.grouped_mm``) or ``cutlass`` (CUTLASS wherever it applies, at
-``LIGHTNING_MOE_GEMM_CUTLASS_TILE``). Raced on the H200 (``benchmarks/expert_gemms.py``, the four
+``LIGHTNING_MOE_GEMM_CUTLASS_TILE``). Raced on the H200 (``benchmarks/probes/expert_gemms.py``, the four
 GEMMs of a layer, each in the layout the layer reads): DeepSeek-V3 (expert matrices of 29-59 MB,
 ~512 rows an expert) ping-pong 64 x 256 22.8 ms vs 26.8 for ``F.grouped_mm`` (-15 % on three of
 the four GEMMs, -6 % on the fourth); Qwen3-30B-A3B (3-6 MB, ~1024 rows) and Mixtral-8x7B (117-235

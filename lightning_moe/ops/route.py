@@ -10,7 +10,7 @@ Legend: T tokens, H hidden, E experts, K experts per token, R = T*K rows grouped
 Why one call: every step of a layer starts with these four, each a short kernel, and in a step
 that begins after a host synchronisation the device idles until the host has issued them all and
 reached the first expert GEMM. Issued from Python they cost four dispatcher round trips, the
-objects between them and a cold cuBLAS call (H200, Qwen3-30B-A3B, `benchmarks/host_path.py
+objects between them and a cold cuBLAS call (H200, Qwen3-30B-A3B, `benchmarks/probes/host_path.py
 --stages`: ~400 µs of host time from the router's GEMM to the rows' launch); one C++ call issues
 the same kernels back to back. The results are the same tensors the four ops return one by one
 (same kernels); only ``logits_TE`` carries autograd (to ``x_TH`` and ``w_EH``), the ids, the

@@ -9,7 +9,7 @@ gives the fp32 router's logits without upcasting ``x`` (no T*H fp32 copy, nothin
 (``csrc/router_gemm.cu``) when the extension is available and ``H % 8 == 0``: the router's GEMM
 is the first call of the layer's step, and a cuBLAS call made right after a host
 synchronisation costs ~100 µs more host time than a plain kernel launch while the device waits
-(H200, ``benchmarks/host_path.py --cold-sequence``); otherwise ``torch.mm(..., out_dtype=)``. In backward each gradient is produced in the dtype of the
+(H200, ``benchmarks/probes/host_path.py --cold-sequence``); otherwise ``torch.mm(..., out_dtype=)``. In backward each gradient is produced in the dtype of the
 tensor it belongs to: ``grad_x`` and ``grad_w`` are 16-bit, so their GEMMs take the fp32
 ``grad_logits`` rounded once to 16 bits and accumulate in fp32 — one extra rounding of the same
 size as the final one, for tensor-core speed instead of an fp32 GEMM. Elsewhere (CPU, fp32 weights,
