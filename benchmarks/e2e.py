@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 import traceback
@@ -488,7 +487,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
     ap.add_argument("--only", default=",".join(CONTENDERS), help=f"comma-separated subset of {CONTENDERS}")
     ap.add_argument("--strategy", default=None, help="lightning-moe strategy (default: folded_moe if importable)")
-    ap.add_argument("--out", default=None, help="JSON path (default: $OUT/e2e.json when $OUT is set)")
+    ap.add_argument("--out", default=None, help="JSON path (default: no file)")
     ap.add_argument("--profile", action="store_true",
                     help=f"CUDA: profile {PROFILE_STEPS} more steps per contender, print the top kernels")  # fmt: skip
     for f in fields(Shape):
@@ -502,7 +501,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         ap.error(f"--only: unknown {sorted(unknown)}; choose from {CONTENDERS}")
     report = run(shape, only, a.strategy, profile_kernels=a.profile)
-    out = a.out or (str(Path(os.environ["OUT"]) / "e2e.json") if os.environ.get("OUT") else None)
+    out = a.out
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=1, default=str))

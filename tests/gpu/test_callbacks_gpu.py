@@ -3,7 +3,7 @@
 Every test compares a run with the feature to the same run without it (same seed, same batches):
 losses and gradients equal (bitwise where the feature only moves or rebuilds data), plus the
 effect itself (bytes left the device, graphs replayed, no host sync in a static MoE layer).
-The figures of the acceptance criteria come from ``benchmarks/callbacks_bench.py``.
+The step-time and memory figures come from ``benchmarks/callbacks_bench.py``.
 """
 
 from __future__ import annotations
