@@ -1,0 +1,22 @@
+"""Byte-level language-modelling data: the embedded default corpus, windows, a resumable order.
+
+Pipeline (all deterministic for a given interpreter, path and seed):
+
+1. read    (``corpus.py``) the stdlib, a text file, a folder of ``*.txt``/``*.md``/``*.py`` files
+           (sorted by relative path, joined by ``SEPARATOR``) or a pre-tokenized 1-D integer
+           ``.npy``; cap the stream at ``max_bytes`` tokens.
+2. split   (``datamodule.py``) contiguous: the first ``1 - val_fraction`` of the stream trains,
+           the last ``val_fraction`` validates. No token is in both.
+3. window  (``datasets.py``) ``TokenDataset`` cuts each split into windows of ``seq_len + 1``
+           tokens, ``stride`` apart, as ``{"input_ids": w[:-1], "labels": w[1:]}`` int64 ``[seq_len]``.
+4. order   (``sampler.py``) epoch ``e`` is a permutation seeded ``seed + e``, dealt out over the
+           data-parallel ranks; the train loader's position is saved in checkpoints and restored.
+"""
+
+from lightning_moe.data.corpus import SEPARATOR, TEXT_SUFFIXES, VOCAB_SIZE, load_tokens, stdlib_corpus, stdlib_files
+from lightning_moe.data.datamodule import MoEDataModule
+from lightning_moe.data.datasets import TokenDataset
+from lightning_moe.data.sampler import ResumableDataLoader, ResumableSampler
+
+__all__ = ["SEPARATOR", "TEXT_SUFFIXES", "VOCAB_SIZE", "MoEDataModule", "ResumableDataLoader", "ResumableSampler"]
+__all__ += ["TokenDataset", "load_tokens", "stdlib_corpus", "stdlib_files"]

@@ -1,0 +1,143 @@
+"""MoEDataModule: byte-level LM data with a resumable, data-parallel training order."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader
+
+from lightning_moe.data.corpus import VOCAB_SIZE, load_tokens, missing_path
+from lightning_moe.data.datasets import TokenDataset
+from lightning_moe.data.sampler import ResumableDataLoader, ResumableSampler
+
+__all__ = ["MoEDataModule"]
+
+
+class MoEDataModule(LightningDataModule):
+    """Byte-level LM data from the stdlib corpus, text files, a folder or a ``.npy``.
+
+    Batches are ``{"input_ids": int64 [B, seq_len], "labels": int64 [B, seq_len]}``.
+
+    The train loader is a :class:`ResumableDataLoader`: its order depends only on ``seed``, the
+    epoch and the data-parallel rank/size the strategy reports (``distributed_sampler_kwargs``; DP
+    ranks, not the world, so tensor-parallel ranks of one replica read the same batches), and its
+    position is saved in Lightning checkpoints, so a run resumed mid-epoch continues with the next
+    unseen batch on every rank.
+
+    Args:
+        path: ``None`` for the embedded stdlib corpus; else a text file, a folder (all
+            ``*.txt``/``*.md``/``*.py`` below it, sorted) or a 1-D integer ``.npy``.
+        seq_len: tokens per training example.
+        batch_size: examples per batch on each rank.
+        val_fraction: the last fraction of the token stream, held out contiguously for
+            validation; in ``(0, 1)``.
+        max_bytes: cap on the token stream (one token per byte for text), keeping CPU runs
+            quick; ``None`` reads everything.
+        num_workers: DataLoader worker processes.
+        seed: seeds the training shuffle: epoch ``e`` is the permutation drawn from ``seed + e``,
+            dealt out over the strategy's data-parallel ranks.
+        vocab_size: 256 for bytes; raise it for a ``.npy`` made by a larger tokenizer.
+    """
+
+    def __init__(
+        self,
+        path: str | None = None,
+        seq_len: int = 128,
+        batch_size: int = 8,
+        val_fraction: float = 0.05,
+        max_bytes: int | None = 4_000_000,
+        num_workers: int = 0,
+        seed: int = 0,
+        vocab_size: int = VOCAB_SIZE,
+    ) -> None:
+        super().__init__()
+        if path is not None and not Path(path).exists():
+            raise missing_path(path)
+        for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("vocab_size", vocab_size)):
+            if value < 1:
+                raise ValueError(f"MoEDataModule: {name}={value} must be >= 1; use a positive int.")
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"MoEDataModule: val_fraction={val_fraction} must be in (0, 1); use e.g. 0.05.")
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"MoEDataModule: max_bytes={max_bytes} must be >= 1; use None to read everything.")
+        if num_workers < 0:
+            raise ValueError(f"MoEDataModule: num_workers={num_workers} must be >= 0; use 0 to load in-process.")
+        self.save_hyperparameters()
+        self.path = path
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.max_bytes = max_bytes
+        self.num_workers = num_workers
+        self.seed = seed
+        self._vocab_size = vocab_size
+        self.train_dataset: TokenDataset | None = None
+        self.val_dataset: TokenDataset | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of distinct token ids; the model's embedding size must be at least this."""
+        return self._vocab_size
+
+    def setup(self, stage: str | None = None) -> None:
+        # Read here, not in __init__, so building the module (e.g. by LightningCLI) stays instant.
+        # Every rank reads the same local bytes: nothing to download, so no prepare_data.
+        if self.train_dataset is not None:
+            return
+        tokens = load_tokens(self.path, self.max_bytes, self._vocab_size)
+        n = tokens.numel()
+        n_train = math.floor(n * (1.0 - self.val_fraction))
+        need = self.seq_len + 1
+        if min(n_train, n - n_train) < need:
+            total = math.ceil(need / min(self.val_fraction, 1.0 - self.val_fraction))
+            raise ValueError(
+                f"MoEDataModule: the corpus has {n} tokens, split into {n_train} train and {n - n_train} val "
+                f"(val_fraction={self.val_fraction}), but seq_len={self.seq_len} needs {need} tokens in each split "
+                f"(about {total} in total); lower seq_len, raise max_bytes, or supply more text."
+            )
+        self.train_dataset = TokenDataset(tokens[:n_train], self.seq_len)
+        self.val_dataset = TokenDataset(tokens[n_train:], self.seq_len)
+        if len(self.train_dataset) < self.batch_size:
+            raise ValueError(
+                f"MoEDataModule: the train split has {len(self.train_dataset)} windows of seq_len={self.seq_len}, "
+                f"fewer than batch_size={self.batch_size} (partial batches are dropped); lower batch_size or add text."
+            )
+
+    def _dp_rank_size(self) -> tuple[int, int]:
+        """``(rank, size)`` of data parallelism from the attached Trainer's strategy; ``(0, 1)`` alone."""
+        trainer = self.trainer  # None when the module is used without a Trainer
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
+        if not kwargs:
+            return 0, 1
+        return int(kwargs.get("rank", 0)), int(kwargs.get("num_replicas", 1))
+
+    def train_dataloader(self) -> ResumableDataLoader:
+        dataset = self._require(self.train_dataset)
+        rank, size = self._dp_rank_size()
+        if len(dataset) < self.batch_size * size:
+            raise ValueError(
+                f"MoEDataModule: the train split has {len(dataset)} windows, fewer than batch_size={self.batch_size} "
+                f"x {size} data-parallel ranks; lower batch_size or add text."
+            )
+        sampler = ResumableSampler(dataset, num_replicas=size, rank=rank, shuffle=True, seed=self.seed)
+        return ResumableDataLoader(dataset, sampler, batch_size=self.batch_size, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader[dict[str, torch.Tensor]]:
+        # In order and whole (the last partial batch too); under several ranks the Trainer inserts
+        # its unshuffled DistributedSampler.
+        return DataLoader(
+            self._require(self.val_dataset),
+            batch_size=self.batch_size,
+            shuffle=False,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    @staticmethod
+    def _require(dataset: TokenDataset | None) -> TokenDataset:
+        if dataset is None:
+            raise RuntimeError("MoEDataModule: a dataloader was requested before setup(); call dm.setup('fit') first.")
+        return dataset

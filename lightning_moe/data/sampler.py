@@ -1,0 +1,138 @@
+"""Resumable data order: a seeded, sharded sampler and a loader whose position is checkpointed.
+
+A training epoch is one permutation of the dataset, drawn from ``seed + epoch`` (the same on every
+rank), cut to a multiple of the data-parallel size and dealt out round-robin: data-parallel rank
+``r`` of ``R`` reads positions ``r, r + R, r + 2R, ...`` of the permutation (``DistributedSampler``'s
+order, which this sampler extends). One optimizer-free view of the run is therefore a single
+global stream, and a position in it is a count of samples all ranks together have consumed.
+
+:class:`ResumableDataLoader` counts the batches its iterator has handed out (what the training loop
+consumed, not what worker processes prefetched) and reports, via ``state_dict``, the epoch, the
+seed and that global position. Lightning saves it in the checkpoint (its fit loop stores the
+``state_dict`` of every train loader that has one) and calls ``load_state_dict`` on resume before
+the first iterator is made, so the resumed epoch continues with the next unseen batch on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+__all__ = ["ResumableDataLoader", "ResumableSampler"]
+
+_STATE_KEYS = ("seed", "epoch", "consumed", "shuffle", "dataset_len")
+
+
+class ResumableSampler(DistributedSampler):
+    """``DistributedSampler``'s order, able to start an epoch at a global sample position.
+
+    Being a ``DistributedSampler``, Lightning leaves it in place instead of inserting its own.
+
+    Args:
+        dataset: the map-style dataset (only its length is read).
+        num_replicas: data-parallel size (from the strategy's ``distributed_sampler_kwargs``).
+        rank: this process's data-parallel rank.
+        shuffle: a fresh permutation each epoch (``torch.randperm`` seeded ``seed + epoch``).
+        seed: the shuffling seed, identical on every rank.
+    """
+
+    def __init__(self, dataset: Dataset[Any], num_replicas: int = 1, rank: int = 0, shuffle: bool = True,
+                 seed: int = 0) -> None:  # fmt: skip
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ValueError(f"ResumableSampler: num_replicas={num_replicas!r} must be an int >= 1; pass the DP size.")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
+            raise ValueError(f"ResumableSampler: rank={rank!r} must be an int in [0, {num_replicas}); pass the DP rank.")
+        # drop_last: every rank reads the same number of samples, none of them twice.
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
+        self.start = 0  # global samples of ``epoch`` already consumed; the next iterator skips them
+
+    def set_epoch(self, epoch: int) -> None:
+        # A saved position belongs to its epoch: moving to another one starts that epoch afresh.
+        if epoch != self.epoch:
+            self.start = 0
+        super().set_epoch(epoch)
+
+    def global_order(self) -> torch.Tensor:
+        """This epoch's permutation, cut to ``total_size`` (a multiple of ``num_replicas``)."""
+        n = len(self.dataset)  # type: ignore[arg-type]
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(n, generator=g)
+        else:
+            order = torch.arange(n)
+        return order[: self.total_size]
+
+    def __iter__(self) -> Iterator[int]:
+        start, self.start = self.start, 0
+        order = self.global_order()
+        # After a change of data-parallel size ``start`` need not divide by it: every rank still
+        # reads the same count, and no sample of the remaining stream twice.
+        per_rank = (self.total_size - start) // self.num_replicas
+        mine = order[start + self.rank :: self.num_replicas][:per_rank]
+        return iter(mine.tolist())
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` over a :class:`ResumableSampler` whose position is a checkpointable state.
+
+    ``state_dict()`` = ``{"seed", "epoch", "consumed", "shuffle", "dataset_len"}``, where
+    ``consumed`` is the global number of samples (all data-parallel ranks) the current epoch's
+    iterator has handed out. ``load_state_dict`` makes the next iterator continue from there.
+    Lightning calls both (it treats any train loader with these two methods as resumable).
+    """
+
+    def __init__(self, dataset: Dataset[Any], sampler: ResumableSampler, batch_size: int, num_workers: int = 0) -> None:
+        if not isinstance(sampler, ResumableSampler):
+            raise TypeError(f"ResumableDataLoader: sampler={type(sampler).__name__} is not a ResumableSampler; wrap it.")
+        super().__init__(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            drop_last=True,  # static batch shapes (CUDA graphs, compile) and an exact position
+            num_workers=num_workers,
+            persistent_workers=num_workers > 0,
+        )
+        self._epoch_start = 0
+        self._batches_out = 0
+        self._counted_epoch = sampler.epoch  # the epoch the two counters above belong to
+
+    @property
+    def resumable_sampler(self) -> ResumableSampler:
+        return self.sampler  # type: ignore[return-value]
+
+    def __iter__(self) -> Iterator[Any]:
+        sampler = self.resumable_sampler
+        self._epoch_start, self._batches_out, self._counted_epoch = sampler.start, 0, sampler.epoch
+        return self._counted(super().__iter__())
+
+    def _counted(self, batches: Iterator[Any]) -> Iterator[Any]:
+        for batch in batches:
+            self._batches_out += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        s = self.resumable_sampler
+        if s.epoch != self._counted_epoch:  # set_epoch since the last iterator: nothing of it read yet
+            consumed = s.start
+        else:
+            consumed = self._epoch_start + self._batches_out * int(self.batch_size or 1) * s.num_replicas
+        return {"seed": s.seed, "epoch": s.epoch, "consumed": consumed, "shuffle": s.shuffle,
+                "dataset_len": len(s.dataset)}  # type: ignore[arg-type]  # fmt: skip
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        missing = [k for k in _STATE_KEYS if k not in state_dict]
+        if missing:
+            raise ValueError(f"ResumableDataLoader: state_dict lacks {missing}; pass a state saved by state_dict().")
+        s = self.resumable_sampler
+        for key, now in (("seed", s.seed), ("shuffle", s.shuffle), ("dataset_len", len(s.dataset))):  # type: ignore[arg-type]
+            if state_dict[key] != now:
+                raise ValueError(
+                    f"ResumableDataLoader: checkpoint {key}={state_dict[key]!r} but this loader has {key}={now!r}; "
+                    "resume with the data settings of the saved run (same data, seq_len, seed)."
+                )
+        s.set_epoch(int(state_dict["epoch"]))
+        s.start = int(state_dict["consumed"])
+        self._epoch_start, self._batches_out, self._counted_epoch = s.start, 0, s.epoch
