@@ -4,12 +4,12 @@ Every rank of ``torchrun --nproc_per_node=P`` is one EP rank holding
 ``E / P`` experts; each feeds its own ``--tokens`` tokens, routed top-``K`` by random logits (no
 expert twice per token), through each dispatcher named in ``--dispatchers``:
 
-* ``alltoall``: :class:`~lightning_moe.moe.dispatch_alltoall.AllToAllDispatcher` (NCCL uneven
+* ``alltoall``: :class:`~lightning_moe.moe.dispatch.alltoall.AllToAllDispatcher` (NCCL uneven
   all-to-all; one row per routed slot).
-* ``alltoall_dedup``: :class:`~lightning_moe.moe.dispatch_flex.FlexDispatcher` over
-  :class:`~lightning_moe.moe.exchange_alltoall.AllToAllTokenExchange` (NCCL, one row per
+* ``alltoall_dedup``: :class:`~lightning_moe.moe.dispatch.flex.FlexDispatcher` over
+  :class:`~lightning_moe.moe.dispatch.exchange_alltoall_dedup.AllToAllTokenExchange` (NCCL, one row per
   destination rank).
-* ``deepep`` / ``hybridep``: :class:`~lightning_moe.moe.dispatch_flex.FlexDispatcher` over
+* ``deepep`` / ``hybridep``: :class:`~lightning_moe.moe.dispatch.flex.FlexDispatcher` over
   DeepEP's normal-mode ``Buffer`` / ``HybridEPBuffer`` (one row per destination rank).
 
 **Parity** (no single-process run needed: the check is local and exact up to bf16). The "experts"
@@ -55,8 +55,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_moe.moe.dispatch_alltoall import AllToAllDispatcher
-from lightning_moe.moe.dispatch_flex import FlexDispatcher
+from lightning_moe.moe.dispatch.alltoall import AllToAllDispatcher
+from lightning_moe.moe.dispatch.flex import FlexDispatcher
 
 __all__ = ["build_dispatcher", "closed_form", "main", "routed_tokens"]
 
@@ -71,15 +71,15 @@ def build_dispatcher(kind: str, num_experts: int, group: dist.ProcessGroup) -> A
     if kind == "alltoall":
         return AllToAllDispatcher(num_experts, ep_group=group)
     if kind == "alltoall_dedup":
-        from lightning_moe.moe.exchange_alltoall import AllToAllTokenExchange
+        from lightning_moe.moe.dispatch.exchange_alltoall_dedup import AllToAllTokenExchange
 
         return FlexDispatcher(num_experts, ep_group=group, exchange=AllToAllTokenExchange(group))
     if kind == "deepep":
-        from lightning_moe.moe.exchange_deepep import DeepEPExchange, make_deep_ep_buffer
+        from lightning_moe.moe.dispatch.exchange_deepep import DeepEPExchange, make_deep_ep_buffer
 
         return FlexDispatcher(num_experts, ep_group=group, exchange=DeepEPExchange(make_deep_ep_buffer(group)))
     if kind == "hybridep":
-        from lightning_moe.moe.exchange_hybrid_ep import HybridEPExchange
+        from lightning_moe.moe.dispatch.exchange_hybrid_ep import HybridEPExchange
 
         return FlexDispatcher(num_experts, ep_group=group, exchange=HybridEPExchange(group, num_experts))
     raise ValueError(f"dispatch_exchange: dispatcher={kind!r} is not known; use alltoall, deepep or hybridep.")

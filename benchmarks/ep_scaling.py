@@ -5,7 +5,7 @@ residual MoE FFN layers (``x = x + moe(x)``; hidden 2048, 128 experts, top-8, ex
 softmax top-k renormalised, router in fp32, dropless, random router weights so the load is about
 balanced), bf16 on CUDA and fp32 on CPU, and feeds it its own ``--tokens`` tokens. The experts
 are cut to this rank's ``E/ep`` local experts and every layer's dispatcher is replaced by an
-:class:`~lightning_moe.moe.dispatch_alltoall.AllToAllDispatcher` over the EP group, by the
+:class:`~lightning_moe.moe.dispatch.alltoall.AllToAllDispatcher` over the EP group, by the
 package's own :func:`~lightning_moe.parallel.parallelize.parallelize_moe_model` (``fsdp=False``,
 so no FSDP collective is timed) on a :class:`~lightning_moe.parallel.mesh.FoldedMesh` of
 ``FoldedLayout(world_size=W, ep=--ep)``. With ``ep < W`` the EP groups are the default order's
@@ -22,8 +22,8 @@ Reported (JSON from rank 0, also printed):
 * ``tflops_per_gpu``: expert GEMMs only, ``18 * T * K * H * F`` per layer per rank (T tokens per
   rank, K top-k, H hidden, F expert FFN; fwd 6, bwd 12), over rank 0's median step.
 * ``a2a_ms`` and ``a2a_share``: the exposed all-to-all. Chosen method: a thin timing wrapper.
-  While a second series of steps runs, the name ``dist`` in ``lightning_moe.moe.comm`` and
-  ``lightning_moe.moe.dispatch_alltoall`` points at a stand-in whose ``all_to_all_single``
+  While a second series of steps runs, the name ``dist`` in ``lightning_moe.moe.dispatch.comm`` and
+  ``lightning_moe.moe.dispatch.alltoall`` points at a stand-in whose ``all_to_all_single``
   brackets the real call with two CUDA events on the current stream (``perf_counter`` on CPU);
   everything else passes through to ``torch.distributed``. The dispatcher does not overlap its
   exchange with compute, and a blocking NCCL collective makes the compute stream wait for it,
@@ -49,9 +49,9 @@ Reported (JSON from rank 0, also printed):
 * ``echo_spare`` (``--echo-spare N``, default 0: off). With N > 0 (needs ``ep == world_size > 1``),
   after the series above, ECHO expert cloning runs outside Lightning, mirroring
   :class:`~lightning_moe.callbacks.echo.ECHOExpertCloning`: every layer's dispatcher is wrapped in
-  an :class:`~lightning_moe.moe.dispatch_echo.EchoDispatcher` with N spare slots per rank; the
+  an :class:`~lightning_moe.moe.dispatch.echo.EchoDispatcher` with N spare slots per rank; the
   router counts of ``max(warmup, 1)`` steps are summed, all-reduced over EP, and
-  :func:`~lightning_moe.moe.echo_plan.plan_clones` (tolerance 0) runs per layer; then
+  :func:`~lightning_moe.moe.dispatch.echo_plan.plan_clones` (tolerance 0) runs per layer; then
   ``refresh_clones()``. One ECHO step = ``refresh_clones()`` (the callback's per-optimizer-step
   copy) + forward + backward + ``reduce_clone_grads(1.0)`` (no FSDP, so the expert gradient
   scale is 1). Reported: ``echo_step_ms`` (rank 0's median), ``echo_step_ms_max_rank``,
@@ -96,12 +96,12 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import lightning_moe.moe.comm as _comm_module
-import lightning_moe.moe.dispatch_alltoall as _a2a_module
+import lightning_moe.moe.dispatch.comm as _comm_module
+import lightning_moe.moe.dispatch.alltoall as _a2a_module
 from lightning_moe import FoldedLayout, MoEConfig, MoELayer
-from lightning_moe.moe.dispatch_alltoall import AllToAllDispatcher
-from lightning_moe.moe.dispatch_echo import EchoDispatcher
-from lightning_moe.moe.echo_plan import plan_clones
+from lightning_moe.moe.dispatch.alltoall import AllToAllDispatcher
+from lightning_moe.moe.dispatch.echo import EchoDispatcher
+from lightning_moe.moe.dispatch.echo_plan import plan_clones
 from lightning_moe.parallel.mesh import FoldedMesh
 from lightning_moe.parallel.parallelize import parallelize_moe_model
 

@@ -9,11 +9,11 @@ Stages (every rank runs them in the same order; collectives over each layer's EP
 
 1. ``on_train_start`` (after the strategy sharded the model): wrap every layer's dispatcher
    (``dispatcher="alltoall"`` or ``"alltoall_dedup"``) in an
-   :class:`~lightning_moe.moe.dispatch_echo.EchoDispatcher` (no clones yet).
+   :class:`~lightning_moe.moe.dispatch.echo.EchoDispatcher` (no clones yet).
 2. ``on_train_batch_end``: add each layer's routed counts (``last_tokens_per_expert``) to an
    ``[L, E]`` accumulator (no communication).
 3. First micro-batch of every optimizer step: every ``interval`` steps, all-reduce(EP) the
-   accumulated counts and run :func:`~lightning_moe.moe.echo_plan.plan_clones` per layer (the
+   accumulated counts and run :func:`~lightning_moe.moe.dispatch.echo_plan.plan_clones` per layer (the
    same result on every EP rank); then A2A(EP) the home experts' current weights into the clone
    slots (``refresh_clones``) — after *every* optimizer step, so clones never lag.
 4. ``on_before_optimizer_step`` (after all micro-batches' backward, before clipping and the
@@ -36,8 +36,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_moe.callbacks._layers import require_moe_layers
-from lightning_moe.moe.dispatch_echo import EchoDispatcher
-from lightning_moe.moe.echo_plan import plan_clones
+from lightning_moe.moe.dispatch.echo import EchoDispatcher
+from lightning_moe.moe.dispatch.echo_plan import plan_clones
 from lightning_moe.moe.layer import MoELayer
 
 __all__ = ["ECHOExpertCloning", "strategy_expert_grad_scale"]
@@ -105,7 +105,7 @@ class ECHOExpertCloning(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._layers = require_moe_layers("ECHOExpertCloning", pl_module)
         self._echo = []
-        ep_sizes = {int(getattr(layer.dispatcher, "ep_size", 1)) for _, layer in self._layers}
+        ep_sizes = {layer.dispatcher.ep_size for _, layer in self._layers}
         if ep_sizes == {1}:
             rank_zero_warn(
                 "ECHOExpertCloning: the MoE layers are not expert-parallel (ep=1), so there is no rank load to "

@@ -154,7 +154,7 @@ class MoEMonitor(Callback):
         # After strategy.setup: the dispatchers are the sharded ones now.
         self._layers = require_moe_layers("MoEMonitor", pl_module)
         dispatchers = [layer.dispatcher for _, layer in self._layers]
-        ep_sizes = {int(getattr(d, "ep_size", 1)) for d in dispatchers}
+        ep_sizes = {d.ep_size for d in dispatchers}
         if len(ep_sizes) != 1:
             raise ValueError(
                 f"MoEMonitor: the MoE layers use different EP sizes {sorted(ep_sizes)}; the monitor needs one EP size."

@@ -61,7 +61,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from lightning_moe.moe.dispatch import DispatchedTokens, LocalDispatcher, row_weights
+from lightning_moe.moe.dispatch import DispatchedTokens, DispatcherCapabilities, LocalDispatcher, row_weights
 from lightning_moe.moe.layer import MoELayer
 from lightning_moe.ops.deferred import resolved
 from lightning_moe.ops.grouped_gemm import gmm, offsets_from_counts
@@ -278,6 +278,9 @@ class _MoEActDispatcher:
         self.inner = inner
         self.scope = scope
         self.num_local_experts = inner.num_local_experts
+        # run_experts as the inner one has it, but without the router's permutation (this one builds
+        # its own, to announce the hidden state); never wrapped twice.
+        self.capabilities = DispatcherCapabilities(runs_experts=inner.capabilities.runs_experts)
 
     def dispatch(
         self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, capacity: int | None
@@ -289,11 +292,7 @@ class _MoEActDispatcher:
     def combine(self, y_RH: torch.Tensor, handle: Any, weighted: bool) -> torch.Tensor:
         return self.inner.combine(y_RH, handle, weighted)
 
-    @property
-    def run_experts(self) -> Callable[..., torch.Tensor] | None:
-        return self._run_experts if hasattr(self.inner, "run_experts") else None
-
-    def _run_experts(
+    def run_experts(
         self,
         x_TH: torch.Tensor,
         topk_ids_TK: torch.Tensor,
@@ -398,7 +397,7 @@ class RecomputeScope:
             self.active
             and self.plan.moe_act
             and isinstance(ffn, MoELayer)
-            and type(ffn.dispatcher) is LocalDispatcher  # rows from an all-to-all are not cheap to rebuild
+            and ffn.dispatcher.capabilities.rows_cheap_to_rebuild  # rows from an all-to-all are not cheap
         ):
             inner = ffn.dispatcher
             ffn.dispatcher = _MoEActDispatcher(inner, self)  # type: ignore[assignment]

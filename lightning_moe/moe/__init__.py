@@ -1,6 +1,6 @@
 """The MoE layer: pure PyTorch (no Lightning imports)."""
 
-from lightning_moe.moe.dispatch import DispatchedTokens, Dispatcher, LocalDispatcher
+from lightning_moe.moe.dispatch import DispatchedTokens, Dispatcher, DispatcherCapabilities, LocalDispatcher
 from lightning_moe.moe.experts import GroupedExperts
 from lightning_moe.moe.layer import MoELayer, SharedExpert
 from lightning_moe.moe.router import RouterOutput, TopKRouter
@@ -9,6 +9,7 @@ from lightning_moe.moe.utils import find_moe_layers, reset_global_aux_counts, se
 __all__ = [
     "DispatchedTokens",
     "Dispatcher",
+    "DispatcherCapabilities",
     "GroupedExperts",
     "LocalDispatcher",
     "MoELayer",

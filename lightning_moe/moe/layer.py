@@ -138,8 +138,8 @@ class MoELayer(nn.Module):
         )
         shared = _SharedOnSideStream(self.shared_expert, x_TH) if self._overlap_shared(x_TH) else None
         me = cfg.memory_efficient_permute
-        run_experts = getattr(self.dispatcher, "run_experts", None)
-        if me and run_experts is not None:  # the dispatcher fuses its three stages (fast path)
+        if me and self.dispatcher.capabilities.runs_experts:  # the dispatcher fuses its three stages (fast path)
+            run_experts = self.dispatcher.run_experts  # type: ignore[attr-defined]
             weights_TK = lambda: routing.topk_weights_TK  # noqa: E731  (read after the first expert GEMM's launch)
             if fused is not None:
                 y_TH = run_experts(x_TH, routing.topk_ids_TK, weights_TK, capacity, self.experts, fused[1], fused[2])
@@ -209,7 +209,7 @@ class MoELayer(nn.Module):
         cfg = self.config
         if not (cfg.memory_efficient_permute and cfg.capacity_factor is None):
             return None
-        if type(self.dispatcher) is not LocalDispatcher or not self.dispatcher.dropless:
+        if not self.dispatcher.capabilities.takes_router_permutation:
             return None
         return self.router.route_and_permute(x_TH)
 

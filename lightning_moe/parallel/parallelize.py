@@ -14,7 +14,7 @@ Stages of :func:`parallelize_moe_model` (collectives named with their group):
    ``w13`` column-parallel — each of the gate and up halves sharded, so the local block is
    ``[gate_j | up_j]`` — and ``w2`` row-parallel ``Shard(1)``); ``layer.dispatcher`` is
    *replaced* by the ``dispatcher`` kind's (default ``"alltoall_dedup"``: a :class:`FlexDispatcher`
-   over :class:`~lightning_moe.moe.exchange_alltoall.AllToAllTokenExchange`; ``"alltoall"``: an
+   over :class:`~lightning_moe.moe.dispatch.exchange_alltoall_dedup.AllToAllTokenExchange`; ``"alltoall"``: an
    :class:`AllToAllDispatcher`; or :class:`AllGatherDispatcher`, or a library exchange);
    ``layer.aux_loss_group`` becomes the ``dp_cp`` group;
 4. FSDP2 ``fully_shard``: experts over ``edp`` (``Shard(1)``, the H dim, so a rank with few
@@ -38,9 +38,9 @@ from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forwar
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
-from lightning_moe.moe.dispatch_allgather import AllGatherDispatcher
-from lightning_moe.moe.dispatch_alltoall import AllToAllDispatcher
-from lightning_moe.moe.dispatch_flex import FlexDispatcher
+from lightning_moe.moe.dispatch.allgather import AllGatherDispatcher
+from lightning_moe.moe.dispatch.alltoall import AllToAllDispatcher
+from lightning_moe.moe.dispatch.flex import FlexDispatcher
 from lightning_moe.moe.experts import GroupedExperts
 from lightning_moe.moe.layer import MoELayer
 from lightning_moe.parallel.grad import expert_grad_scale, install_expert_grad_scaling
@@ -273,14 +273,14 @@ def parallelize_moe_model(
 def _flex_exchange(dispatcher: str, ep_group: Any, num_experts: int) -> Any:
     """The library adapter behind ``dispatcher`` (its optional package is imported here)."""
     if dispatcher == "alltoall_dedup":
-        from lightning_moe.moe.exchange_alltoall import AllToAllTokenExchange
+        from lightning_moe.moe.dispatch.exchange_alltoall_dedup import AllToAllTokenExchange
 
         return AllToAllTokenExchange(ep_group)
     if dispatcher == "deepep":
-        from lightning_moe.moe.exchange_deepep import DeepEPExchange, make_deep_ep_buffer
+        from lightning_moe.moe.dispatch.exchange_deepep import DeepEPExchange, make_deep_ep_buffer
 
         return DeepEPExchange(make_deep_ep_buffer(ep_group))
-    from lightning_moe.moe.exchange_hybrid_ep import HybridEPExchange
+    from lightning_moe.moe.dispatch.exchange_hybrid_ep import HybridEPExchange
 
     return HybridEPExchange(ep_group, num_experts)
 

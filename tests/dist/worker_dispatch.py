@@ -15,12 +15,12 @@ import torch.distributed as dist
 from _fake_deep_ep import FakeDeepEPBuffer, FakeHybridEPBuffer
 
 from lightning_moe.moe.dispatch import LocalDispatcher
-from lightning_moe.moe.dispatch_allgather import AllGatherDispatcher
-from lightning_moe.moe.dispatch_alltoall import AllToAllDispatcher
-from lightning_moe.moe.dispatch_flex import FlexDispatcher
-from lightning_moe.moe.exchange_alltoall import AllToAllTokenExchange
-from lightning_moe.moe.exchange_deepep import DeepEPExchange
-from lightning_moe.moe.exchange_hybrid_ep import HybridEPExchange
+from lightning_moe.moe.dispatch.allgather import AllGatherDispatcher
+from lightning_moe.moe.dispatch.alltoall import AllToAllDispatcher
+from lightning_moe.moe.dispatch.exchange_alltoall_dedup import AllToAllTokenExchange
+from lightning_moe.moe.dispatch.exchange_deepep import DeepEPExchange
+from lightning_moe.moe.dispatch.exchange_hybrid_ep import HybridEPExchange
+from lightning_moe.moe.dispatch.flex import FlexDispatcher
 from lightning_moe.moe.experts import GroupedExperts
 from lightning_moe.parallel.layout import FoldedLayout
 from lightning_moe.parallel.mesh import FoldedMesh

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import pytest
 
-from lightning_moe.moe.exchange_deepep import make_deep_ep_buffer
-from lightning_moe.moe.exchange_hybrid_ep import HybridEPExchange
+from lightning_moe.moe.dispatch.exchange_deepep import make_deep_ep_buffer
+from lightning_moe.moe.dispatch.exchange_hybrid_ep import HybridEPExchange, warn_hybrid_ep_experimental
 from lightning_moe.parallel.parallelize import check_dispatcher
 from lightning_moe.strategies.fabric import FabricFoldedMoEStrategy
 from lightning_moe.strategies.folded_moe import FoldedMoEStrategy
@@ -38,3 +39,15 @@ def test_check_dispatcher_accepts_the_five_kinds() -> None:
         check_dispatcher(kind)
     with pytest.raises(ValueError, match="dispatcher='deep_ep' is unknown"):
         check_dispatcher("deep_ep")
+
+
+def test_hybrid_ep_warns_once_per_process_that_it_is_experimental() -> None:
+    warn_hybrid_ep_experimental.cache_clear()  # as if no Hybrid-EP exchange was built in this process yet
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            HybridEPExchange(_Group(), 8, make_buffer=lambda hidden, tokens: None)  # type: ignore[arg-type]
+    experimental = [w for w in caught if "experimental" in str(w.message)]
+    assert len(experimental) == 1
+    assert experimental[0].category is UserWarning
+    assert "dispatcher='hybridep' is experimental" in str(experimental[0].message)

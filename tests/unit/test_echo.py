@@ -19,8 +19,10 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning_moe.callbacks import ECHOExpertCloning
 from lightning_moe.lit import MoELanguageModel
 from lightning_moe.moe.dispatch import LocalDispatcher
-from lightning_moe.moe.dispatch_echo import EchoDispatcher
-from lightning_moe.moe.dispatch_flex import FlexDispatcher
+from lightning_moe.moe.dispatch.echo import EchoDispatcher
+from lightning_moe.moe.dispatch.exchange_deepep import DeepEPExchange
+from lightning_moe.moe.dispatch.exchange_hybrid_ep import HybridEPExchange
+from lightning_moe.moe.dispatch.flex import FlexDispatcher
 from lightning_moe.moe.experts import GroupedExperts
 from lightning_moe.moe.utils import find_moe_layers
 
@@ -78,8 +80,9 @@ class _TwoRanks:
 def test_echo_dispatcher_refuses_a_flex_exchange_that_cannot_carry_clones() -> None:
     """A library buffer sized for one expert count (Hybrid-EP) or untested with clones (DeepEP)."""
     experts = GroupedExperts(4, 16, 8, backend="loop")  # this rank's 4 of 8 experts
-    for name in ("deepep", "hybridep"):
-        exchange = SimpleNamespace(name=name, needs_bf16=True)
+    for cls in (DeepEPExchange, HybridEPExchange):  # their declared flag, on a stand-in without buffers
+        name = cls.name
+        exchange = SimpleNamespace(name=name, needs_bf16=True, takes_any_expert_count=cls.takes_any_expert_count)
         base = FlexDispatcher(8, ep_group=_TwoRanks(), exchange=exchange)  # type: ignore[arg-type]
         with pytest.raises(NotImplementedError, match=rf"\({name}\) cannot carry clones.*dispatcher='alltoall'"):
             EchoDispatcher(base, experts, 1)
@@ -97,7 +100,7 @@ def test_each_plan_uses_only_the_counts_routed_since_the_previous_plan(
 
     import lightning_moe.callbacks.echo as echo_mod
     from lightning_moe.config import MoEConfig
-    from lightning_moe.moe.dispatch_alltoall import AllToAllDispatcher
+    from lightning_moe.moe.dispatch.alltoall import AllToAllDispatcher
     from lightning_moe.moe.layer import MoELayer
 
     fake_world(0, 2)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_moe.metrics import max_over_mean
-from lightning_moe.moe.echo_plan import identity_plan, plan_clones
+from lightning_moe.moe.dispatch.echo_plan import identity_plan, plan_clones
 
 
 def test_two_hot_experts_on_one_rank_spread_to_the_three_idle_ranks() -> None:

@@ -29,19 +29,25 @@ from typing import Any, Protocol
 import torch
 from torch.distributed import ProcessGroup
 
-from lightning_moe.moe.comm import copy_to_group, reduce_from_group
-from lightning_moe.moe.dispatch import DispatchedTokens, row_weights
-from lightning_moe.moe.dispatch_ep import ExpertParallelDispatcher
+from lightning_moe.moe.dispatch.base import DispatchedTokens, row_weights
+from lightning_moe.moe.dispatch.comm import copy_to_group, reduce_from_group
+from lightning_moe.moe.dispatch.ep import ExpertParallelDispatcher
 from lightning_moe.ops.permute import Permutation, build_permutation, permute_rows, unpermute_sum
 
 __all__ = ["FlexDispatcher", "FlexHandle", "TokenExchange"]
 
 
 class TokenExchange(Protocol):
-    """One communication library's dispatch and combine, without autograd."""
+    """One communication library's dispatch and combine, without autograd.
+
+    ``needs_bf16``: the library moves bfloat16 rows only. ``takes_any_expert_count``: the
+    ``num_experts`` of each ``dispatch`` call may differ from the one the exchange was built for
+    (no buffer sized by the expert count), so ECHO can route over extra clone slots through it.
+    """
 
     name: str
     needs_bf16: bool
+    takes_any_expert_count: bool
 
     def dispatch(
         self, x_TH: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor, num_experts: int
@@ -113,7 +119,7 @@ class FlexDispatcher(ExpertParallelDispatcher):
         ep_group: the expert-parallel group.
         etp_group: the expert-tensor-parallel group when each expert's F dimension is sharded
             (``None``: ETP is 1); its ranks must hold identical tokens, as for the all-to-all.
-        exchange: the library adapter (``moe.exchange_deepep``, ``moe.exchange_hybrid_ep``).
+        exchange: the library adapter (``exchange_deepep.py``, ``exchange_hybrid_ep.py``).
     """
 
     def __init__(

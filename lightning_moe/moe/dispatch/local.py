@@ -1,48 +1,24 @@
-"""Token dispatchers: move routed tokens to their experts and back.
+"""The local dispatcher: all E experts on this rank, no communication.
 
-Legend: T tokens, H hidden, K slots per token, E experts in total, e local experts, R rows the
-local experts process.
+Legend: T tokens, H hidden, K slots per token, E experts in total, R rows the experts process.
 
-Every dispatcher has the same two calls, so the layer never asks whether it is distributed:
-
-* ``dispatch(x_TH, topk_ids_TK, topk_weights_TK, capacity) -> (DispatchedTokens, handle)``
-  — rows grouped by local expert (``x_RH``), rows per local expert, and each row's weight.
-* ``combine(y_RH, handle, weighted) -> y_TH`` — rows back in token order, summed over the K
-  slots; ``weighted=False`` when the weight was already applied inside the experts.
-
-Dispatchers are not ``nn.Module``s: they hold no parameters, only process groups. The
-:class:`LocalDispatcher` (one rank holds all experts) is what layers are built with;
-``parallel/parallelize.py`` replaces it with an expert-parallel one.
+The :class:`LocalDispatcher` is what layers are built with; ``parallel/parallelize.py``
+replaces it with an expert-parallel one (``moe/dispatch/alltoall.py``, ``allgather.py``,
+``flex.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from lightning_moe.moe.dispatch.base import DispatchedTokens, DispatcherCapabilities, row_weights
 from lightning_moe.ops.deferred import Deferred, resolved
 from lightning_moe.ops.permute import Permutation, build_permutation, permute_rows, unpermute_sum
 
-__all__ = ["DispatchedTokens", "Dispatcher", "LocalDispatcher", "LocalHandle"]
-
-
-@dataclass(frozen=True)
-class DispatchedTokens:
-    x_RH: torch.Tensor
-    tokens_per_expert_e: torch.Tensor  # rows per local expert (int64, on x's device)
-    weights_R: torch.Tensor  # fp32 routing weight of each row (0 for padding rows)
-
-
-class Dispatcher(Protocol):
-    num_local_experts: int
-
-    def dispatch(
-        self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, capacity: int | None
-    ) -> tuple[DispatchedTokens, Any]: ...
-
-    def combine(self, y_RH: torch.Tensor, handle: Any, weighted: bool) -> torch.Tensor: ...
+__all__ = ["LocalDispatcher", "LocalHandle"]
 
 
 @dataclass(frozen=True)
@@ -51,29 +27,26 @@ class LocalHandle:
     topk_weights_TK: torch.Tensor
 
 
-def row_weights(topk_weights_TK: torch.Tensor, perm: Permutation, dropless: bool = False) -> torch.Tensor:
-    """Weight of every row (0 for padding); differentiable w.r.t. ``topk_weights_TK``.
-
-    ``dropless`` (and not padded): every row has a slot, so no mask is needed.
-    """
-    slot_R = perm.slot_of_row_R
-    if dropless and not perm.padded:
-        return topk_weights_TK.reshape(-1).index_select(0, slot_R)
-    w_R = topk_weights_TK.reshape(-1).index_select(0, slot_R.clamp(min=0))
-    return w_R * (slot_R >= 0)
-
-
 class LocalDispatcher:
     """All E experts live on this rank.
 
     Stages: 1. build the permutation (stable sort of slots by expert); 2. gather rows;
     combine: 3. weighted gather-sum back to token order. No communication.
+
+    Capabilities: ``run_experts`` (the three stages in one autograd node), the router's fused
+    permutation when ``dropless``, and rows that recompute may gather again.
     """
+
+    ep_size = 1
+    ep_group = None
 
     def __init__(self, num_experts: int, dropless: bool = False) -> None:
         self.num_experts = num_experts
         self.num_local_experts = num_experts
         self.dropless = dropless  # no slot is ever dropped: row count known without a sync
+        self.capabilities = DispatcherCapabilities(
+            runs_experts=True, takes_router_permutation=dropless, rows_cheap_to_rebuild=True
+        )
 
     def dispatch(
         self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, capacity: int | None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch.distributed import ProcessGroup
 
+from lightning_moe.moe.dispatch.base import NO_EXTRAS, DispatcherCapabilities
+
 __all__ = ["ExpertParallelDispatcher"]
 
 
@@ -16,7 +18,12 @@ class ExpertParallelDispatcher:
         etp_group: the expert-tensor-parallel group when each expert's F dimension is sharded
             (``None``: ETP is 1). Its ranks hold identical tokens (tensor-parallel replicas);
             ``parallel/parallelize.py`` checks that.
+
+    Capabilities: none beyond ``dispatch`` / ``combine`` (the rows come over the network, so
+    recompute keeps them, and there is no fused expert call).
     """
+
+    capabilities: DispatcherCapabilities = NO_EXTRAS
 
     def __init__(self, num_experts: int, *, ep_group: ProcessGroup, etp_group: ProcessGroup | None = None) -> None:
         ep = ep_group.size()

@@ -1,4 +1,8 @@
-"""Hybrid-EP (DeepEP's ``HybridEPBuffer``) as a :class:`~lightning_moe.moe.dispatch_flex.TokenExchange`.
+"""Hybrid-EP (DeepEP's ``HybridEPBuffer``) as a :class:`~lightning_moe.moe.dispatch.flex.TokenExchange`.
+
+**Experimental.** This adapter has not yet run against the real library on hardware; selecting it
+(``dispatcher="hybridep"``) warns once per process. ``"deepep"`` and ``"alltoall_dedup"`` are the
+tested exchanges.
 
 Hybrid-EP routes by a dense map: ``dispatch(hidden=, routing_map=, probs=)`` (``[T, E]``, built here
 so that dropped slots take no column) returns the
@@ -14,13 +18,27 @@ library's probability layout is ``[M, E]`` rather than ``[M, e]``, the local col
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup
 
-__all__ = ["HybridEPExchange"]
+__all__ = ["HybridEPExchange", "warn_hybrid_ep_experimental"]
+
+
+@functools.cache
+def warn_hybrid_ep_experimental() -> None:
+    """Warn, once per process, that the Hybrid-EP exchange is experimental."""
+    warnings.warn(
+        "HybridEPExchange: dispatcher='hybridep' is experimental; it has not yet run against DeepEP's Hybrid-EP "
+        "library on hardware (only against a CPU stand-in). Use dispatcher='deepep' or 'alltoall_dedup' for "
+        "tested token exchange.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _hybrid_ep_buffer_class() -> Any:
@@ -50,11 +68,16 @@ class _Layout:
 
 
 class HybridEPExchange:
-    """Adapts ``HybridEpBuffer`` (or ``make_buffer(hidden, max_tokens)``, a stand-in) to the flex dispatcher."""
+    """Adapts ``HybridEpBuffer`` (or ``make_buffer(hidden, max_tokens)``, a stand-in) to the flex dispatcher.
+
+    Experimental (not yet run on hardware): constructing one warns once per process.
+    """
 
     name = "hybridep"
+    takes_any_expert_count = False
 
     def __init__(self, group: ProcessGroup, num_experts: int, make_buffer: Any | None = None) -> None:
+        warn_hybrid_ep_experimental()
         self.group = group
         self.num_experts = num_experts
         self.num_local_experts = num_experts // group.size()

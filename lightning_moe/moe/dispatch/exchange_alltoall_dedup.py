@@ -3,9 +3,9 @@
 Legend: T tokens, H hidden, K slots per token, E experts, P ranks of the EP group, e = E/P local
 experts, N (token, rank) pairs this rank sends, M tokens it receives.
 
-:class:`~lightning_moe.moe.dispatch_alltoall.AllToAllDispatcher` sends one row per routed *slot*:
+:class:`~lightning_moe.moe.dispatch.alltoall.AllToAllDispatcher` sends one row per routed *slot*:
 a token whose K experts sit on one rank crosses the link K times. This exchange, behind
-:class:`~lightning_moe.moe.dispatch_flex.FlexDispatcher` (the DeepEP shape, on plain NCCL or gloo),
+:class:`~lightning_moe.moe.dispatch.flex.FlexDispatcher` (the DeepEP shape, on plain NCCL or gloo),
 sends a token once to every rank holding at least one of its experts, with its K routing columns
 made local there (``-1`` elsewhere); the receiving rank expands it to slots, and combine sends back
 one partial sum per (token, rank). Bytes over the links: ``H`` per (token, rank) pair instead of
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ProcessGroup
 
-from lightning_moe.moe.comm import exchange_rows
+from lightning_moe.moe.dispatch.comm import exchange_rows
 
 __all__ = ["AllToAllTokenExchange"]
 
@@ -43,6 +43,7 @@ class AllToAllTokenExchange:
     """One row per (token, destination rank) over ``group`` with ``torch.distributed.all_to_all_single``."""
 
     name = "alltoall_dedup"
+    takes_any_expert_count = True
     needs_bf16 = False
 
     def __init__(self, group: ProcessGroup) -> None:

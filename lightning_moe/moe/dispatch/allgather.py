@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lightning_moe.moe.comm import all_gather_rows, copy_to_group, reduce_from_group, reduce_scatter_rows
-from lightning_moe.moe.dispatch import DispatchedTokens, row_weights
-from lightning_moe.moe.dispatch_ep import ExpertParallelDispatcher
+from lightning_moe.moe.dispatch.base import DispatchedTokens, row_weights
+from lightning_moe.moe.dispatch.comm import all_gather_rows, copy_to_group, reduce_from_group, reduce_scatter_rows
+from lightning_moe.moe.dispatch.ep import ExpertParallelDispatcher
 from lightning_moe.ops.permute import Permutation, build_permutation, permute_rows, unpermute_sum
 
 __all__ = ["AllGatherDispatcher", "AllGatherHandle"]

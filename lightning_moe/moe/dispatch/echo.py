@@ -4,12 +4,12 @@ Legend: T tokens, H hidden, F expert FFN width, K slots per token, P ranks of th
 e home experts per rank, S spare slots per rank, R rows this rank's home experts process, C rows
 its clone slots process.
 
-It wraps the layer's :class:`~lightning_moe.moe.dispatch_alltoall.AllToAllDispatcher` (or its
-:class:`~lightning_moe.moe.dispatch_flex.FlexDispatcher` over the deduplicating
+It wraps the layer's :class:`~lightning_moe.moe.dispatch.alltoall.AllToAllDispatcher` (or its
+:class:`~lightning_moe.moe.dispatch.flex.FlexDispatcher` over the deduplicating
 ``alltoall_dedup`` exchange, which takes any expert count per call) and keeps the layer unchanged: the layer's experts still see only their e home experts. Without a plan
 (``plan is None``) every call goes to the wrapped dispatcher as is.
 
-Stages of ``dispatch`` with a plan (:class:`~lightning_moe.moe.echo_plan.EchoPlan`):
+Stages of ``dispatch`` with a plan (:class:`~lightning_moe.moe.dispatch.echo_plan.EchoPlan`):
 
 1. physical ids (local): ``plan.physical_ids`` splits each hot expert's slots between its home
    and its clones (no communication);
@@ -45,10 +45,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lightning_moe.moe.dispatch import DispatchedTokens
-from lightning_moe.moe.dispatch_alltoall import AllToAllDispatcher, AllToAllHandle
-from lightning_moe.moe.dispatch_flex import FlexDispatcher
-from lightning_moe.moe.echo_plan import EchoPlan
+from lightning_moe.moe.dispatch.alltoall import AllToAllDispatcher, AllToAllHandle
+from lightning_moe.moe.dispatch.base import NO_EXTRAS, DispatchedTokens, DispatcherCapabilities
+from lightning_moe.moe.dispatch.echo_plan import EchoPlan
+from lightning_moe.moe.dispatch.flex import FlexDispatcher
 from lightning_moe.moe.experts import GroupedExperts
 from lightning_moe.ops.expert_mlp import expert_swiglu_mlp
 from lightning_moe.ops.grouped_gemm import offsets_from_counts
@@ -68,14 +68,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-_RESIZABLE_EXCHANGES = ("alltoall_dedup",)  # exchanges that take any expert count per call (checked in tests)
-
-
 def physical_dispatcher(base: Any, num_slots: int) -> AllToAllDispatcher | FlexDispatcher:
     """A dispatcher of ``base``'s kind, over the same EP group, for ``num_slots`` expert slots."""
     if isinstance(base, AllToAllDispatcher):
         return AllToAllDispatcher(num_slots, ep_group=base.ep_group)
-    if isinstance(base, FlexDispatcher) and base.exchange.name in _RESIZABLE_EXCHANGES:
+    if isinstance(base, FlexDispatcher) and base.exchange.takes_any_expert_count:
         return FlexDispatcher(num_slots, ep_group=base.ep_group, exchange=base.exchange)
     name = base.exchange.name if isinstance(base, FlexDispatcher) else type(base).__name__
     raise NotImplementedError(
@@ -101,7 +98,11 @@ class EchoDispatcher:
             EP group and exchange are reused; ETP is not supported).
         experts: the layer's experts (home weights, GEMM backend and shapes).
         spare_slots: S.
+
+    Capabilities: none beyond ``dispatch`` / ``combine`` (like the expert-parallel dispatcher it wraps).
     """
+
+    capabilities: DispatcherCapabilities = NO_EXTRAS
 
     def __init__(self, base: AllToAllDispatcher | FlexDispatcher, experts: GroupedExperts, spare_slots: int) -> None:
         if base.etp_group is not None:
@@ -175,7 +176,8 @@ class EchoDispatcher:
         w_C = None if weighted else handle.weights_C
         with torch.autocast(device_type=device_type, enabled=False):
             return expert_swiglu_mlp(
-                x_CH.to(dtype), self.clone_w13.to(dtype), self.clone_w2.to(dtype), offs_S, w_C, backend
+                x_CH.to(dtype), self.clone_w13.to(dtype), self.clone_w2.to(dtype), offs_S, w_C, backend,
+                self.experts.gemm_kernel, self.experts.gemm_tile, self.experts.wgrad_kernel,
             )
 
     # --- clone weights and gradients (collectives over the EP group) ------------------------------

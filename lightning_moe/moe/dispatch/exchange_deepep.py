@@ -1,4 +1,4 @@
-"""DeepEP (normal mode) as a :class:`~lightning_moe.moe.dispatch_flex.TokenExchange`.
+"""DeepEP (normal mode) as a :class:`~lightning_moe.moe.dispatch.flex.TokenExchange`.
 
 DeepEP's ``Buffer``: ``get_dispatch_layout`` (tokens per rank and expert, which rank gets which
 token), ``dispatch`` (received tokens with their top-k ids made local, ``-1`` elsewhere, and
@@ -40,6 +40,7 @@ class DeepEPExchange:
     """Adapts a ``deep_ep.Buffer`` (or a stand-in with its methods) to the flex dispatcher."""
 
     name = "deepep"
+    takes_any_expert_count = False
 
     def __init__(self, buffer: Any) -> None:
         self.buffer = buffer
