@@ -82,13 +82,17 @@ def main(args: list[str] | None = None) -> None:
         argv = resolve_config_args(argv)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None  # one line on stderr, exit status 1; no traceback
+    if args is None:
+        # LightningCLI warns when given args besides a command line; and launchers that start
+        # more ranks re-run sys.argv, which then names the resolved recipe file.
+        sys.argv[1:] = argv
     MoECLI(
         MoELanguageModelBase,
         MoEDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
-        args=argv,
+        args=None if args is None else argv,
     )
 
 
