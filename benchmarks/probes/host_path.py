@@ -94,7 +94,7 @@ _STAGES = (
     ("lightning_moe.moe.router", "route"),
     ("lightning_moe.moe.router", "router_logits"),
     ("lightning_moe.moe.router:TopKRouter", "_select"),
-    ("lightning_moe.moe.dispatch", "build_permutation"),
+    ("lightning_moe.moe.dispatch.local", "build_permutation"),
     ("lightning_moe.moe.experts:GroupedExperts", "forward_local"),
     ("lightning_moe.ops.local_experts", "WgradFusion"),
     ("lightning_moe.ops.local_experts", "_expert_rows_impl"),
