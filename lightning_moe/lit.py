@@ -1,29 +1,39 @@
-"""MoELanguageModel: the LightningModule that trains an :class:`MoETransformer`.
+"""The LightningModules: :class:`MoELanguageModelBase` and :class:`MoELanguageModel`.
 
-It logs ``train/loss``, ``train/ppl``, every aux loss summed over layers, and the per-layer load
+:class:`MoELanguageModelBase` holds what every causal-LM module of this package shares; a
+subclass builds its network as ``self.model`` in its own ``__init__`` and defines ``forward``
+(``input_ids`` -> logits). :class:`MoELanguageModel` trains an :class:`MoETransformer`;
+:class:`~lightning_moe.lit_hf.HFMoELanguageModel` an HF model with our MoE layers swapped in.
+
+The base logs ``train/loss``, ``train/ppl``, every aux loss summed over layers, and the per-layer load
 imbalance ``max(c)/mean(c)`` of routed tokens per expert; ``val/loss`` and ``val/ppl``.
 ``train/loss`` and the ``val/`` values are means over all ranks (one all-reduce each): tensor- and
 context-parallel ranks of one data-parallel replica hold equal shares, so this is the DP mean, the
 number a one-process run would log. ``train/ppl`` and the aux losses are logged unsynchronised
 (rank 0's value reaches the logger). It also keeps the MoE layers' bookkeeping in step with the
 optimizer: aux-loss gradient scale (``1/accumulate_grad_batches``, times the fp16 loss scale),
-expert-bias updates and global-aux-loss counts, once per optimizer step.
+expert-bias updates and global-aux-loss counts, once per optimizer step. ``self.device_mesh`` is the
+strategy's device mesh (``strategy="folded_moe"``: the dense mesh) from ``configure_model`` on.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+from typing_extensions import override
 
 from lightning_moe.models.transformer import MoETransformer, TransformerConfig
 from lightning_moe.moe.utils import find_moe_layers, reset_global_aux_counts, set_aux_loss_scale, update_expert_biases
 
-__all__ = ["MoELanguageModel"]
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["MoELanguageModel", "MoELanguageModelBase", "check_optimizer_impl", "check_wgrad_fusion"]
 
 _OPTIMIZER_IMPLS = ("auto", "fused", "foreach")
 
@@ -57,11 +67,13 @@ def _adamw_kernels(impl: str, params: list[torch.Tensor]) -> dict[str, bool]:
     return {"fused": True} if impl == "fused" else {"foreach": True} if impl == "foreach" else {}
 
 
-class MoELanguageModel(L.LightningModule):
-    """Causal language modelling on ``batch["input_ids"]`` / ``batch["labels"]``.
+class MoELanguageModelBase(L.LightningModule):
+    """Causal language modelling on ``batch["input_ids"]`` / ``batch["labels"]`` (labels shifted).
+
+    A subclass builds ``self.model`` (the network whose MoE layers are logged and kept in step)
+    after calling this ``__init__``, then saves its hyper-parameters, and defines ``forward``.
 
     Args:
-        model: the transformer's shape (vocabulary, layers, MoE config).
         learning_rate: peak AdamW learning rate.
         weight_decay: AdamW weight decay (not applied to norms and the router's expert bias).
         warmup_steps: linear warm-up steps, then cosine decay to 10 % over ``max_steps``.
@@ -71,9 +83,10 @@ class MoELanguageModel(L.LightningModule):
             ``auto`` = fused when every parameter is on CUDA, else torch's default.
     """
 
+    model: torch.nn.Module
+
     def __init__(
         self,
-        model: TransformerConfig,
         learning_rate: float = 3e-3,
         weight_decay: float = 0.1,
         warmup_steps: int = 20,
@@ -82,21 +95,33 @@ class MoELanguageModel(L.LightningModule):
         optimizer_impl: str = "auto",
     ) -> None:
         super().__init__()
-        check_optimizer_impl(optimizer_impl, "MoELanguageModel")
-        self.save_hyperparameters()
-        self.config = model
-        self.model = MoETransformer(model)
+        check_optimizer_impl(optimizer_impl, type(self).__name__)
         self.val_history: list[tuple[int, float]] = []
         self._val_sum = torch.zeros(2)
 
+    @property
+    @override
+    def device_mesh(self) -> DeviceMesh | None:
+        """The Trainer strategy's device mesh (``strategy="folded_moe"``: the dense mesh, axes ``pp dp cp tp``).
+
+        Read it in ``configure_model`` or a later hook: under a strategy that builds a mesh, reading
+        it before the strategy's ``setup_environment`` raises ``RuntimeError``. ``None`` when the
+        module is not attached to a Trainer or its strategy has no mesh (one device, DDP).
+        """
+        if self._trainer is None:
+            return None
+        strategy = self._trainer.strategy
+        if not hasattr(type(strategy), "device_mesh"):
+            return None
+        return strategy.device_mesh  # type: ignore[attr-defined]
+
     # --- Lightning hooks ---------------------------------------------------------------------
 
+    @override
     def setup(self, stage: str) -> None:
         check_wgrad_fusion(self, self.trainer.strategy)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids)
-
+    @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         set_aux_loss_scale(self.model, self._aux_loss_scale())
         loss = self._lm_loss(batch)
@@ -105,6 +130,7 @@ class MoELanguageModel(L.LightningModule):
         self._log_moe_stats()
         return loss
 
+    @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._lm_loss(batch)
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
@@ -112,20 +138,24 @@ class MoELanguageModel(L.LightningModule):
         self._val_sum += torch.stack([loss.detach().float().cpu(), torch.ones(())])
         return loss
 
+    @override
     def on_validation_epoch_start(self) -> None:
         self._val_sum.zero_()
 
+    @override
     def on_validation_epoch_end(self) -> None:
         # Kept also during the sanity check, which gives the loss before the first step.
         if self._val_sum[1] > 0:
             self.val_history.append((self.global_step, float(self._val_sum[0] / self._val_sum[1])))
 
+    @override
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         group = getattr(self.trainer.strategy, "expert_bias_group", None) if self._trainer is not None else None
         update_expert_biases(self.model, group)
         reset_global_aux_counts(self.model)
 
+    @override
     def configure_optimizers(self) -> Any:
         decay, no_decay = [], []
         for name, p in self.named_parameters():
@@ -146,7 +176,7 @@ class MoELanguageModel(L.LightningModule):
     # --- helpers -----------------------------------------------------------------------------
 
     def _lm_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits_BSV = self.model(batch["input_ids"])
+        logits_BSV = self(batch["input_ids"])
         return F.cross_entropy(logits_BSV.flatten(0, 1).float(), batch["labels"].flatten())
 
     def _aux_loss_scale(self) -> float:
@@ -169,6 +199,35 @@ class MoELanguageModel(L.LightningModule):
                 self.log(f"load_imbalance/{name}", counts.max() / counts.mean().clamp(min=1e-9))
         for key, value in totals.items():
             self.log(f"train/{key}", value)
+
+
+class MoELanguageModel(MoELanguageModelBase):
+    """Causal language modelling with an :class:`MoETransformer`.
+
+    Args:
+        model: the transformer's shape (vocabulary, layers, MoE config).
+        learning_rate, weight_decay, warmup_steps, betas, log_layer_load, optimizer_impl: as in
+            :class:`MoELanguageModelBase`.
+    """
+
+    def __init__(
+        self,
+        model: TransformerConfig,
+        learning_rate: float = 3e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 20,
+        betas: tuple[float, float] = (0.9, 0.95),
+        log_layer_load: bool = True,
+        optimizer_impl: str = "auto",
+    ) -> None:
+        super().__init__(learning_rate, weight_decay, warmup_steps, betas, log_layer_load, optimizer_impl)
+        self.save_hyperparameters()
+        self.config = model
+        self.model = MoETransformer(model)
+
+    @override
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids)
 
 
 def _warmup_cosine(warmup: int, total: int):  # noqa: ANN202 - returns a LambdaLR schedule

@@ -4,9 +4,8 @@ The model comes from an HF config given inline (a dict with ``model_type``, e.g.
 from a local checkpoint directory (``config.json`` + safetensors). Its sparse-MoE blocks are
 swapped for :class:`~lightning_moe.models.hf.HFMoELayer` (same weights, same routing), so the
 ``folded_moe`` strategy and the callbacks see ordinary :class:`MoELayer` s. Everything else —
-logging, aux-loss scaling, expert-bias updates, AdamW with warm-up + cosine — is inherited from
-:class:`~lightning_moe.lit.MoELanguageModel`, which is also why ``lightning-moe fit`` accepts it
-(the CLI's model must subclass it).
+logging, aux-loss scaling, expert-bias updates, AdamW with warm-up + cosine — comes from
+:class:`~lightning_moe.lit.MoELanguageModelBase`, the base ``lightning-moe fit`` accepts models of.
 
 Batches are ``{"input_ids", "labels"}`` with labels already shifted (``MoEDataModule``), so the
 loss is computed here from the logits and HF's own label shifting is not used.
@@ -17,12 +16,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import lightning as L
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+from typing_extensions import override
 
-from lightning_moe.lit import MoELanguageModel, check_optimizer_impl
+from lightning_moe.lit import MoELanguageModelBase
 
 __all__ = ["HFMoELanguageModel", "build_hf_model", "hf_config_from"]
 
@@ -82,7 +80,7 @@ def build_hf_model(
     return AutoModelForCausalLM.from_config(config, **kwargs)
 
 
-class HFMoELanguageModel(MoELanguageModel):
+class HFMoELanguageModel(MoELanguageModelBase):
     """Causal LM training of an HF MoE model whose MoE blocks are swapped for ours.
 
     Args:
@@ -99,7 +97,7 @@ class HFMoELanguageModel(MoELanguageModel):
             (:func:`~lightning_moe.models.hf_norms.swap_rms_norms`: same weights and checkpoint
             keys; in bf16 outputs differ from transformers' by about one unit in the last place).
         learning_rate, weight_decay, warmup_steps, betas, log_layer_load, optimizer_impl: as in
-            :class:`~lightning_moe.lit.MoELanguageModel`.
+            :class:`~lightning_moe.lit.MoELanguageModelBase`.
     """
 
     def __init__(
@@ -119,12 +117,8 @@ class HFMoELanguageModel(MoELanguageModel):
         optimizer_impl: str = "auto",
         fused_norms: bool = True,
     ) -> None:
-        hparams = {k: v for k, v in locals().items() if k != "self"}
-        check_optimizer_impl(optimizer_impl, "HFMoELanguageModel")
-        # Skip MoELanguageModel.__init__ (it builds an MoETransformer); keep its state fields. Without
-        # a zero-argument super() Lightning cannot find the init arguments, so they are passed.
-        L.LightningModule.__init__(self)
-        self.save_hyperparameters(hparams)
+        super().__init__(learning_rate, weight_decay, warmup_steps, betas, log_layer_load, optimizer_impl)
+        self.save_hyperparameters()
         self.model = build_hf_model(hf_config, pretrained, dtype, attn_implementation, experts_implementation)
         if swap:
             from lightning_moe.models.hf import swap_moe_blocks
@@ -137,15 +131,10 @@ class HFMoELanguageModel(MoELanguageModel):
 
             swap_rms_norms(self.model)
         self.config = self.model.config
-        self.val_history: list[tuple[int, float]] = []
-        self._val_sum = torch.zeros(2)
 
+    @override
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, use_cache=False).logits
-
-    def _lm_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits_BSV = self(batch["input_ids"])
-        return F.cross_entropy(logits_BSV.flatten(0, 1).float(), batch["labels"].flatten())
 
     def num_active_params(self) -> int:
         """Parameters one token touches (top-k of each layer's routed experts), excluding embeddings."""

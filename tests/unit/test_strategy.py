@@ -18,7 +18,7 @@ from lightning_moe.models.transformer import TransformerConfig
 from lightning_moe.parallel.grad import expert_grad_scale
 from lightning_moe.parallel.layout import FoldedLayout
 from lightning_moe.strategies import FabricFoldedMoEStrategy, FoldedMoEStrategy, register_strategies
-from lightning_moe.strategies.fabric import _folded_layout
+from lightning_moe.strategies._core import folded_layout
 
 
 def _lm(num_experts: int = 8, ffn: int = 16, heads: int = 4) -> MoELanguageModel:
@@ -46,9 +46,22 @@ def test_trainer_accepts_the_object_form() -> None:
     assert (strategy.tp, strategy.ep, strategy.dp) == (2, 2, "auto")
 
 
-def test_mesh_read_before_setup_raises() -> None:
-    with pytest.raises(RuntimeError, match="setup_environment"):
-        FoldedMoEStrategy(ep=2).folded_mesh
+@pytest.mark.parametrize("strategy", [FoldedMoEStrategy, FabricFoldedMoEStrategy])
+@pytest.mark.parametrize("attribute", ["folded_mesh", "device_mesh", "distributed_sampler_kwargs"])
+def test_mesh_read_before_setup_raises(strategy: type, attribute: str) -> None:
+    with pytest.raises(RuntimeError, match=f"{strategy.__name__}: the folded mesh is built in setup_environment"):
+        getattr(strategy(ep=2), attribute)
+
+
+def test_module_device_mesh_is_none_until_a_trainer_with_a_mesh_attaches() -> None:
+    module = _lm()
+    assert module.device_mesh is None
+    module.trainer = pl.Trainer(strategy="auto", accelerator="cpu", devices=1, logger=False)
+    assert module.device_mesh is None
+    trainer = pl.Trainer(strategy=FoldedMoEStrategy(), accelerator="cpu", devices=1, logger=False)
+    module.trainer = trainer
+    with pytest.raises(RuntimeError, match="FoldedMoEStrategy: the folded mesh is built in setup_environment"):
+        module.device_mesh
 
 
 @pytest.mark.parametrize(
@@ -79,7 +92,7 @@ def test_bad_arguments_fail_at_construction(kwargs: dict, match: str) -> None:
 def test_world_size_rules_fail_before_any_process_group(world: int, kwargs: dict, match: str) -> None:
     full = {"tp": 1, "cp": 1, "ep": 1, "etp": 1, "pp": 1, "dp": "auto", "edp": "auto", "order": "tp-cp-ep-dp-pp"}
     with pytest.raises(ValueError, match=match):
-        _folded_layout("FoldedMoEStrategy", world, **(full | kwargs))
+        folded_layout("FoldedMoEStrategy", world, **(full | kwargs))
 
 
 def _env_strategy(world: int, model: MoELanguageModel, **kwargs: object) -> FoldedMoEStrategy:
@@ -229,3 +242,56 @@ def test_one_rank_keeps_the_model_plain_and_trains_like_the_default_strategy(tmp
         states[name] = {k: v.detach().clone() for k, v in module.state_dict().items()}
     for key, value in states["auto"].items():
         torch.testing.assert_close(states["folded"][key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
+class _MeshRecordingLM(MoELanguageModel):
+    """Records ``self.device_mesh`` as ``configure_model`` sees it."""
+
+    def configure_model(self) -> None:
+        self.seen_mesh = self.device_mesh
+
+
+def test_device_mesh_is_visible_in_configure_model(tmp_path: Path) -> None:
+    from _callback_models import tiny_config, tiny_trainer, token_loader
+
+    module = _MeshRecordingLM(tiny_config(), warmup_steps=1)
+    strategy = FoldedMoEStrategy()
+    trainer = tiny_trainer(tmp_path, [], max_steps=1, strategy=strategy, use_distributed_sampler=False)
+    trainer.fit(module, token_loader())
+    assert module.seen_mesh is strategy.device_mesh is strategy.folded_mesh.dense
+    assert module.seen_mesh.mesh_dim_names == ("pp", "dp", "cp", "tp")
+    assert module.device_mesh is strategy.device_mesh
+
+
+def test_fabric_meta_device_init_equals_the_trainer_s(tmp_path: Path) -> None:
+    """A model built on the meta device is materialised after sharding and its experts drawn per
+    global expert id, under Fabric exactly as under the Trainer (one rank; seed 0)."""
+    from lightning.fabric import Fabric
+
+    from _callback_models import tiny_config, tiny_trainer, token_loader
+    from lightning_moe.models.transformer import MoETransformer
+
+    trainer = tiny_trainer(tmp_path, [], max_steps=1, strategy=FoldedMoEStrategy(), use_distributed_sampler=False)
+    with trainer.init_module(empty_init=True):
+        lm = MoELanguageModel(tiny_config(), warmup_steps=1)
+    assert all(p.is_meta for p in lm.parameters())
+    torch.manual_seed(0)
+    trainer.validate(lm, token_loader(num=2), verbose=False)
+    expected = {k: v.detach().clone() for k, v in lm.model.state_dict().items()}
+
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=FabricFoldedMoEStrategy())
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = MoETransformer(tiny_config())
+    assert all(p.is_meta for p in model.parameters())
+    torch.manual_seed(0)
+    model = fabric.setup(model)
+    got = model.module.state_dict()
+    assert got.keys() == expected.keys()
+    experts = [k for k in expected if ".experts." in k]
+    assert experts
+    for key, value in expected.items():
+        assert not got[key].is_meta, key
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
+    counters = [k for k in got if k.endswith(("global_tokens_per_expert", "global_num_tokens"))]
+    assert counters and all(not got[k].any() for k in counters)  # materialised buffers start at zero

@@ -1,0 +1,272 @@
+"""The strategy core that ``FoldedMoEStrategy`` (Trainer) and ``FabricFoldedMoEStrategy`` share.
+
+Both strategies are :class:`FoldedMoECore` placed before Lightning's ``ModelParallelStrategy``
+of their side (``class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy)``), as Lightning's
+two ``ModelParallelStrategy`` classes share ``_setup_device_mesh``. The core holds everything that
+does not depend on Trainer or Fabric:
+
+1. ``__init__``: typed degrees and the checks that need no world size (pp, cp, order, positive
+   ints, the dispatcher name), then the Lightning strategy's own constructor;
+2. ``setup_environment``: :func:`folded_layout` for the world size and the model checks (num_experts
+   % ep, ffn % etp, heads % tp) *before* any collective; then the accelerator's device, the default
+   process group (WORLD: gloo on CPU, nccl on GPU) and :meth:`FoldedMesh.build` (new groups);
+3. meshes: :attr:`folded_mesh` (dense and expert views), :attr:`device_mesh` (the dense mesh, as
+   Lightning's ``ModelParallelStrategy.device_mesh``), :attr:`expert_bias_group`,
+   :attr:`data_parallel_size` and :attr:`distributed_sampler_kwargs` (DP rank and size);
+4. :meth:`shard_module`: ``parallelize_moe_model`` unless the module is sharded already, then
+   materialisation of a meta-device module (its MoE layers' global aux-loss counters zeroed), then
+   expert seeding per global expert id (always after
+   meta-device init, so every EP rank holds different experts and the values do not depend on the
+   layout; with ``expert_init_seed`` also after ordinary init);
+5. :func:`mesh_aware_clip_norm` / :func:`mesh_aware_clip_value`: gradient clipping over DTensors on
+   both meshes (``parallel/grad.py``).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.nn as nn
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+from lightning_moe.moe.utils import reset_global_aux_counts
+from lightning_moe.parallel.grad import clip_grad_norm_, clip_grad_value_
+from lightning_moe.parallel.layout import FoldedLayout
+from lightning_moe.parallel.mesh import FoldedMesh
+from lightning_moe.parallel.parallelize import (
+    DispatcherKind,
+    check_dispatcher,
+    check_model_for_layout,
+    init_experts_by_id,
+    parallelize_moe_model,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "Degree",
+    "FoldedMoECore",
+    "check_args",
+    "check_namespace",
+    "folded_layout",
+    "mesh_aware_clip_norm",
+    "mesh_aware_clip_value",
+]
+
+Degree = Literal["auto"] | int
+
+
+def check_namespace(obj: Any, owner: str) -> None:
+    """Raise if ``obj`` comes from the ``pytorch_lightning`` package (separate registries/classes)."""
+    for cls in type(obj).__mro__:
+        if cls.__module__.split(".")[0] == "pytorch_lightning":
+            raise TypeError(
+                f"{owner}: got {cls.__module__}.{cls.__name__} from the `pytorch_lightning` namespace; lightning-moe "
+                "supports the `lightning` namespace only: use `import lightning.pytorch as pl` (and `lightning.Fabric`)."
+            )
+
+
+def check_args(
+    owner: str, tp: int, cp: int, ep: int, etp: int, pp: int, dp: Degree, edp: Degree, order: str, dispatcher: str
+) -> None:
+    """Checks that need no world size (constructor time)."""
+    check_dispatcher(dispatcher, owner)
+    if pp != 1 and isinstance(pp, int) and pp > 1:
+        raise ValueError(f"{owner}: pp={pp} is not supported; pipeline parallel comes later; set pp=1.")
+    if cp != 1 and isinstance(cp, int) and cp > 1:
+        raise ValueError(f"{owner}: cp={cp} is not supported yet; context parallel comes later; set cp=1.")
+    for name, value in (("dp", dp), ("edp", edp)):
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{owner}: {name}={value!r} must be 'auto' or a positive int.")
+    # Order tokens and positive degrees are checked by FoldedLayout with a world that always divides.
+    world = tp * cp * ep * etp * pp if all(isinstance(d, int) and d > 0 for d in (tp, cp, ep, etp, pp)) else 1
+    FoldedLayout(world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
+
+
+def folded_layout(
+    owner: str, world_size: int, tp: int, cp: int, ep: int, etp: int, pp: int, dp: Degree, edp: Degree, order: str
+) -> FoldedLayout:
+    """The layout for ``world_size`` ranks; raises ``ValueError`` before any collective."""
+    layout = FoldedLayout(world_size, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
+    if dp != "auto" and dp != layout.dp:
+        raise ValueError(
+            f"{owner}: dp={dp} but world_size={world_size} / (tp={tp} * cp={cp} * pp={pp}) = {layout.dp}; "
+            f"set dp='auto' or dp={layout.dp}."
+        )
+    if edp != "auto" and edp != layout.edp:
+        raise ValueError(
+            f"{owner}: edp={edp} but world_size={world_size} / (etp={etp} * ep={ep} * pp={pp}) = {layout.edp}; "
+            f"set edp='auto' or edp={layout.edp}."
+        )
+    return layout
+
+
+def mesh_aware_clip_norm(
+    module: nn.Module, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+) -> torch.Tensor:
+    """Clip ``module``'s gradients to a total norm over both meshes; returns the norm before clipping."""
+    return clip_grad_norm_(module.parameters(), float(max_norm), float(norm_type), error_if_nonfinite)
+
+
+def mesh_aware_clip_value(module: nn.Module, clip_val: float) -> None:
+    """Clamp ``module``'s gradients to ``[-clip_val, clip_val]`` (DTensors on either mesh)."""
+    clip_grad_value_(module.parameters(), float(clip_val))
+
+
+def _is_sharded(module: nn.Module) -> bool:
+    """True if ``module`` was sharded already (FSDP2 modules or DTensor parameters inside)."""
+    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
+        isinstance(p, DTensor) for p in module.parameters()
+    )
+
+
+class FoldedMoECore:
+    """Degrees, layout, meshes, sampler arguments, sharding, meta-device init and expert seeding.
+
+    Listed before Lightning's ``ModelParallelStrategy`` (Trainer or Fabric) in a strategy's bases;
+    the strategy supplies the rest of Lightning's interface.
+
+    Args:
+        tp: tensor-parallel degree of attention and dense MLPs.
+        cp: context-parallel degree (reserved; only 1 is implemented).
+        ep: expert-parallel degree (must divide ``num_experts``).
+        etp: expert tensor-parallel degree (must divide the expert FFN size and ``tp``).
+        pp: pipeline-parallel degree; only 1 (pipeline parallel comes later).
+        dp: data-parallel degree of the dense layers, ``"auto"`` = ``W/(tp*cp*pp)``.
+        edp: data-parallel degree of the experts, ``"auto"`` = ``W/(etp*ep*pp)``.
+        order: rank order, fastest first (Megatron-Core's ``RankGenerator``), e.g. ``"tp-cp-ep-dp-pp"``.
+        dispatcher: token exchange over the EP group: ``"alltoall_dedup"`` (default: NCCL
+            all-to-all sending each token once per destination rank), ``"alltoall"`` (one row per
+            routed slot), ``"allgather"``, ``"deepep"`` or ``"hybridep"`` (the last two need the
+            optional ``deep_ep`` package, and bf16).
+        expert_init_seed: if set, experts are re-initialised per global expert id from this seed
+            (layout-independent, every EP rank distinct); always done (seed 0 when unset) for a
+            module built on the meta device.
+        save_distributed_checkpoint: DCP folder (sharded, reshardable) instead of one file.
+        process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks the device's default.
+        timeout: collective timeout of the default process group.
+    """
+
+    def __init__(
+        self,
+        tp: int = 1,
+        cp: int = 1,
+        ep: int = 1,
+        etp: int = 1,
+        pp: int = 1,
+        dp: Degree = "auto",
+        edp: Degree = "auto",
+        order: str = "tp-cp-ep-dp-pp",
+        dispatcher: DispatcherKind = "alltoall_dedup",
+        expert_init_seed: int | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        check_args(type(self).__name__, tp, cp, ep, etp, pp, dp, edp, order, dispatcher)
+        super().__init__(  # type: ignore[call-arg] # the Lightning strategy after this class in the MRO
+            *self._lightning_init_args(),
+            data_parallel_size=dp,
+            tensor_parallel_size=tp,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.tp, self.cp, self.ep, self.etp, self.pp = tp, cp, ep, etp, pp
+        self.dp, self.edp, self.order, self.dispatcher = dp, edp, order, dispatcher
+        self.expert_init_seed = expert_init_seed
+        self._folded_mesh: FoldedMesh | None = None
+
+    def _lightning_init_args(self) -> tuple[Any, ...]:
+        """Positional arguments of the Lightning strategy's constructor before its keywords."""
+        return ()
+
+    # ---- meshes ---------------------------------------------------------------------------------
+
+    @property
+    def folded_mesh(self) -> FoldedMesh:
+        """Dense and expert meshes; raises ``RuntimeError`` before ``setup_environment``."""
+        if self._folded_mesh is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: the folded mesh is built in setup_environment; read it from a hook that "
+                "runs after the processes start (configure_model, setup, on_fit_start; with Fabric after "
+                "fabric.launch())."
+            )
+        return self._folded_mesh
+
+    @property
+    @override
+    def device_mesh(self) -> DeviceMesh:
+        """The dense DeviceMesh (axes ``pp dp cp tp`` in rank order), as ``ModelParallelStrategy``'s.
+
+        The expert view is ``folded_mesh.expert``. Raises ``RuntimeError`` before ``setup_environment``.
+        """
+        return self.folded_mesh.dense
+
+    @property
+    def expert_bias_group(self) -> Any:
+        """Group the router's token counts are summed over (DP x CP); ``None`` with one data rank."""
+        lay = self.folded_mesh.layout
+        return self.folded_mesh.group("dp_cp") if lay.dp * lay.cp > 1 else None
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Number of data-parallel replicas of the dense layers (``dp``): the ranks that read
+        different samples. ``world_size // data_parallel_size`` ranks (``tp*cp``) share each batch."""
+        return self.folded_mesh.layout.dp
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Data-parallel rank and size: tensor/context-parallel ranks of one DP rank read the same batch."""
+        return {"num_replicas": self.folded_mesh.layout.dp, "rank": self.folded_mesh.rank("dp")}
+
+    @override
+    def setup_environment(self) -> None:
+        """Layout and model checks (no collective), then the device, WORLD and the folded mesh."""
+        strategy: Any = self
+        owner = type(self).__name__
+        world = strategy.num_nodes * strategy.num_processes
+        layout = folded_layout(owner, world, self.tp, self.cp, self.ep, self.etp, self.pp, self.dp, self.edp, self.order)
+        module = self._module_to_check()
+        if module is not None:
+            check_model_for_layout(module, layout)
+        if strategy.accelerator is not None:
+            strategy.accelerator.setup_device(strategy.root_device)
+        strategy._setup_distributed()
+        self._folded_mesh = FoldedMesh.build(layout, strategy.root_device.type)
+
+    def _module_to_check(self) -> nn.Module | None:
+        """The module known before the processes start (the Trainer's LightningModule), if any."""
+        return None
+
+    # ---- model ----------------------------------------------------------------------------------
+
+    def shard_module(self, module: nn.Module, root: nn.Module | None = None, shard_root: bool = False) -> nn.Module:
+        """Shard ``module`` for the folded mesh, materialise it, seed its experts; returns it.
+
+        ``root`` is what Lightning holds (a wrapper around ``module`` or ``module`` itself) and is
+        materialised; ``shard_root`` also FSDP-shards the root (Fabric passes a plain module). A
+        module sharded already (``configure_model`` did it) is kept as it is.
+        """
+        owner = type(self).__name__
+        check_namespace(module, owner)
+        mesh = self.folded_mesh
+        had_meta = any(p.is_meta for p in module.parameters())
+        if not _is_sharded(module):
+            check_model_for_layout(module, mesh.layout)
+            parallelize_moe_model(module, mesh=mesh, dispatcher=self.dispatcher, shard_root=shard_root)
+        strategy: Any = self
+        _materialize_distributed_module(root if root is not None else module, strategy.root_device)
+        if had_meta:  # the layers' global aux-loss counters are buffers without reset_parameters
+            reset_global_aux_counts(module)
+        if had_meta or self.expert_init_seed is not None:
+            init_experts_by_id(module, mesh, self.expert_init_seed if self.expert_init_seed is not None else 0)
+        return module
