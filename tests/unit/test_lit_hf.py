@@ -86,3 +86,21 @@ def test_module_needs_exactly_one_source() -> None:
 def test_module_rejects_missing_checkpoint_directory(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="has no config.json"):
         HFMoELanguageModel(pretrained=str(tmp_path))
+
+
+def test_module_shares_the_base_and_saves_every_init_argument() -> None:
+    """Both LightningModules derive from one base (the CLI's); the HF one saves its own arguments."""
+    from lightning_moe.lit import MoELanguageModel, MoELanguageModelBase
+
+    lit = HFMoELanguageModel(hf_config=TINY, warmup_steps=3, optimizer_impl="foreach", fused_norms=False)
+    assert isinstance(lit, MoELanguageModelBase) and not isinstance(lit, MoELanguageModel)
+    assert issubclass(MoELanguageModel, MoELanguageModelBase)
+    assert dict(lit.hparams) == {
+        "hf_config": TINY, "pretrained": None, "moe": None, "swap": True, "dtype": "float32",
+        "attn_implementation": "sdpa", "experts_implementation": None, "learning_rate": 3e-3,
+        "weight_decay": 0.1, "warmup_steps": 3, "betas": (0.9, 0.95), "log_layer_load": True,
+        "optimizer_impl": "foreach", "fused_norms": False,
+    }  # fmt: skip
+    assert lit.val_history == [] and lit.device_mesh is None
+    with pytest.raises(ValueError, match="HFMoELanguageModel: optimizer_impl='fast' is unknown"):
+        HFMoELanguageModel(hf_config=TINY, optimizer_impl="fast")
