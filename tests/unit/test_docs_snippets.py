@@ -119,8 +119,13 @@ def _with_fit_overrides(command: str) -> str:
     return " ".join([command, *extra])
 
 
-def shell_for_test(script: str, where: str = "<block>") -> str:
-    """The shell text the test runs for a ```bash block (see the module docstring)."""
+def shell_for_test(script: str, where: str = "<block>", seen: set[str] | None = None) -> str:
+    """The shell text the test runs for a ```bash block (see the module docstring).
+
+    ``seen`` collects the commands of earlier blocks of the same file; a command already run there
+    is not run again (a page may repeat its first command where it explains it).
+    """
+    seen = set() if seen is None else seen
     out = []
     for line in _logical_lines(script):
         line = _strip_comment(line)
@@ -130,6 +135,8 @@ def shell_for_test(script: str, where: str = "<block>") -> str:
             raise ValueError(f"{where}: a torchrun line must be marked with {SKIP_MARKER}: reason --> above its block.")
         steps = [s.strip() for s in line.split("&&")]
         kept = [_with_fit_overrides(s) for s in steps if not re.match(r"^(python3? -m )?pip3? install\b", s)]
+        kept = [s for s in kept if " ".join(s.split()) not in seen]
+        seen.update(" ".join(s.split()) for s in kept)
         if kept:
             out.append(" && ".join(kept))
     return "\n".join(out) + "\n"
@@ -204,16 +211,19 @@ def test_shell_for_test_drops_installs_and_shortens_fits() -> None:
     assert "--trainer.max_steps=2" not in lines[2] and "--trainer.limit_val_batches=1" in lines[2]
     with pytest.raises(ValueError, match="torchrun"):
         shell_for_test("torchrun --nproc_per_node=8 x.py\n")
+    seen: set[str] = set()
+    assert shell_for_test("lightning-moe recipes\n", seen=seen) == "lightning-moe recipes\n"
+    assert shell_for_test("lightning-moe  recipes  # again\n", seen=seen) == "\n"
 
 
 def _run_file(doc: Path, blocks: list[Block], tmp_path: Path) -> None:
-    todo = []
+    todo, seen = [], set()
     for b in blocks:
         if b.skip is not None or b.lang == "text":
             continue
         entry = asdict(b)
         if b.lang == "bash":
-            entry["shell"] = shell_for_test(b.text, f"{b.path}:{b.line}")
+            entry["shell"] = shell_for_test(b.text, f"{b.path}:{b.line}", seen)
         todo.append(entry)
     if not todo:
         pytest.skip(f"{doc.name} has no block to run")
