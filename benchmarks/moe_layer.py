@@ -31,6 +31,7 @@ from gpu_clocks import ClockSampler  # noqa: E402  (benchmarks/gpu_clocks.py)
 from profiling import device_kernels, step_timeline  # noqa: E402  (benchmarks/profiling.py)
 
 from lightning_moe import MoEConfig, MoELayer  # noqa: E402
+from lightning_moe.config import KernelConfig  # noqa: E402
 from lightning_moe.ops.grouped_gemm import offsets_from_counts  # noqa: E402
 from lightning_moe.ops.permute import build_permutation, permute_rows  # noqa: E402
 
@@ -42,7 +43,8 @@ FUSED = "lightning-moe-fused-wgrad"
 
 
 def ours(
-    H: int, Fh: int, E: int, k: int, dev: str, skew: float, fuse_wgrad: bool = False, keep: bool = False
+    H: int, Fh: int, E: int, k: int, dev: str, skew: float, fuse_wgrad: bool = False, keep: bool = False,
+    kernels: KernelConfig | None = None,
 ) -> MoELayer:
     cfg = MoEConfig(
         hidden_size=H,
@@ -54,6 +56,7 @@ def ours(
         norm_topk_prob=True,
         aux_loss="none",
         fuse_wgrad_accumulation=fuse_wgrad,
+        kernels=kernels or KernelConfig(),
     )
     with torch.device(dev):  # initialised where it runs: DeepSeek-V3's experts are 45 GB in fp32
         layer = MoELayer(cfg).to(dtype=torch.bfloat16)
@@ -279,20 +282,6 @@ def peer_makers(H: int, Fh: int, E: int, k: int, dev: str) -> dict:
     }
 
 
-def with_wgrad_kernel(kernel: str):  # noqa: ANN202
-    """A forward call with ``LIGHTNING_MOE_WGRAD_KERNEL=kernel`` (read when the forward builds its fusion).
-
-    ``cutlass@<tiling>`` also sets ``LIGHTNING_MOE_WGRAD_CUTLASS_TILE`` (also read in the forward)."""
-    kernel, _, tiling = kernel.partition("@")
-    settings = {"LIGHTNING_MOE_WGRAD_KERNEL": kernel, "LIGHTNING_MOE_WGRAD_CUTLASS_TILE": tiling or None}
-
-    def call(m, x):  # noqa: ANN001, ANN202
-        with environment(settings):
-            return m(x)
-
-    return call
-
-
 @contextlib.contextmanager
 def environment(settings: dict[str, str | None]):  # noqa: ANN201
     """The environment variables set to ``settings`` (``None``: left as they are), restored after."""
@@ -334,9 +323,8 @@ def main() -> None:
     ap.add_argument("--fuse-wgrad-keep", action="store_true",
                     help=f"also run it keeping x_RH and a_RF for backward (row {FUSED}-keep)")
     ap.add_argument("--fuse-wgrad-kernels", default="",
-                    help=f"comma list of LIGHTNING_MOE_WGRAD_KERNEL values: one more {FUSED} row each, "
-                    "in the same process (rows named like lightning-moe-fused-wgrad[streams]); cutlass@<tiling> "
-                    "also picks the CUTLASS tiling")
+                    help=f"comma list of KernelConfig.wgrad values: one more {FUSED} row each, "
+                    "in the same process (rows named like lightning-moe-fused-wgrad[streams])")
     a = ap.parse_args()
     global FRESH_GRADS
     FRESH_GRADS = a.fresh_grads
@@ -369,8 +357,9 @@ def main() -> None:
                     r["shape"] = tag
                     results.append(r)
             for kernel in filter(None, a.fuse_wgrad_kernels.split(",")):
-                make = lambda: ours(H, Fh, E, k, dev, skew, fuse_wgrad=True)  # noqa: E731
-                r = bench(f"{FUSED}[{kernel}]", make, T, H, dev, flops, skew, call=with_wgrad_kernel(kernel))
+                kernels = KernelConfig(wgrad=kernel)  # type: ignore[arg-type]
+                make = lambda kernels=kernels: ours(H, Fh, E, k, dev, skew, fuse_wgrad=True, kernels=kernels)  # noqa: E731
+                r = bench(f"{FUSED}[{kernel}]", make, T, H, dev, flops, skew)
                 r["shape"] = tag
                 results.append(r)
             for pname, (make, call) in peer_makers(H, Fh, E, k, dev).items():

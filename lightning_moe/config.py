@@ -7,22 +7,90 @@ reported as ``MoEConfig: field=value breaks rule; fix.``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["MoEConfig", "ScoreFunc", "AuxLossType", "DropPolicy", "ExpertsBackend"]
+__all__ = [
+    "AuxLossType",
+    "DropPolicy",
+    "ExpertsBackend",
+    "GemmCutlassTile",
+    "GemmKernel",
+    "KernelConfig",
+    "MoEConfig",
+    "ScoreFunc",
+    "WgradKernel",
+]
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 AuxLossType = Literal["none", "switch", "seq", "global"]
 DropPolicy = Literal["probs", "position"]
-ExpertsBackend = Literal["auto", "torch", "loop", "te", "grouped_gemm"]
+ExpertsBackend = Literal["auto", "torch", "loop", "grouped_gemm"]
 RouterDtype = Literal["float32", "float64", "bfloat16"]
 
 _SCORE_FUNCS = ("softmax", "sigmoid")
 _AUX_LOSSES = ("none", "switch", "seq", "global")
 _DROP_POLICIES = ("probs", "position")
-_BACKENDS = ("auto", "torch", "loop", "te", "grouped_gemm")
+_BACKENDS = ("auto", "torch", "loop", "grouped_gemm")
 _ROUTER_DTYPES = ("float32", "float64", "bfloat16")
+
+GemmKernel = Literal["auto", "torch", "cutlass"]
+GemmCutlassTile = Literal["cooperative-128x256-c2x1", "pingpong-64x256"]
+WgradKernel = Literal["auto", "loop", "streams", "triton", "cutlass"]
+
+_GEMM_KERNELS = ("auto", "torch", "cutlass")
+_GEMM_CUTLASS_TILES = ("cooperative-128x256-c2x1", "pingpong-64x256")
+_WGRAD_KERNELS = ("auto", "loop", "streams", "triton", "cutlass")
+
+
+@dataclass(kw_only=True)
+class KernelConfig:
+    """Which kernels the experts' GEMMs run (``MoEConfig(kernels=KernelConfig(...))``).
+
+    Read once, when the layer is built; the defaults are the measured-fastest choice per shape. The
+    optional kernels (CUTLASS: sm_90 and the CUTLASS headers; Triton: an importable ``triton``) are
+    used only where they can run; elsewhere the torch path runs whatever is asked for.
+
+    Args:
+        gemm: the experts' forward and data-gradient GEMMs of the ``torch`` experts backend.
+            ``auto``: the CUTLASS grouped GEMM with ping-pong 64 x 256 tiles for wide experts with
+            few rows each (expert matrices of at least 16 MB and at most 768 rows an expert on
+            average: DeepSeek-V3), ``F.grouped_mm`` otherwise; ``torch``: always ``F.grouped_mm``;
+            ``cutlass``: the CUTLASS grouped GEMM wherever it applies, with ``gemm_cutlass_tile``.
+        gemm_cutlass_tile: the tiling of ``gemm='cutlass'``: ``cooperative-128x256-c2x1`` (the
+            tiling torch's ``grouped_mm`` uses on sm_90) or ``pingpong-64x256`` (what ``auto`` runs).
+        wgrad: the expert weight-gradient kernel when ``MoEConfig.fuse_wgrad_accumulation`` adds
+            into an existing ``.grad``. ``auto``: the CUTLASS grouped kernel (beta = 1) for narrow
+            experts where it is available, else per-expert cuBLAS GEMMs (beta = 1) dealt over
+            ``wgrad_streams_*`` CUDA streams from 16 experts on, in one stream below;
+            ``loop``: per-expert cuBLAS GEMMs in one stream; ``streams``: the same over
+            ``wgrad_streams_*`` streams; ``triton``: one grouped Triton launch (opt-in: no faster
+            than the loop on the H200); ``cutlass``: the CUTLASS grouped kernel for every width,
+            and for fresh gradients (``.grad`` is ``None``) too, with beta = 0 (opt-in: slower than
+            ``F.grouped_mm`` there on the H200).
+        wgrad_streams_w13: CUDA streams of the ``streams`` kernel for the up-projection ``w13``.
+        wgrad_streams_w2: the same for the down-projection ``w2``.
+    """
+
+    gemm: GemmKernel = "auto"
+    gemm_cutlass_tile: GemmCutlassTile = "cooperative-128x256-c2x1"
+    wgrad: WgradKernel = "auto"
+    wgrad_streams_w13: int = 2
+    wgrad_streams_w2: int = 2
+
+    def __post_init__(self) -> None:
+        for name, allowed in (
+            ("gemm", _GEMM_KERNELS),
+            ("gemm_cutlass_tile", _GEMM_CUTLASS_TILES),
+            ("wgrad", _WGRAD_KERNELS),
+        ):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"KernelConfig: {name}={value!r} is not one of {allowed}; choose one of them.")
+        for name in ("wgrad_streams_w13", "wgrad_streams_w2"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"KernelConfig: {name}={value!r} must be an int >= 1; set 1 (one stream) or more.")
 
 
 def _divisors(n: int) -> list[int]:
@@ -69,9 +137,10 @@ class MoEConfig:
             weight-gradient GEMMs instead of through a separate addition (wide experts only:
             DeepSeek-V3, Mixtral; experts of this rank held as plain parameters, not expert-parallel
             shards). Not under ``DistributedDataParallel``, FSDP1 or DeepSpeed, whose hooks on the
-            gradient accumulator would not run (``ops/wgrad_accumulation.py``).
+            gradient accumulator would not run (``ops/wgrad/``).
         check_finite: raise, naming the layer, when router logits are not finite.
         init_std: standard deviation of the normal initialisation of all weights.
+        kernels: which GEMM and weight-gradient kernels the experts run (:class:`KernelConfig`).
     """
 
     hidden_size: int
@@ -101,8 +170,15 @@ class MoEConfig:
     fuse_wgrad_accumulation: bool = False
     check_finite: bool = False
     init_std: float = 0.02
+    kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.kernels, dict):  # from saved hyper-parameters or a plain mapping
+            self.kernels = KernelConfig(**self.kernels)
+        if not isinstance(self.kernels, KernelConfig):
+            raise TypeError(
+                f"MoEConfig: kernels={self.kernels!r} is not a KernelConfig; pass KernelConfig(...) or a dict of its fields."
+            )
         for name in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

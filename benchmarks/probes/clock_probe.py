@@ -32,7 +32,7 @@ import peers  # noqa: E402
 from gpu_clocks import ClockSampler, energy_mj, reasons  # noqa: E402
 from moe_layer import gemm_operands, gemm_steps, ours, skewed_input  # noqa: E402
 
-from lightning_moe.ops import wgrad_cutlass  # noqa: E402
+from lightning_moe.ops.wgrad import cutlass_kernel as wgrad_cutlass  # noqa: E402
 from lightning_moe.ops.grouped_gemm import offsets_from_counts  # noqa: E402
 from lightning_moe.ops.permute import build_permutation, permute_rows  # noqa: E402
 

@@ -3,12 +3,12 @@
 On one H200 the layer step holds the chip at its power cap (``benchmarks/probes/clock_probe.py``), so a
 kernel raced alone, at whatever clock its own power allows, can rank differently inside the step,
 where the bandwidth-bound kernels around it draw less. This times the fused-wgrad layer step
-(synchronised, CUDA events, as ``benchmarks/moe_layer.py``) under each arm's environment
+(synchronised, CUDA events, as ``benchmarks/moe_layer.py``) under each arm's kernel
 settings, a few steps of each arm in turn for several rounds, so clock drift falls on all alike.
 
-An arm is ``label:NAME=VALUE+NAME=VALUE`` (environment variables read by the layer's ops on every
-forward: ``LIGHTNING_MOE_GEMM_KERNEL``, ``LIGHTNING_MOE_GEMM_CUTLASS_TILE``,
-``LIGHTNING_MOE_WGRAD_KERNEL``, ``LIGHTNING_MOE_WGRAD_CUTLASS_TILE``); a label starting with
+An arm is ``label:NAME=VALUE+NAME=VALUE`` (fields of ``KernelConfig``: ``gemm``,
+``gemm_cutlass_tile``, ``wgrad``, ``wgrad_streams_w13``, ``wgrad_streams_w2``; set on the built
+layer's experts for the arm's steps, as the layer would have read them at construction); a label starting with
 ``fresh`` (or ending with ``@fresh``) also sets every parameter's ``.grad`` to ``None`` before each
 step (no accumulation).
 
@@ -35,7 +35,7 @@ scatter's removal, the same bytes, is measured by ``no-bwd-scatter``). ``router-
 one-call router off: the separate router, permutation and scatter calls (the host path it saves).
 
     python benchmarks/probes/layer_arms.py --shape qwen3-30b-a3b \\
-        --arms "default:,gemm-coop:LIGHTNING_MOE_GEMM_KERNEL=cutlass+LIGHTNING_MOE_GEMM_CUTLASS_TILE=cooperative-128x256-c2x1"
+        --arms "default:,gemm-coop:gemm=cutlass+gemm_cutlass_tile=cooperative-128x256-c2x1"
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared modules
 import peers  # noqa: E402  (benchmarks/peers.py: shapes)
 from gpu_clocks import ClockSampler  # noqa: E402
-from moe_layer import environment, gemm_steps, ours, skewed_input  # noqa: E402
+from moe_layer import gemm_steps, ours, skewed_input  # noqa: E402
+
+from lightning_moe.config import KernelConfig  # noqa: E402
 
 from lightning_moe.ops.grouped_gemm import offsets_from_counts  # noqa: E402
 from lightning_moe.ops.permute import build_permutation, permute_rows  # noqa: E402
@@ -68,6 +70,27 @@ def parse_arm(spec: str) -> tuple[str, dict[str, str]]:
             raise ValueError(f"arm {spec!r}: setting {item!r} is not NAME=VALUE")
         env[name.strip()] = value.strip()
     return label.strip(), env
+
+
+@contextlib.contextmanager
+def kernel_settings(layer, settings: dict[str, str]):  # noqa: ANN001, ANN201
+    """The layer's experts run ``KernelConfig(**settings)`` (validated) inside, their own choice after."""
+    fields = {n: int(v) if n.startswith("wgrad_streams") else v for n, v in settings.items()}
+    try:
+        kernels = KernelConfig(**fields)
+    except TypeError as err:
+        raise SystemExit(f"--arms: {err}; an arm sets KernelConfig fields (gemm, gemm_cutlass_tile, wgrad, ...)") from None
+    experts = layer.experts
+    names = ("gemm_kernel", "gemm_tile", "wgrad_kernel", "wgrad_streams")
+    before = [getattr(experts, n) for n in names]
+    values = (kernels.gemm, kernels.gemm_cutlass_tile, kernels.wgrad, (kernels.wgrad_streams_w13, kernels.wgrad_streams_w2))
+    for name, value in zip(names, values):
+        setattr(experts, name, value)
+    try:
+        yield
+    finally:
+        for name, value in zip(names, before):
+            setattr(experts, name, value)
 
 
 _SKIPPABLE = {
@@ -159,7 +182,7 @@ def run(shape: str, specs: list[str], rounds: int, steps: int) -> list[dict]:
     with ClockSampler() as clocks:
         for _ in range(rounds):
             for label, env in arms:
-                with environment(env), skipped(label):
+                with kernel_settings(layer, env), skipped(label):
                     for i in range(steps + 2):  # two warm-up steps after switching
                         if label.startswith("fresh") or label.endswith("@fresh"):
                             for p in layer.parameters():

@@ -1,6 +1,6 @@
 """The per-expert cuBLAS weight-gradient loop under each of torch's BLAS back ends.
 
-The two-stream loop (``ops/wgrad_accumulation.accumulate_wgrad_``: one ``addmm_`` with beta = 1 per
+The two-stream loop (``ops/wgrad/cublas_loop.accumulate_wgrad_``: one ``addmm_`` with beta = 1 per
 expert) is the fused accumulation for wide experts. Profiled inside the DeepSeek-V3 layer it comes
 with one device memset per GEMM (513 a step, ~1.4 ms of GPU time). This times the loop per
 weight under ``torch.backends.cuda.preferred_blas_library`` ``cublas`` and ``cublaslt`` and lists
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the
 import peers  # noqa: E402  (benchmarks/peers.py: shapes, the timer)
 from profiling import device_kernels  # noqa: E402
 
-from lightning_moe.ops.wgrad_accumulation import accumulate_wgrad_  # noqa: E402
+from lightning_moe.ops.wgrad import accumulate_wgrad_  # noqa: E402
 
 
 def main() -> None:

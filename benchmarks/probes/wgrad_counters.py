@@ -8,7 +8,7 @@ so ``ncu --launch-skip 1 --launch-count 1 -k regex:device_kernel`` catches the s
         python benchmarks/probes/wgrad_counters.py --shape deepseek-v3 --weight w13 --arm cutlass:cooperative-c1x2
 
 Arms: ``grouped-fresh`` (``F.grouped_mm`` into a new buffer: the GEMM autograd runs, no addition)
-and ``cutlass:<tiling>`` (``ops/wgrad_cutlass.py``: the old gradient read and added in the
+and ``cutlass:<tiling>`` (``ops/wgrad/cutlass_kernel.py``: the old gradient read and added in the
 epilogue). What the counters answer: whether the in-place kernel is bound by DRAM, by L2, by the
 tensor cores, or by neither (latency: one phase waiting on another).
 """
@@ -20,7 +20,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from lightning_moe.ops import wgrad_cutlass
+from lightning_moe.ops.wgrad import cutlass_kernel as wgrad_cutlass
 
 # name: (tokens, hidden, ffn, experts, top_k)
 SHAPES = {

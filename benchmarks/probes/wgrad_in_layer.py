@@ -25,14 +25,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared modules
 import peers  # noqa: E402  (benchmarks/peers.py: shapes)
-from moe_layer import with_wgrad_kernel, ours  # noqa: E402
+from moe_layer import ours  # noqa: E402
 
-import lightning_moe.ops.wgrad_accumulation as wacc  # noqa: E402
-from lightning_moe.ops import wgrad_cutlass  # noqa: E402
+import lightning_moe.ops.wgrad as wacc  # noqa: E402
+from lightning_moe.ops.wgrad import cutlass_kernel as wgrad_cutlass  # noqa: E402
 
 
 class _Arm:
-    """One way of accumulating the weight gradients: the env for the forward, and a w2 override."""
+    """One way of accumulating the weight gradients: the forward's ``KernelConfig.wgrad``, and a w2 override."""
 
     def __init__(self, spec: str) -> None:
         self.name = spec
@@ -49,6 +49,22 @@ class _Arm:
     def forward_kernel(self) -> str:
         """What the forward asks for (``moe_layer.py``'s ``kernel[@tiling]``); the w2 override acts in backward."""
         return self.kernel if self.w2_cutlass_tile is not None or not self.tile else f"{self.kernel}@{self.tile}"
+
+
+def with_wgrad_kernel(spec: str):  # noqa: ANN202
+    """A forward call running the layer's experts with ``KernelConfig.wgrad`` = ``kernel`` of ``kernel[@tiling]``."""
+    kernel, _, tiling = spec.partition("@")
+    if tiling and tiling not in wgrad_cutlass.TILES:
+        raise SystemExit(f"--arms: tiling {tiling!r} is not built; choose one of {tuple(wgrad_cutlass.TILES)}")
+
+    def call(m, x):  # noqa: ANN001, ANN202
+        before, m.experts.wgrad_kernel = m.experts.wgrad_kernel, kernel
+        try:
+            return m(x)
+        finally:
+            m.experts.wgrad_kernel = before
+
+    return call
 
 
 def run(shape: str, specs: list[str], rounds: int, steps_per_round: int) -> list[dict]:

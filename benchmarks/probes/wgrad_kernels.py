@@ -4,8 +4,8 @@ Per shape (one expert weight of a benchmark layer: ``dw[e] += x_e^T @ dy_e`` ove
 
 * ``grouped fresh``  — ``F.grouped_mm`` into a new buffer (what autograd computes; adds nothing)
 * ``grouped + add``  — the same, then ``dw.add_`` (autograd's accumulation into an existing ``.grad``)
-* ``cuBLAS loop``    — one ``addmm_`` with beta = 1 per expert (``ops/wgrad_accumulation.py``)
-* ``triton <tile>``  — the grouped Triton kernel (``ops/wgrad_triton.py``) with each tile tried
+* ``cuBLAS loop``    — one ``addmm_`` with beta = 1 per expert (``ops/wgrad/cublas_loop.py``)
+* ``triton <tile>``  — the grouped Triton kernel (``ops/wgrad/triton_kernel.py``) with each tile tried
 
 Prints ms (median of 10 after warm-up, CUDA events), TFLOP/s, the bandwidth of reading and writing
 the gradient once, and each Triton tile's largest relative error against an fp32 reference on a few
@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lightning_moe.ops import build_cutlass, wgrad_cutlass
-from lightning_moe.ops.wgrad_accumulation import accumulate_wgrad_
-from lightning_moe.ops.wgrad_triton import WgradTile, grouped_wgrad_accumulate_
-from lightning_moe.ops.wgrad_triton_desc import DescTile, grouped_wgrad_accumulate_desc_
+from lightning_moe.ops import build_cutlass
+from lightning_moe.ops.wgrad import accumulate_wgrad_
+from lightning_moe.ops.wgrad import cutlass_kernel as wgrad_cutlass
+from lightning_moe.ops.wgrad.triton_kernel import WgradTile, grouped_wgrad_accumulate_
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared modules
 import peers  # noqa: E402  (benchmarks/peers.py: the shared timer)
@@ -78,26 +78,11 @@ SHORT_TILES = (
 )
 
 
-# The persistent descriptor kernel (ops/wgrad_triton_desc.py), plain and warp-specialised.
-DESC_TILES = (
-    DescTile(128, 128, 64, 4, 3),
-    DescTile(128, 128, 64, 4, 3, programs_per_sm=2),
-    DescTile(128, 128, 64, 4, 3, warp_specialize=True),
-    DescTile(128, 128, 64, 8, 3, warp_specialize=True),
-    DescTile(128, 256, 64, 8, 3, warp_specialize=True),
-    DescTile(128, 256, 32, 8, 4, warp_specialize=True),  # 164 KB of shared memory (64-row steps: 262 KB)
-    DescTile(128, 128, 64, 4, 3, warp_specialize=True, flatten=True),
-    DescTile(128, 256, 64, 8, 3, warp_specialize=True, flatten=True),
-)
-
-AnyTile = WgradTile | DescTile
+AnyTile = WgradTile
 
 
 def _accumulate(dw: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, tile: AnyTile) -> None:
-    if isinstance(tile, DescTile):
-        grouped_wgrad_accumulate_desc_(dw, x, dy, offs, tile)
-    else:
-        grouped_wgrad_accumulate_(dw, x, dy, offs, tile)
+    grouped_wgrad_accumulate_(dw, x, dy, offs, tile)
 
 
 def _loop_transposed(dw: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, bounds: list[int]) -> None:
@@ -224,7 +209,7 @@ def run_weight(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["deepseek-v3", "mixtral-8x7b"], choices=sorted(SHAPES))
-    parser.add_argument("--tiles", choices=("all", "short", "desc", "none"), default="all", help="Triton tiles to try")
+    parser.add_argument("--tiles", choices=("all", "short", "none"), default="all", help="Triton tiles to try")
     parser.add_argument("--cutlass-only", action="store_true",
                         help="time the CUTLASS tilings against the grouped GEMM (+ add) and the two-stream loop only")
     parser.add_argument("--json", default=None)
@@ -235,7 +220,7 @@ def main() -> None:
 
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
     gen = torch.Generator().manual_seed(0)
-    tiles = {"all": TILES, "short": SHORT_TILES, "desc": SHORT_TILES[:1] + DESC_TILES, "none": ()}[args.tiles]
+    tiles = {"all": TILES, "short": SHORT_TILES, "none": ()}[args.tiles]
     results = []
     for name in args.shapes:
         tokens, hidden, ffn, experts, top_k = SHAPES[name]
@@ -244,10 +229,10 @@ def main() -> None:
         torch.cuda.empty_cache()
         results += run_weight(f"{name} w2", offs, ffn, hidden, tiles, args.cutlass_only)
         torch.cuda.empty_cache()
-    for name in args.shapes:  # the tile with the least time over both weights, as LIGHTNING_MOE_WGRAD_TILE
+    for name in args.shapes:  # the tile with the least time over both weights
         per_tile: dict[str, list[float]] = {}
         for row in results:
-            if row["weight"].startswith(name + " ") and row["arm"].startswith("triton ") and "desc" not in row["arm"]:
+            if row["weight"].startswith(name + " ") and row["arm"].startswith("triton "):
                 per_tile.setdefault(row["arm"], []).append(row["ms"])
         loop = sum(r["ms"] for r in results if r["weight"].startswith(name + " ") and r["arm"] == "cuBLAS loop")
         added = sum(r["ms"] for r in results if r["weight"].startswith(name + " ") and r["arm"] == "grouped + add")

@@ -14,8 +14,6 @@ namespace cutlass_kernels {
                           int sm_count, cudaStream_t stream);
 
 LMOE_GEMM_ENTRY_POINTS(cooperative_128x256_c2x1)
-LMOE_GEMM_ENTRY_POINTS(pingpong_128x128)
-LMOE_GEMM_ENTRY_POINTS(pingpong_128x128_c2x1)
 LMOE_GEMM_ENTRY_POINTS(pingpong_64x256)
 
 namespace {
@@ -29,8 +27,6 @@ struct Tiling {
 // Indexed by GemmTile.
 constexpr Tiling kTable[kGemmTilings] = {
     {&gemm_workspace_bytes_cooperative_128x256_c2x1, &gemm_cooperative_128x256_c2x1},
-    {&gemm_workspace_bytes_pingpong_128x128, &gemm_pingpong_128x128},
-    {&gemm_workspace_bytes_pingpong_128x128_c2x1, &gemm_pingpong_128x128_c2x1},
     {&gemm_workspace_bytes_pingpong_64x256, &gemm_pingpong_64x256},
 };
 

@@ -16,18 +16,16 @@ typedef struct CUstream_st* cudaStream_t;
 namespace lightning_moe {
 namespace cutlass_kernels {
 
-// The tilings built, to be raced against torch's F.grouped_mm on the H200 (output tile M x N;
-// "cooperative": both consumer warp groups share one tile; "pingpong": each owns a tile and one's
-// epilogue overlaps the other's MMAs; "c2x1": clusters of two along M sharing the w tile through TMA
-// multicast). kCooperative128x256Cluster2x1 is the tiling torch's grouped_mm uses on sm_90: the
-// control.
+// The tilings built (output tile M x N; "cooperative": both consumer warp groups share one tile;
+// "pingpong": each owns a tile and one's epilogue overlaps the other's MMAs; "c2x1": clusters of two
+// along M sharing the w tile through TMA multicast). kPingpong64x256 is what the layer runs for wide
+// experts with few rows each; kCooperative128x256Cluster2x1 is the tiling torch's grouped_mm uses on
+// sm_90 (the default when the CUTLASS kernel is asked for everywhere).
 enum class GemmTile : int {
   kCooperative128x256Cluster2x1 = 0,
-  kPingpong128x128 = 1,
-  kPingpong128x128Cluster2x1 = 2,
-  kPingpong64x256 = 3,
+  kPingpong64x256 = 1,
 };
-constexpr int kGemmTilings = 4;
+constexpr int kGemmTilings = 2;
 
 // Bytes of device workspace grouped_gemm needs for `num_experts` groups on a GPU with `sm_count`
 // multiprocessors.

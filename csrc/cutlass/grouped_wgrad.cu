@@ -14,9 +14,6 @@ namespace cutlass_kernels {
                            int sm_count, cudaStream_t stream);
 
 LMOE_WGRAD_ENTRY_POINTS(cooperative_c1x2)
-LMOE_WGRAD_ENTRY_POINTS(cooperative)
-LMOE_WGRAD_ENTRY_POINTS(cooperative_128x256)
-LMOE_WGRAD_ENTRY_POINTS(pingpong_64x256)
 
 namespace {
 
@@ -29,9 +26,6 @@ struct Tiling {
 // Indexed by WgradTile.
 constexpr Tiling kTable[kTilings] = {
     {&workspace_bytes_cooperative_c1x2, &wgrad_cooperative_c1x2},
-    {&workspace_bytes_cooperative, &wgrad_cooperative},
-    {&workspace_bytes_cooperative_128x256, &wgrad_cooperative_128x256},
-    {&workspace_bytes_pingpong_64x256, &wgrad_pingpong_64x256},
 };
 
 bool known(WgradTile tile) { return static_cast<int>(tile) >= 0 && static_cast<int>(tile) < kTilings; }

@@ -15,20 +15,16 @@ typedef struct CUstream_st* cudaStream_t;
 namespace lightning_moe {
 namespace cutlass_kernels {
 
-// The GEMM tilings built (output tile M x N; "cooperative": both consumer warp groups share one
+// The GEMM tiling built (output tile M x N; "cooperative": both consumer warp groups share one
 // tile; a cluster of two along N shares the x_e^T tile's loads through TMA multicast). H200,
-// benchmarks/probes/wgrad_kernels.py: the clustered 256 x 128 tiling was fastest summed over both weights
-// on DeepSeek-V3, Qwen3-30B-A3B and Mixtral; pingpong 128 x 128 tiles, clusters along M and wider
-// epilogue sub-tiles (128 x 64, 128 x 128: the Cooperative template's EpiN), 128 x 128 cooperative
-// tiles, 2 x 2 clusters and all of C loaded ahead (StagesC) were not faster summed over both
-// weights anywhere and are not built.
+// benchmarks/probes/wgrad_kernels.py: the clustered 256 x 128 tiling was the fastest summed over both
+// weights on DeepSeek-V3, Qwen3-30B-A3B and Mixtral of every tiling tried (no clusters, 128 x 256,
+// ping-pong 64 x 256 and 128 x 128, clusters along M, 2 x 2 clusters, wider epilogue sub-tiles, all
+// of C loaded ahead).
 enum class WgradTile : int {
   kCooperative256x128Cluster1x2 = 0,
-  kCooperative256x128 = 1,
-  kCooperative128x256 = 2,
-  kPingpong64x256 = 3,  // each consumer warp group its own 64 x 256 tile (epilogue overlaps MMAs)
 };
-constexpr int kTilings = 4;
+constexpr int kTilings = 1;
 
 // Bytes of device workspace grouped_wgrad needs for `num_experts` groups on a GPU with
 // `sm_count` multiprocessors.

@@ -328,7 +328,8 @@ def _hidden_recipe(
         backend = experts.gemm_backend(x_TH.device, dtype)  # type: ignore[operator]
         x_RH = permute_rows_reference(x_TH, perm.src_token_R)  # a gather: the same bits as the kernel's
         with torch.no_grad():
-            return gmm(x_RH, w13, offsets_from_counts(perm.tokens_per_expert_E), backend)
+            offs = offsets_from_counts(perm.tokens_per_expert_E)
+            return gmm(x_RH, w13, offs, backend, experts.gemm_kernel, experts.gemm_tile)  # type: ignore[arg-type]
 
     return rebuild
 

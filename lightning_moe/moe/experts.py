@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from lightning_moe.config import ExpertsBackend
+from lightning_moe.config import ExpertsBackend, KernelConfig
 from lightning_moe.ops.deferred import Deferred
 from lightning_moe.ops.expert_mlp import expert_swiglu_mlp
 from lightning_moe.ops.local_experts import local_experts
@@ -31,7 +31,12 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 
 class GroupedExperts(nn.Module):
-    """SwiGLU experts: ``y = (silu(x @ W_gate) * (x @ W_up) * w) @ W_down`` per expert."""
+    """SwiGLU experts: ``y = (silu(x @ W_gate) * (x @ W_up) * w) @ W_down`` per expert.
+
+    ``kernels`` (:class:`~lightning_moe.config.KernelConfig`, default: its defaults) is read here,
+    once: its values are kept as plain attributes (``gemm_kernel``, ``gemm_tile``, ``wgrad_kernel``,
+    ``wgrad_streams``) and passed to the ops on every call.
+    """
 
     def __init__(
         self,
@@ -40,8 +45,16 @@ class GroupedExperts(nn.Module):
         ffn_hidden_size: int,
         backend: ExpertsBackend = "auto",
         init_std: float = 0.02,
+        kernels: KernelConfig | None = None,
     ) -> None:
         super().__init__()
+        kernels = KernelConfig() if kernels is None else kernels
+        if not isinstance(kernels, KernelConfig):
+            raise TypeError(f"GroupedExperts: kernels={kernels!r} is not a KernelConfig; pass KernelConfig(...) or None.")
+        self.gemm_kernel: str = kernels.gemm
+        self.gemm_tile: str = kernels.gemm_cutlass_tile
+        self.wgrad_kernel: str = kernels.wgrad
+        self.wgrad_streams: tuple[int, int] = (kernels.wgrad_streams_w13, kernels.wgrad_streams_w2)
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
@@ -54,7 +67,7 @@ class GroupedExperts(nn.Module):
         # rebuild them there (True: lean; activation recompute sets it for its call), or None:
         # rebuild each one whose rebuild is cheap for this shape (ops.local_experts.rebuild_is_cheap).
         self.lean_backward: bool | None = None
-        # Add weight gradients into an existing .grad inside the wgrad GEMMs (ops/wgrad_accumulation.py).
+        # Add weight gradients into an existing .grad inside the wgrad GEMMs (ops/wgrad/).
         self.fuse_wgrad_accumulation = False
         self.reset_parameters()
 
@@ -91,7 +104,9 @@ class GroupedExperts(nn.Module):
         offs_e = offsets_from_counts(tokens_per_expert_e)
         backend = self.gemm_backend(x_RH.device, dtype)
         with torch.autocast(device_type=device_type, enabled=False):
-            return expert_swiglu_mlp(x_RH.to(dtype), w13, w2, offs_e, weights_R, backend)
+            return expert_swiglu_mlp(
+                x_RH.to(dtype), w13, w2, offs_e, weights_R, backend, self.gemm_kernel, self.gemm_tile, self.wgrad_kernel
+            )
 
     def forward_local(
         self, x_TH: torch.Tensor, perm: Permutation, weights_R: Deferred, x_RH: Deferred | None = None
@@ -106,13 +121,15 @@ class GroupedExperts(nn.Module):
         offs_e = perm.offsets_E if perm.offsets_E is not None else offsets_from_counts(perm.tokens_per_expert_E)
         backend = self.gemm_backend(x_TH.device, dtype)
         args = (x_TH.to(dtype), w13, w2, weights_R, perm, offs_e, backend, self.lean_backward, self.fuse_wgrad_accumulation, x_RH)
+        kernels = (self.gemm_kernel, self.gemm_tile, self.wgrad_kernel, self.wgrad_streams)
         if not torch.is_autocast_enabled(device_type):  # no context to enter on the path to the first GEMM
-            return local_experts(*args)
+            return local_experts(*args, *kernels)
         with torch.autocast(device_type=device_type, enabled=False):
-            return local_experts(*args)
+            return local_experts(*args, *kernels)
 
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
-            f"ffn_hidden_size={self.ffn_hidden_size}, backend={self.requested_backend!r}"
+            f"ffn_hidden_size={self.ffn_hidden_size}, backend={self.requested_backend!r}, "
+            f"gemm={self.gemm_kernel!r}, wgrad={self.wgrad_kernel!r}"
         )

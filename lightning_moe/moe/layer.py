@@ -41,6 +41,7 @@ from lightning_moe.moe.losses import (
 from lightning_moe.moe.router import RouterOutput, TopKRouter, expert_capacity
 from lightning_moe.ops.deferred import Deferred
 from lightning_moe.ops.permute import Permutation
+from lightning_moe.ops.streams import side_stream
 
 __all__ = ["MoELayer", "SharedExpert", "router_entropy"]
 
@@ -94,7 +95,8 @@ class MoELayer(nn.Module):
         self.layer_name = layer_name
         self.router = TopKRouter(config)
         self.experts = GroupedExperts(
-            config.num_experts, config.hidden_size, config.ffn_hidden_size, config.experts_backend, config.init_std
+            config.num_experts, config.hidden_size, config.ffn_hidden_size, config.experts_backend, config.init_std,
+            kernels=config.kernels,
         )
         self.experts.fuse_wgrad_accumulation = config.fuse_wgrad_accumulation
         self.shared_expert = (
@@ -239,9 +241,6 @@ class MoELayer(nn.Module):
         return f"name={self.layer_name!r}, dispatcher={self.dispatcher!r}"
 
 
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
 class _SharedOnSideStream:
     """The shared expert launched on a side stream; :meth:`join` makes the caller's stream wait.
 
@@ -252,10 +251,8 @@ class _SharedOnSideStream:
 
     def __init__(self, shared_expert: nn.Module, x_TH: torch.Tensor) -> None:
         device = x_TH.device
-        if device not in _SIDE_STREAMS:
-            _SIDE_STREAMS[device] = torch.cuda.Stream(device)
         self.main = torch.cuda.current_stream(device)
-        self.side = _SIDE_STREAMS[device]
+        self.side = side_stream(device, 0)
         self.side.wait_stream(self.main)  # x_TH is ready
         with torch.cuda.stream(self.side):
             x_TH.record_stream(self.side)

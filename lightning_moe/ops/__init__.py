@@ -1,9 +1,14 @@
 """Kernels with a Python face; every op sits next to its torch reference.
 
 Backend choice (``ops/backend.py``): the csrc kernels on CUDA when they build, the torch path
-otherwise; ``LIGHTNING_MOE_KERNELS=auto|csrc|torch`` forces one. Triton, transformer-engine and
-grouped_gemm are imported only inside their adapters; the optional CUTLASS kernels (`csrc/cutlass`,
-`ops/build_cutlass.py`) build only where their headers and an sm_90 GPU are found.
+otherwise; ``LIGHTNING_MOE_KERNELS=auto|csrc|torch`` (a machine switch: is the JIT build wanted
+here) forces one. Triton and grouped_gemm are imported only inside their adapters; the optional
+CUTLASS kernels (`csrc/cutlass`, `ops/build_cutlass.py`) build only where their headers and an
+sm_90 GPU are found. Which GEMM and weight-gradient kernels the experts run is the user's choice,
+``KernelConfig`` (``lightning_moe/config.py``), read once when the layer is built and handed to the
+ops as plain values; the weight-gradient kernels live in ``ops/wgrad/``. Environment variables the
+package reads, all machine facts: ``LIGHTNING_MOE_KERNELS``, ``LIGHTNING_MOE_CACHE`` (build cache
+directory), ``LIGHTNING_MOE_CUTLASS_DIR`` (CUTLASS headers) and Triton's own ``TRITON_INTERPRET``.
 """
 
 from lightning_moe.ops.expert_mlp import expert_swiglu_mlp, expert_swiglu_mlp_reference

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from lightning_moe.ops.grouped_gemm_cutlass import DEFAULT_TILE
 from lightning_moe.ops.grouped_gemm import GemmBackend, gmm, gmm_wgrad
 from lightning_moe.ops.swiglu import weighted_swiglu_backward, weighted_swiglu_forward, weighted_swiglu_reference
 
@@ -52,33 +53,35 @@ class _ExpertSwiGLUMLP(torch.autograd.Function):
         offs_E: torch.Tensor,
         w_R: torch.Tensor | None,
         backend: GemmBackend,
+        kernels: tuple[str, str, str],
     ) -> torch.Tensor:
-        h_R2F = gmm(x_RH, w13, offs_E, backend)
+        gemm = (backend, *kernels[:2])
+        h_R2F = gmm(x_RH, w13, offs_E, *gemm)
         a_RF = weighted_swiglu_forward(h_R2F, w_R)
-        y_RH = gmm(a_RF, w2, offs_E, backend)
-        ctx.backend = backend
+        y_RH = gmm(a_RF, w2, offs_E, *gemm)
+        ctx.gemm, ctx.wgrad = gemm, (backend, kernels[2])
         ctx.save_for_backward(x_RH, h_R2F, w13, w2, offs_E, w_R)
         return y_RH
 
     @staticmethod
     def backward(ctx, grad_y_RH: torch.Tensor):  # type: ignore[override]
         x_RH, h_R2F, w13, w2, offs_E, w_R = ctx.saved_tensors
-        backend: GemmBackend = ctx.backend
+        gemm, wgrad = ctx.gemm, ctx.wgrad
         grad_y_RH = grad_y_RH.contiguous()
-        grad_a_RF = gmm(grad_y_RH, w2.transpose(1, 2), offs_E, backend)
+        grad_a_RF = gmm(grad_y_RH, w2.transpose(1, 2), offs_E, *gemm)
         grad_w2 = None
         if ctx.needs_input_grad[2]:
             a_RF = weighted_swiglu_forward(h_R2F, w_R)
-            grad_w2 = gmm_wgrad(a_RF, grad_y_RH, offs_E, backend)
+            grad_w2 = gmm_wgrad(a_RF, grad_y_RH, offs_E, *wgrad)
             del a_RF
         need_w = w_R is not None and ctx.needs_input_grad[4]
         grad_h_R2F, grad_w_R = weighted_swiglu_backward(h_R2F, w_R, grad_a_RF, need_w)
         del grad_a_RF
-        grad_x_RH = gmm(grad_h_R2F, w13.transpose(1, 2), offs_E, backend) if ctx.needs_input_grad[0] else None
-        grad_w13 = gmm_wgrad(x_RH, grad_h_R2F, offs_E, backend) if ctx.needs_input_grad[1] else None
+        grad_x_RH = gmm(grad_h_R2F, w13.transpose(1, 2), offs_E, *gemm) if ctx.needs_input_grad[0] else None
+        grad_w13 = gmm_wgrad(x_RH, grad_h_R2F, offs_E, *wgrad) if ctx.needs_input_grad[1] else None
         if grad_w_R is not None:
             grad_w_R = grad_w_R.to(w_R.dtype)
-        return grad_x_RH, grad_w13, grad_w2, None, grad_w_R, None
+        return grad_x_RH, grad_w13, grad_w2, None, grad_w_R, None, None
 
 
 def expert_swiglu_mlp(
@@ -88,6 +91,12 @@ def expert_swiglu_mlp(
     offs_E: torch.Tensor,
     w_R: torch.Tensor | None = None,
     backend: GemmBackend = "torch",
+    gemm_kernel: str = "auto",
+    gemm_tile: str = DEFAULT_TILE,
+    wgrad_kernel: str = "auto",
 ) -> torch.Tensor:
-    """SwiGLU experts over rows grouped by ``offs_E`` (inclusive int32 cumsum); differentiable."""
-    return _ExpertSwiGLUMLP.apply(x_RH, w13, w2, offs_E, w_R, backend)
+    """SwiGLU experts over rows grouped by ``offs_E`` (inclusive int32 cumsum); differentiable.
+
+    ``gemm_kernel``, ``gemm_tile``, ``wgrad_kernel``: the resolved ``KernelConfig`` values
+    (``ops/grouped_gemm.gmm`` and ``gmm_wgrad`` say what they choose)."""
+    return _ExpertSwiGLUMLP.apply(x_RH, w13, w2, offs_E, w_R, backend, (gemm_kernel, gemm_tile, wgrad_kernel))

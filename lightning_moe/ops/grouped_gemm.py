@@ -10,9 +10,10 @@ Backends (one facade, chosen once per ``GroupedExperts``):
 * ``torch`` — ``F.grouped_mm`` (CUDA sm_90+, and CPU on torch >= 2.9). Needs every row stride
   16-byte aligned, i.e. D and O multiples of 8 in bf16 or 4 in fp32. For wide experts on Hopper
   the forward and data-gradient GEMMs run our CUTLASS grouped GEMM instead, when it is built
-  (``ops/grouped_gemm_cutlass.py``: same contract, measured faster there); the weight gradient
-  runs our CUTLASS weight-gradient GEMM with beta = 0 when ``LIGHTNING_MOE_WGRAD_KERNEL=cutlass``
-  asks for it (``wgrad_accumulation.fresh_wgrad_tiling``: measured slower than ``F.grouped_mm``).
+  (``ops/grouped_gemm_cutlass.py``: same contract, measured faster there; ``gemm_kernel`` and
+  ``gemm_tile``, from ``KernelConfig``, choose); the weight gradient runs our CUTLASS
+  weight-gradient GEMM with beta = 0 when ``wgrad_kernel="cutlass"`` asks for it
+  (``ops/wgrad/choice.fresh_wgrad_tiling``: measured slower than ``F.grouped_mm``).
 * ``loop`` — one matmul per expert; the reference, and the fallback for odd sizes.
 * ``grouped_gemm`` — the ``grouped_gemm`` package, when importable (``ops/grouped_gemm_gg.py``).
 """
@@ -25,7 +26,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from lightning_moe.ops import grouped_gemm_cutlass, wgrad_accumulation, wgrad_cutlass
+from lightning_moe.ops import grouped_gemm_cutlass
+from lightning_moe.ops.wgrad import cutlass_kernel as wgrad_cutlass
+from lightning_moe.ops.wgrad.choice import fresh_wgrad_tiling
 
 __all__ = [
     "GemmBackend",
@@ -70,19 +73,21 @@ def _wgrad_reference(x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tens
     return dw_EDO
 
 
-def _torch_gmm(x_RD: torch.Tensor, w_EDO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+def _torch_gmm(
+    x_RD: torch.Tensor, w_EDO: torch.Tensor, offs_E: torch.Tensor, kernel: str, tile: str
+) -> torch.Tensor:
     if x_RD.shape[0] == 0:  # F.grouped_mm rejects the zero strides of an empty expanded grad
         return x_RD.new_zeros(0, w_EDO.shape[-1])
-    tiling = grouped_gemm_cutlass.layer_tiling(x_RD, w_EDO)  # wide experts on Hopper: faster (see there)
+    tiling = grouped_gemm_cutlass.layer_tiling(x_RD, w_EDO, kernel, tile)  # wide experts on Hopper: faster (see there)
     if tiling is not None:
         return grouped_gemm_cutlass.grouped_mm(x_RD, w_EDO, offs_E, tiling)
     return F.grouped_mm(x_RD, w_EDO, offs=offs_E)
 
 
-def _torch_wgrad(x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+def _torch_wgrad(x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor, wgrad_kernel: str) -> torch.Tensor:
     if x_RD.shape[0] == 0:
         return x_RD.new_zeros(offs_E.shape[0], x_RD.shape[1], dy_RO.shape[1])
-    tiling = wgrad_accumulation.fresh_wgrad_tiling(x_RD, dy_RO)  # only when asked for (measured slower)
+    tiling = fresh_wgrad_tiling(wgrad_kernel, x_RD, dy_RO)  # only when asked for (measured slower)
     if tiling is not None:
         return wgrad_cutlass.grouped_wgrad(x_RD, dy_RO, offs_E, tiling)
     return F.grouped_mm(x_RD.t(), dy_RO, offs=offs_E)
@@ -105,10 +110,6 @@ def resolve_gemm_backend(
     requested: str, device: torch.device, dtype: torch.dtype, dims: tuple[int, ...]
 ) -> tuple[GemmBackend, str | None]:
     """The backend to use and, when ``auto`` could not take the fastest one, why."""
-    if requested in ("te",):
-        raise ModuleNotFoundError(
-            "experts_backend='te' is not available in this release; use 'auto' (torch grouped_mm)."
-        )
     if requested == "grouped_gemm":
         from lightning_moe.ops.grouped_gemm_gg import require_grouped_gemm
 
@@ -136,23 +137,33 @@ def _gg_wgrad(x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor) -> 
     return gg_wgrad(x_RD, dy_RO, offs_E)
 
 
-_FORWARD: dict[str, Callable[..., torch.Tensor]] = {
-    "torch": _torch_gmm,
-    "loop": grouped_mm_reference,
-    "grouped_gemm": _gg_gmm,
-}
-_WGRAD: dict[str, Callable[..., torch.Tensor]] = {
-    "torch": _torch_wgrad,
-    "loop": _wgrad_reference,
-    "grouped_gemm": _gg_wgrad,
-}
+_FORWARD: dict[str, Callable[..., torch.Tensor]] = {"loop": grouped_mm_reference, "grouped_gemm": _gg_gmm}
+_WGRAD: dict[str, Callable[..., torch.Tensor]] = {"loop": _wgrad_reference, "grouped_gemm": _gg_wgrad}
 
 
-def gmm(x_RD: torch.Tensor, w_EDO: torch.Tensor, offs_E: torch.Tensor, backend: GemmBackend) -> torch.Tensor:
-    """Grouped ``x @ w[e]``; no autograd (the expert MLP owns the backward)."""
+def gmm(
+    x_RD: torch.Tensor,
+    w_EDO: torch.Tensor,
+    offs_E: torch.Tensor,
+    backend: GemmBackend,
+    gemm_kernel: str = "auto",
+    gemm_tile: str = grouped_gemm_cutlass.DEFAULT_TILE,
+) -> torch.Tensor:
+    """Grouped ``x @ w[e]``; no autograd (the expert MLP owns the backward).
+
+    ``gemm_kernel`` / ``gemm_tile``: the ``torch`` backend's choice between ``F.grouped_mm`` and the
+    CUTLASS grouped GEMM (``grouped_gemm_cutlass.layer_tiling``); other backends ignore them."""
+    if backend == "torch":
+        return _torch_gmm(x_RD, w_EDO, offs_E, gemm_kernel, gemm_tile)
     return _FORWARD[backend](x_RD, w_EDO, offs_E)
 
 
-def gmm_wgrad(x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor, backend: GemmBackend) -> torch.Tensor:
-    """Per-expert ``x_e^T @ dy_e`` stacked to ``[E, D, O]`` (experts with no rows get zeros)."""
+def gmm_wgrad(
+    x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor, backend: GemmBackend, wgrad_kernel: str = "auto"
+) -> torch.Tensor:
+    """Per-expert ``x_e^T @ dy_e`` stacked to ``[E, D, O]`` (experts with no rows get zeros).
+
+    ``wgrad_kernel="cutlass"`` makes the ``torch`` backend write it with the CUTLASS kernel (beta = 0)."""
+    if backend == "torch":
+        return _torch_wgrad(x_RD, dy_RO, offs_E, wgrad_kernel)
     return _WGRAD[backend](x_RD, dy_RO, offs_E)

@@ -12,41 +12,37 @@ Source: ``csrc/cutlass/grouped_gemm*``; build: ``ops/build_cutlass.py`` (optiona
 CUTLASS headers and an sm_90 GPU).
 
 Where the layer uses it (:func:`layer_tiling`, read by ``ops/grouped_gemm.py`` for every forward
-and data-gradient GEMM of the ``torch`` backend): ``LIGHTNING_MOE_GEMM_KERNEL`` = ``auto``
-(default: CUTLASS ping-pong 64 x 256 for wide experts with few rows each, ``F.grouped_mm``
-otherwise), ``torch``
-(always ``F.grouped_mm``) or ``cutlass`` (CUTLASS wherever it applies, at
-``LIGHTNING_MOE_GEMM_CUTLASS_TILE``). Raced on the H200 (``benchmarks/probes/expert_gemms.py``, the four
-GEMMs of a layer, each in the layout the layer reads): DeepSeek-V3 (expert matrices of 29-59 MB,
-~512 rows an expert) ping-pong 64 x 256 22.8 ms vs 26.8 for ``F.grouped_mm`` (-15 % on three of
-the four GEMMs, -6 % on the fourth); Qwen3-30B-A3B (3-6 MB, ~1024 rows) and Mixtral-8x7B (117-235
-MB, ~4096 rows) ``F.grouped_mm`` ahead or level on all four (Qwen3 up 1.28 vs 1.41 ms for the best
-CUTLASS tiling; Mixtral 41.1 vs 44.2 ms for ping-pong 64 x 256). Hence "wide": expert matrices of
-at least 16 MB *and* at most 768 rows an expert on average (with few rows an expert, a 128-row
-tile's partly filled last tile is a larger share of the work; 64-row tiles halve that waste).
-The same cooperative 128 x 256 tiling torch uses ran slower here than in torch on Qwen3 (1.46 vs
-1.28 ms; not investigated).
+and data-gradient GEMM of the ``torch`` backend), by ``KernelConfig.gemm`` (chosen when the layer is
+built, passed down as a plain string): ``auto`` (default: CUTLASS ping-pong 64 x 256 for wide
+experts with few rows each, ``F.grouped_mm`` otherwise), ``torch`` (always ``F.grouped_mm``) or
+``cutlass`` (CUTLASS wherever it applies, at ``KernelConfig.gemm_cutlass_tile``). Raced on the H200
+(``benchmarks/probes/expert_gemms.py``, the four GEMMs of a layer, each in the layout the layer reads):
+DeepSeek-V3 (expert matrices of 29-59 MB, ~512 rows an expert) ping-pong 64 x 256 22.8 ms vs 26.8
+for ``F.grouped_mm`` (-15 % on three of the four GEMMs, -6 % on the fourth); Qwen3-30B-A3B (3-6 MB,
+~1024 rows) and Mixtral-8x7B (117-235 MB, ~4096 rows) ``F.grouped_mm`` ahead or level on all four
+(Qwen3 up 1.28 vs 1.41 ms for the best CUTLASS tiling; Mixtral 41.1 vs 44.2 ms for ping-pong
+64 x 256). Hence "wide": expert matrices of at least 16 MB *and* at most 768 rows an expert on
+average (with few rows an expert, a 128-row tile's partly filled last tile is a larger share of the
+work; 64-row tiles halve that waste).
 
-``LIGHTNING_MOE_GEMM_CUTLASS_TILE`` picks the tiling for ``cutlass`` (``csrc/cutlass/grouped_gemm.h``):
-``cooperative-128x256-c2x1`` (default: 128 x 256 tiles, both consumer warp groups on one tile,
-clusters of two along M sharing the ``w`` tile through TMA multicast; the tiling torch's
-``grouped_mm`` uses on sm_90), ``pingpong-128x128`` (each consumer warp group owns a tile, one's
-epilogue overlapping the other's MMAs), ``pingpong-128x128-c2x1`` or ``pingpong-64x256``.
+The tilings built (``csrc/cutlass/grouped_gemm.h``): ``cooperative-128x256-c2x1`` (the default of
+``cutlass``: 128 x 256 tiles, both consumer warp groups on one tile, clusters of two along M sharing
+the ``w`` tile through TMA multicast; the tiling torch's ``grouped_mm`` uses on sm_90, though it ran
+slower in this build than in torch on Qwen3: 1.46 vs 1.28 ms) and ``pingpong-64x256`` (each
+consumer warp group owns a 64 x 256 tile, one's epilogue overlapping the other's MMAs; what ``auto``
+runs).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
 from lightning_moe.ops.build_cutlass import load_cutlass_extension
 
-__all__ = ["DEFAULT_TILE", "GEMM_KERNELS", "TILES", "grouped_mm", "layer_tiling", "supported", "tile"]
+__all__ = ["DEFAULT_TILE", "GEMM_KERNELS", "TILES", "WIDE_TILE", "grouped_mm", "layer_tiling", "supported"]
 
-TILES = {"cooperative-128x256-c2x1": 0, "pingpong-128x128": 1, "pingpong-128x128-c2x1": 2, "pingpong-64x256": 3}
+TILES = {"cooperative-128x256-c2x1": 0, "pingpong-64x256": 1}
 DEFAULT_TILE = "cooperative-128x256-c2x1"
-_ENV = "LIGHTNING_MOE_GEMM_CUTLASS_TILE"
 GEMM_KERNELS = ("auto", "torch", "cutlass")
 WIDE_TILE = "pingpong-64x256"
 # Where ping-pong 64 x 256 beat F.grouped_mm (module docstring): expert matrices (K x N) of at
@@ -56,32 +52,22 @@ _WIDE_BYTES = 16 * 2**20
 _MAX_ROWS_PER_EXPERT = 768
 
 
-def tile() -> str:
-    """``LIGHTNING_MOE_GEMM_CUTLASS_TILE``, one of :data:`TILES` (default :data:`DEFAULT_TILE`)."""
-    name = os.environ.get(_ENV, DEFAULT_TILE).strip().lower()
-    if name not in TILES:
-        raise ValueError(f"{_ENV}={name!r} is unknown; choose one of {tuple(TILES)}.")
-    return name
+def layer_tiling(
+    a_RK: torch.Tensor, w_EKN: torch.Tensor, kernel: str = "auto", tile: str = DEFAULT_TILE
+) -> str | None:
+    """The CUTLASS tiling the layer's grouped GEMM ``a @ w[e]`` should run, or ``None`` for ``F.grouped_mm``.
 
-
-def gemm_kernel() -> str:
-    """``LIGHTNING_MOE_GEMM_KERNEL``: one of :data:`GEMM_KERNELS` (default ``auto``)."""
-    name = os.environ.get("LIGHTNING_MOE_GEMM_KERNEL", "auto").strip().lower()
-    if name not in GEMM_KERNELS:
-        raise ValueError(f"LIGHTNING_MOE_GEMM_KERNEL={name!r} is unknown; choose one of {GEMM_KERNELS}.")
-    return name
-
-
-def layer_tiling(a_RK: torch.Tensor, w_EKN: torch.Tensor) -> str | None:
-    """The CUTLASS tiling the layer's grouped GEMM ``a @ w[e]`` should run, or ``None`` for ``F.grouped_mm``."""
-    kernel = gemm_kernel()
+    ``kernel`` is one of :data:`GEMM_KERNELS`; ``tile`` (a key of :data:`TILES`) is what ``cutlass`` runs.
+    """
+    if kernel not in GEMM_KERNELS:
+        raise ValueError(f"layer_tiling: kernel={kernel!r} is not one of {GEMM_KERNELS}; choose one of them.")
     if kernel == "torch" or not a_RK.is_cuda:
         return None
     if kernel == "auto" and not _pingpong_pays(a_RK.shape[0], w_EKN):
         return None
     if not supported(a_RK, w_EKN):
         return None
-    return WIDE_TILE if kernel == "auto" else tile()
+    return WIDE_TILE if kernel == "auto" else tile
 
 
 def _pingpong_pays(rows: int, w_EKN: torch.Tensor) -> bool:
@@ -115,7 +101,7 @@ def grouped_mm(
     """``out_RN[lo:hi] = a_RK[lo:hi] @ w_EKN[e]`` per expert; ``offs_E`` inclusive row ends (int32, device).
 
     No autograd. Rows from ``offs_E[-1]`` on are left uninitialised, as ``F.grouped_mm`` leaves
-    them. ``tiling`` is a key of :data:`TILES` (default: :func:`tile`). Bad input (dtype, layout,
+    them. ``tiling`` is a key of :data:`TILES` (default: :data:`DEFAULT_TILE`). Bad input (dtype, layout,
     alignment, shapes) raises ``RuntimeError`` from the op, naming the value and the fix.
     """
     ops = load_cutlass_extension()
@@ -123,7 +109,7 @@ def grouped_mm(
         raise RuntimeError(
             "grouped_mm: the CUTLASS kernels are unavailable; check grouped_gemm_cutlass.supported() first."
         )
-    name = tiling or tile()
+    name = tiling or DEFAULT_TILE
     if name not in TILES:
         raise RuntimeError(f"grouped_mm: tiling={name!r} is unknown; choose one of {tuple(TILES)}.")
     return ops.grouped_mm(a_RK, w_EKN, offs_E, TILES[name])

@@ -22,21 +22,30 @@ weight gradients are the biggest transient buffers of the step:
         grad_x_RH = gmm(grad_h, w13^T) -> grad_x_TH = gather-sum over the K slots
 
 With ``fuse_wgrad`` (and a shape where it pays), a weight that already has a ``.grad`` gets its
-gradient added there by the weight-gradient GEMMs themselves (``ops/wgrad_accumulation.py``).
+gradient added there by the weight-gradient GEMMs themselves (``ops/wgrad/``).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from lightning_moe.ops import wgrad_cutlass
 from lightning_moe.ops.deferred import Deferred, resolved
 from lightning_moe.ops.grouped_gemm import GemmBackend, gmm, gmm_wgrad
+from lightning_moe.ops.grouped_gemm_cutlass import DEFAULT_TILE
 from lightning_moe.ops.permute import Permutation, _expert_rows_impl, _unpermute_sum_impl
 from lightning_moe.ops.swiglu import weighted_swiglu_backward, weighted_swiglu_forward
-from lightning_moe.ops.wgrad_accumulation import WgradFusion, accumulation_target, wgrad_kernel, wide_experts
+from lightning_moe.ops.wgrad import WgradFusion, accumulation_target, may_fuse
 
 __all__ = ["local_experts"]
+
+
+class _Kernels(NamedTuple):
+    """The GEMM arguments of one call, resolved once: ``gmm(..., *gemm)``, ``gmm_wgrad(..., *wgrad)``."""
+
+    gemm: tuple[GemmBackend, str, str]
+    wgrad: tuple[GemmBackend, str]
 
 
 class _PermuteUp(torch.autograd.Function):
@@ -48,12 +57,12 @@ class _PermuteUp(torch.autograd.Function):
         w13: torch.Tensor,
         perm: Permutation,
         offs_E: torch.Tensor,
-        backend: GemmBackend,
+        kernels: _Kernels,
         keep_gathered: bool,
         fusion: WgradFusion | None,
     ) -> torch.Tensor:
-        h_R2F = gmm(x_RH, w13, offs_E, backend)
-        ctx.perm, ctx.backend, ctx.keep_gathered = perm, backend, keep_gathered
+        h_R2F = gmm(x_RH, w13, offs_E, *kernels.gemm)
+        ctx.perm, ctx.kernels, ctx.keep_gathered = perm, kernels, keep_gathered
         # The weight itself, not its saved copy: saved-tensor hooks (offload, checkpoints) may unpack
         # another tensor, and the in-place accumulation needs the leaf whose .grad autograd would fill.
         ctx.fusion, ctx.weight = fusion, (w13 if fusion is not None else None)
@@ -64,7 +73,7 @@ class _PermuteUp(torch.autograd.Function):
     def backward(ctx, grad_h_R2F: torch.Tensor):  # type: ignore[override]
         x_saved, w13, offs_E = ctx.saved_tensors
         perm: Permutation = ctx.perm
-        backend: GemmBackend = ctx.backend
+        kernels: _Kernels = ctx.kernels
         grad_h_R2F = grad_h_R2F.contiguous()
         grad_w13 = None
         if ctx.needs_input_grad[2]:  # w13 (x_RH, input 1, is the caller's detached copy)
@@ -73,7 +82,7 @@ class _PermuteUp(torch.autograd.Function):
             del x_RH
         grad_x_TH = None
         if ctx.needs_input_grad[0]:
-            grad_x_RH = gmm(grad_h_R2F, w13.transpose(1, 2), offs_E, backend)
+            grad_x_RH = gmm(grad_h_R2F, w13.transpose(1, 2), offs_E, *kernels.gemm)
             grad_x_TH = _unpermute_sum_impl(grad_x_RH, perm.slot_row_TK, None)
         return grad_x_TH, None, grad_w13, None, None, None, None, None
 
@@ -87,14 +96,14 @@ class _DownCombine(torch.autograd.Function):
         w_R: torch.Tensor,
         perm: Permutation,
         offs_E: torch.Tensor,
-        backend: GemmBackend,
+        kernels: _Kernels,
         keep_activation: bool,
         fusion: WgradFusion | None,
     ) -> torch.Tensor:
         a_RF = weighted_swiglu_forward(h_R2F, w_R)
-        y_RH = gmm(a_RF, w2, offs_E, backend)
+        y_RH = gmm(a_RF, w2, offs_E, *kernels.gemm)
         y_TH = _unpermute_sum_impl(y_RH, perm.slot_row_TK, None)
-        ctx.perm, ctx.backend = perm, backend
+        ctx.perm, ctx.kernels = perm, kernels
         ctx.fusion, ctx.weight = fusion, (w2 if fusion is not None else None)
         ctx.save_for_backward(h_R2F, w2, w_R, offs_E, a_RF if keep_activation else None)
         return y_TH
@@ -103,7 +112,7 @@ class _DownCombine(torch.autograd.Function):
     def backward(ctx, grad_TH: torch.Tensor):  # type: ignore[override]
         h_R2F, w2, w_R, offs_E, a_RF = ctx.saved_tensors
         perm: Permutation = ctx.perm
-        backend: GemmBackend = ctx.backend
+        kernels: _Kernels = ctx.kernels
         grad_y_RH = _expert_rows_impl(grad_TH, perm)
         grad_w2 = None
         if ctx.needs_input_grad[1]:  # before grad_a_RF exists: a_RF is freed first (lower peak)
@@ -111,7 +120,7 @@ class _DownCombine(torch.autograd.Function):
                 a_RF = weighted_swiglu_forward(h_R2F, w_R)
             grad_w2 = _weight_grad(ctx, a_RF, grad_y_RH, offs_E, "w2")
             del a_RF
-        grad_a_RF = gmm(grad_y_RH, w2.transpose(1, 2), offs_E, backend)
+        grad_a_RF = gmm(grad_y_RH, w2.transpose(1, 2), offs_E, *kernels.gemm)
         del grad_y_RH
         grad_h_R2F, grad_w_R = weighted_swiglu_backward(h_R2F, w_R, grad_a_RF, ctx.needs_input_grad[2])
         if grad_w_R is not None:
@@ -123,7 +132,7 @@ def _weight_grad(ctx, x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Ten
     """The expert weight gradient to return, or ``None`` once it was added into ``.grad`` in place."""
     target = accumulation_target(ctx.weight) if ctx.fusion is not None else None
     if target is None:
-        return gmm_wgrad(x_RD, dy_RO, offs_E, ctx.backend)
+        return gmm_wgrad(x_RD, dy_RO, offs_E, *ctx.kernels.wgrad)
     ctx.fusion.accumulate_(target, x_RD, dy_RO, weight)
     return None
 
@@ -160,6 +169,10 @@ def local_experts(
     lean: bool | None = False,
     fuse_wgrad: bool = False,
     x_RH: Deferred | None = None,
+    gemm_kernel: str = "auto",
+    gemm_tile: str = DEFAULT_TILE,
+    wgrad_kernel: str = "auto",
+    wgrad_streams: tuple[int, int] = (2, 2),
 ) -> torch.Tensor:
     """``y_TH`` of all experts on this rank, routing weights applied inside the SwiGLU.
 
@@ -169,7 +182,7 @@ def local_experts(
     rebuild is cheap for the shape (:func:`rebuild_is_cheap`).
 
     ``fuse_wgrad=True``: when ``w13``/``w2`` are leaves that already hold a ``.grad`` at backward
-    time and the shape is wide enough for it to pay (``ops.wgrad_accumulation.wide_experts``), their
+    time and the shape is wide enough for it to pay (``ops.wgrad.wide_experts``), their
     gradients are added into ``.grad`` by the weight-gradient GEMMs (see that module for when it is
     safe); otherwise, and by default, they are returned to autograd.
 
@@ -177,6 +190,9 @@ def local_experts(
     gradient reaches ``x_TH``), or a ``TakeOnce`` of them: then this frame holds the only reference
     and they are freed right after the first GEMM unless kept for backward (with wide experts
     they are the largest buffer of the forward); moved here when ``None`` or of another dtype.
+
+    ``gemm_kernel``, ``gemm_tile``, ``wgrad_kernel``, ``wgrad_streams`` (``w13``, ``w2``): the
+    resolved ``KernelConfig`` values (``ops/grouped_gemm.py`` and ``ops/wgrad/`` say what they choose).
     """
     # The rows are moved first: the device copies them while the host sets up the fusion and the
     # autograd node below (host time before the first GEMM's launch is time the GPU sits idle).
@@ -187,23 +203,13 @@ def local_experts(
         rebuild_x, rebuild_a = rebuild_is_cheap(x_TH.shape[-1], w2.shape[-2])
     else:
         rebuild_x = rebuild_a = lean
-    fusion = WgradFusion(offs_E, x_TH, (w13, w2)) if fuse_wgrad and _may_fuse(w13, w2, x_TH) else None
-    h_R2F = _PermuteUp.apply(x_TH, x_RH, w13, perm, offs_E, backend, not rebuild_x, fusion)
+    fusion = None
+    if fuse_wgrad and may_fuse(wgrad_kernel, w13, w2, x_TH):
+        fusion = WgradFusion(offs_E, x_TH, (w13, w2), wgrad_kernel, wgrad_streams)
+    kernels = _Kernels((backend, gemm_kernel, gemm_tile), (backend, wgrad_kernel))
+    h_R2F = _PermuteUp.apply(x_TH, x_RH, w13, perm, offs_E, kernels, not rebuild_x, fusion)
     del x_RH  # held by the node only when it keeps the gathered rows
     if fusion is not None:
         fusion.copy_offsets()
     w_R = resolved(w_R)  # deferred by the caller until the first GEMM is launched
-    return _DownCombine.apply(h_R2F, w2, w_R, perm, offs_E, backend, not rebuild_a, fusion)
-
-
-def _may_fuse(w13: torch.Tensor, w2: torch.Tensor, x_TH: torch.Tensor) -> bool:
-    if not (w13.is_leaf and w2.is_leaf and torch.is_grad_enabled() and (w13.requires_grad or w2.requires_grad)):
-        return False
-    if w13.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False
-    # One grouped launch per weight (CUTLASS, Triton) pays for any width; per-expert cuBLAS GEMMs
-    # only for wide experts.
-    kernel = wgrad_kernel()
-    if kernel == "triton" or (kernel in ("auto", "cutlass") and wgrad_cutlass.supported(x_TH, w13, w2)):
-        return True
-    return wide_experts(w2)
+    return _DownCombine.apply(h_R2F, w2, w_R, perm, offs_E, kernels, not rebuild_a, fusion)

@@ -37,7 +37,7 @@ def parse(spec: str) -> dict[str, object]:
 def _count_fused_accumulations() -> list[int]:
     """``fuse=1`` layouts: the tiny experts count as wide, and every in-place accumulation is counted."""
     import lightning_moe.ops.local_experts as local_ops
-    import lightning_moe.ops.wgrad_accumulation as wacc
+    import lightning_moe.ops.wgrad as wacc
 
     calls: list[int] = []
     original = wacc.WgradFusion.accumulate_

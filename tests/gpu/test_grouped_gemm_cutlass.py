@@ -143,14 +143,6 @@ def test_follows_the_current_stream() -> None:
     _assert_matches(out, _reference(a, w, counts), counts, "side stream")
 
 
-def test_the_tiling_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LIGHTNING_MOE_GEMM_CUTLASS_TILE", "Pingpong-64x256")
-    assert grouped_gemm_cutlass.tile() == "pingpong-64x256"
-    monkeypatch.setenv("LIGHTNING_MOE_GEMM_CUTLASS_TILE", "cooperative")
-    with pytest.raises(ValueError, match="LIGHTNING_MOE_GEMM_CUTLASS_TILE='cooperative' is unknown"):
-        grouped_gemm_cutlass.tile()
-
-
 def _inputs(k: int = 16, n: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     a = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2, k, n, device="cuda", dtype=torch.bfloat16)
@@ -220,13 +212,17 @@ def test_an_unknown_tiling_is_refused_naming_it() -> None:
 
 @pytest.mark.parametrize("lean", [False, True])
 def test_the_layer_through_cutlass_matches_it_through_grouped_mm(lean, monkeypatch) -> None:  # noqa: ANN001
-    """LIGHTNING_MOE_GEMM_KERNEL=cutlass sends every forward and data-gradient GEMM of the layer
+    """KernelConfig(gemm="cutlass") sends every forward and data-gradient GEMM of the layer
     through the CUTLASS kernel (counted); output and every gradient match F.grouped_mm's."""
     from lightning_moe import MoEConfig, MoELayer
+    from lightning_moe.config import KernelConfig
 
-    torch.manual_seed(0)
-    layer = MoELayer(MoEConfig(hidden_size=256, ffn_hidden_size=128, num_experts=8, top_k=2)).cuda().to(torch.bfloat16)
-    layer.experts.lean_backward = lean
+    layers = {}
+    for kernel in ("cutlass", "torch"):
+        torch.manual_seed(0)
+        cfg = MoEConfig(hidden_size=256, ffn_hidden_size=128, num_experts=8, top_k=2, kernels=KernelConfig(gemm=kernel))
+        layers[kernel] = MoELayer(cfg).cuda().to(torch.bfloat16)
+        layers[kernel].experts.lean_backward = lean
     x = torch.randn(333, 256, device="cuda", dtype=torch.bfloat16)
     go = torch.randn(333, 256, device="cuda", dtype=torch.bfloat16)
     calls = []
@@ -234,7 +230,7 @@ def test_the_layer_through_cutlass_matches_it_through_grouped_mm(lean, monkeypat
     monkeypatch.setattr(grouped_gemm_cutlass, "grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def step(kernel: str):  # noqa: ANN202
-        monkeypatch.setenv("LIGHTNING_MOE_GEMM_KERNEL", kernel)
+        layer = layers[kernel]
         layer.zero_grad(set_to_none=True)
         xr = x.clone().requires_grad_(True)
         y = layer(xr)

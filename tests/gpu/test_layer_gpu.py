@@ -84,22 +84,22 @@ def test_shared_expert_overlap_gives_the_same_numbers(gate: bool) -> None:
     torch.testing.assert_close(gx1, gx0, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize(  # ops/wgrad_accumulation.py; after ":" the stream counts
-    "kernel", ["auto", "loop", "streams", "streams:w13=3,w2=1", "streams:3", "triton", "cutlass"]
+@pytest.mark.parametrize(  # ops/wgrad/; after ":" the stream counts of w13 and w2
+    "kernel", ["auto", "loop", "streams", "streams:3,1", "streams:3,3", "triton", "cutlass"]
 )
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_fused_wgrad_accumulation_matches_autograd_accumulation(dtype, tol, kernel, monkeypatch) -> None:  # noqa: ANN001
     """Three accumulated backward passes: .grad += inside the wgrad GEMMs equals autograd's addition."""
     import importlib.util
 
-    import lightning_moe.ops.local_experts as local_ops
-    import lightning_moe.ops.wgrad_accumulation as wacc
+    import lightning_moe.ops.wgrad as wacc
+    import lightning_moe.ops.wgrad.choice as wchoice
+    from lightning_moe.config import KernelConfig
 
     kernel, _, streams = kernel.partition(":")
-    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", kernel)
-    if streams:
-        monkeypatch.setenv("LIGHTNING_MOE_WGRAD_STREAMS", streams)
-    monkeypatch.setattr(local_ops, "wide_experts", lambda w2: True)  # the test shape is narrow
+    w13_streams, w2_streams = map(int, streams.split(",")) if streams else (2, 2)
+    kernels = KernelConfig(wgrad=kernel, wgrad_streams_w13=w13_streams, wgrad_streams_w2=w2_streams)
+    monkeypatch.setattr(wchoice, "wide_experts", lambda w2: True)  # the test shape is narrow
     taken: list[str] = []
     original = wacc.WgradFusion.accumulate_
     monkeypatch.setattr(
@@ -110,14 +110,14 @@ def test_fused_wgrad_accumulation_matches_autograd_accumulation(dtype, tol, kern
     grads = []
     for fuse in (False, True):
         torch.manual_seed(1)
-        layer = MoELayer(MoEConfig(**cfg, fuse_wgrad_accumulation=fuse)).cuda().to(dtype)
+        layer = MoELayer(MoEConfig(**cfg, fuse_wgrad_accumulation=fuse, kernels=kernels)).cuda().to(dtype)
         g = torch.Generator(device="cuda").manual_seed(2)
         for _ in range(3):
             x = torch.randn(500, 256, device="cuda", dtype=dtype, generator=g)
             layer(x).float().pow(2).sum().backward()
         grads.append({n: p.grad.detach().clone() for n, p in layer.named_parameters()})
     assert len(taken) == 4  # w2 and w13 of the second and third passes
-    from lightning_moe.ops import wgrad_cutlass
+    from lightning_moe.ops.wgrad import cutlass_kernel as wgrad_cutlass
 
     cutlass_runs = dtype == torch.bfloat16 and wgrad_cutlass.supported(torch.empty(0, device="cuda", dtype=dtype))
     if kernel in ("auto", "cutlass"):
@@ -173,24 +173,10 @@ def _assert_added(dw: torch.Tensor, want: torch.Tensor, tol: float) -> None:
 def test_grouped_wgrad_kernel_adds_exactly_the_per_expert_products(dims, dtype, tol, tile) -> None:  # noqa: ANN001
     """Every tile of the Triton kernel: dw[e] += x_e^T dy_e, empty experts untouched, rows past the end ignored."""
     pytest.importorskip("triton")
-    from lightning_moe.ops.wgrad_triton import WgradTile, grouped_wgrad_accumulate_
+    from lightning_moe.ops.wgrad.triton_kernel import WgradTile, grouped_wgrad_accumulate_
 
     if dtype == torch.float32 and tile[5] == "tma" and tile[0] * tile[1] > 128 * 128:
         pytest.skip("an fp32 128x256 tile read through TMA needs more shared memory than the H200 has")
     x, dy, dw, offs, want = _wgrad_case(dims, dtype, seed=dims[0] + dims[1])
     grouped_wgrad_accumulate_(dw, x, dy, offs, WgradTile(*tile))
-    _assert_added(dw, want, tol)
-
-
-@pytest.mark.parametrize("programs_per_sm", [1, 2])
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("dims", [(700, 256, 384, 12), (0, 128, 128, 3), (90, 128, 200, 40)])
-def test_descriptor_wgrad_kernel_adds_exactly_the_per_expert_products(dims, dtype, tol, programs_per_sm) -> None:  # noqa: ANN001
-    """The persistent descriptor kernel (not warp-specialised: that is the benchmark's to try)."""
-    pytest.importorskip("triton")
-    from lightning_moe.ops.wgrad_triton_desc import DescTile, grouped_wgrad_accumulate_desc_
-
-    x, dy, dw, offs, want = _wgrad_case(dims, dtype, seed=dims[0] + dims[2])
-    block = 64 if dtype == torch.float32 else 128  # fp32 tiles of 128x128 exceed shared memory with 3 stages
-    grouped_wgrad_accumulate_desc_(dw, x, dy, offs, DescTile(block, block, 32, 4, 2, programs_per_sm=programs_per_sm))
     _assert_added(dw, want, tol)

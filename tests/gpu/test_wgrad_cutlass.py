@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_moe.ops import wgrad_cutlass
+from lightning_moe.ops.wgrad import cutlass_kernel as wgrad_cutlass
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("needs_cutlass")]  # tests/gpu/conftest.py
 
@@ -130,7 +130,7 @@ def test_fresh_gradient_of_no_rows_is_zero_and_bad_input_is_named() -> None:
 
 
 def test_fresh_gradients_take_the_kernel_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``LIGHTNING_MOE_WGRAD_KERNEL=cutlass``: the experts' fresh gradients come from the beta = 0 kernel
+    """``KernelConfig(wgrad="cutlass")``: the experts' fresh gradients come from the beta = 0 kernel
     and equal the per-expert loop's; by default (``auto``) from ``F.grouped_mm``."""
     from lightning_moe.ops import grouped_gemm
 
@@ -149,10 +149,8 @@ def test_fresh_gradients_take_the_kernel_when_asked(monkeypatch: pytest.MonkeyPa
     x = torch.randn(3000, H, generator=gen).to("cuda", torch.bfloat16)
     dy = torch.randn(3000, 2 * F, generator=gen).to("cuda", torch.bfloat16)
     want = grouped_gemm.gmm_wgrad(x, dy, offs, "loop")
-    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", "cutlass")
-    got = grouped_gemm.gmm_wgrad(x, dy, offs, "torch")
+    got = grouped_gemm.gmm_wgrad(x, dy, offs, "torch", "cutlass")
     assert calls == [(H, 2 * F)]
     assert _rel(got, want) <= 1e-2
-    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", "auto")
-    assert _rel(grouped_gemm.gmm_wgrad(x, dy, offs, "torch"), want) <= 1e-2
+    assert _rel(grouped_gemm.gmm_wgrad(x, dy, offs, "torch", "auto"), want) <= 1e-2
     assert len(calls) == 1

@@ -24,37 +24,60 @@ def cutlass_built(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("kernel", "tile", "w", "expected"),
     [
-        ("auto", None, DEEPSEEK_W2, "pingpong-64x256"),
-        ("auto", None, DEEPSEEK_W2.transpose(1, 2), "pingpong-64x256"),  # the data gradient's view
-        ("auto", None, QWEN3_W13, None),
-        ("auto", None, MIXTRAL_W2, None),  # wide, but many rows an expert: F.grouped_mm measured faster
-        ("torch", None, DEEPSEEK_W2, None),
-        ("cutlass", None, QWEN3_W13, cg.DEFAULT_TILE),
-        ("cutlass", "pingpong-128x128", QWEN3_W13, "pingpong-128x128"),
+        ("auto", cg.DEFAULT_TILE, DEEPSEEK_W2, "pingpong-64x256"),
+        ("auto", cg.DEFAULT_TILE, DEEPSEEK_W2.transpose(1, 2), "pingpong-64x256"),  # the data gradient's view
+        ("auto", cg.DEFAULT_TILE, QWEN3_W13, None),
+        ("auto", cg.DEFAULT_TILE, MIXTRAL_W2, None),  # wide, but many rows an expert: F.grouped_mm measured faster
+        ("torch", cg.DEFAULT_TILE, DEEPSEEK_W2, None),
+        ("cutlass", cg.DEFAULT_TILE, QWEN3_W13, "cooperative-128x256-c2x1"),
+        ("cutlass", "pingpong-64x256", QWEN3_W13, "pingpong-64x256"),
     ],
 )
-def test_layer_tiling_follows_the_setting_and_the_width(cutlass_built, monkeypatch, kernel, tile, w, expected) -> None:  # noqa: ANN001
-    monkeypatch.setenv("LIGHTNING_MOE_GEMM_KERNEL", kernel)
-    if tile is None:
-        monkeypatch.delenv("LIGHTNING_MOE_GEMM_CUTLASS_TILE", raising=False)
-    else:
-        monkeypatch.setenv("LIGHTNING_MOE_GEMM_CUTLASS_TILE", tile)
-    assert cg.layer_tiling(CUDA_ROWS, w) == expected
+def test_layer_tiling_follows_the_setting_and_the_width(cutlass_built, kernel, tile, w, expected) -> None:  # noqa: ANN001
+    assert cg.layer_tiling(CUDA_ROWS, w, kernel, tile) == expected
 
 
 def test_no_cutlass_without_a_gpu_or_a_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LIGHTNING_MOE_GEMM_KERNEL", "cutlass")
-    assert cg.layer_tiling(torch.empty(4, 2048, dtype=torch.bfloat16), DEEPSEEK_W2) is None  # CPU rows
+    assert cg.layer_tiling(torch.empty(4, 2048, dtype=torch.bfloat16), DEEPSEEK_W2, "cutlass") is None  # CPU rows
     monkeypatch.setattr(cg, "supported", lambda a, w: False)
-    assert cg.layer_tiling(CUDA_ROWS, DEEPSEEK_W2) is None
+    assert cg.layer_tiling(CUDA_ROWS, DEEPSEEK_W2, "cutlass") is None
 
 
-def test_unknown_setting_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LIGHTNING_MOE_GEMM_KERNEL", "cublas")
-    with pytest.raises(ValueError, match=r"LIGHTNING_MOE_GEMM_KERNEL='cublas' is unknown"):
-        cg.layer_tiling(CUDA_ROWS, DEEPSEEK_W2)
-    monkeypatch.setenv("LIGHTNING_MOE_GEMM_KERNEL", "cutlass")
-    monkeypatch.setenv("LIGHTNING_MOE_GEMM_CUTLASS_TILE", "huge")
-    monkeypatch.setattr(cg, "supported", lambda a, w: True)
-    with pytest.raises(ValueError, match=r"LIGHTNING_MOE_GEMM_CUTLASS_TILE='huge' is unknown"):
-        cg.layer_tiling(CUDA_ROWS, DEEPSEEK_W2)
+def test_unknown_kernel_is_named() -> None:
+    with pytest.raises(ValueError, match=r"kernel='cublas' is not one of"):
+        cg.layer_tiling(CUDA_ROWS, DEEPSEEK_W2, "cublas")
+
+
+def test_the_built_tilings_are_the_ones_the_config_offers() -> None:
+    from typing import get_args
+
+    from lightning_moe.config import GemmCutlassTile, GemmKernel
+
+    assert set(get_args(GemmCutlassTile)) == set(cg.TILES) and cg.WIDE_TILE in cg.TILES
+    assert set(get_args(GemmKernel)) == set(cg.GEMM_KERNELS)
+
+
+@pytest.mark.parametrize("gemm,tile", [("auto", "cooperative-128x256-c2x1"), ("torch", "pingpong-64x256"),
+                                       ("cutlass", "pingpong-64x256")])
+@pytest.mark.parametrize("memory_efficient_permute", [True, False])
+def test_the_configured_gemm_kernel_reaches_the_op(monkeypatch, gemm, tile, memory_efficient_permute) -> None:  # noqa: ANN001
+    """KernelConfig(gemm=..., gemm_cutlass_tile=...) is read once at construction and handed, as plain
+    strings, to every forward and data-gradient GEMM of the layer (fused local path and plain path)."""
+    from lightning_moe import MoEConfig, MoELayer
+    from lightning_moe.config import KernelConfig
+
+    seen: list[tuple[str, str]] = []
+    real = cg.layer_tiling
+
+    def spy(a, w, kernel="auto", tile=cg.DEFAULT_TILE):  # noqa: ANN001, ANN202
+        seen.append((kernel, tile))
+        return real(a, w, kernel, tile)
+
+    monkeypatch.setattr(cg, "layer_tiling", spy)
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(
+        hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2, experts_backend="torch",
+        memory_efficient_permute=memory_efficient_permute, kernels=KernelConfig(gemm=gemm, gemm_cutlass_tile=tile),
+    ))  # fmt: skip
+    layer(torch.randn(12, 16, requires_grad=True)).sum().backward()
+    assert len(seen) == 4 and set(seen) == {(gemm, tile)}  # up, down, and both data gradients

@@ -1,4 +1,4 @@
-"""Gradient-accumulation fusion of the expert weight gradients (ops/wgrad_accumulation.py), on CPU.
+"""Gradient-accumulation fusion of the expert weight gradients (ops/wgrad/), on CPU.
 
 Every case compares against the same layer with the fusion off: equal gradients after several
 accumulated backward passes, and the in-place path taken exactly when the engine would have added
@@ -12,10 +12,13 @@ from typing import Any
 import pytest
 import torch
 
-import lightning_moe.ops.local_experts as local_ops
-import lightning_moe.ops.wgrad_accumulation as wacc
+import lightning_moe.ops.wgrad as wacc
+import lightning_moe.ops.wgrad.choice as wchoice
 from lightning_moe import MoEConfig, MoELayer
-from lightning_moe.ops.wgrad_accumulation import HostOffsets, fusion_pays
+from lightning_moe.config import KernelConfig
+from lightning_moe.ops.wgrad import HostOffsets, fusion_pays
+from lightning_moe.ops.wgrad import cutlass_kernel as wgrad_cutlass
+from lightning_moe.ops.wgrad import triton_kernel as wgrad_triton
 
 
 def _layer(fuse: bool, backend: str = "torch", num_experts: int = 8, **kw: Any) -> MoELayer:
@@ -30,7 +33,7 @@ def _layer(fuse: bool, backend: str = "torch", num_experts: int = 8, **kw: Any) 
 @pytest.fixture
 def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Make the tiny test shapes count as wide, and count the in-place accumulations."""
-    monkeypatch.setattr(local_ops, "wide_experts", lambda w2: True)
+    monkeypatch.setattr(wchoice, "wide_experts", lambda w2: True)
     calls: list[int] = []
     original = wacc.WgradFusion.accumulate_
 
@@ -246,7 +249,7 @@ def _run_interpreted(body: str) -> str:
 def test_triton_kernel_matches_the_per_expert_loop() -> None:
     """Triton's interpreter on CPU tensors (skipped where Triton is not installed)."""
     out = _run_interpreted("""
-from lightning_moe.ops.wgrad_triton import WgradTile, grouped_wgrad_accumulate_, supported
+from lightning_moe.ops.wgrad.triton_kernel import WgradTile, grouped_wgrad_accumulate_, supported
 
 assert supported(torch.zeros(2, 2))  # fp32 CPU tensors, as every case below
 cases = [(50, 40, 24, 5, "init"), (37, 64, 96, 7, "init"), (0, 8, 8, 2, "init"), (9, 16, 16, 12, "init"),
@@ -260,46 +263,27 @@ for rows, D, O, E, c_load in cases:
     assert out.count("ok") == 9
 
 
-def test_descriptor_kernel_matches_the_per_expert_loop() -> None:
-    """The persistent descriptor kernel in Triton's interpreter: expert row ranges bound every load."""
-    out = _run_interpreted("""
-from lightning_moe.ops.wgrad_triton_desc import DescTile, grouped_wgrad_accumulate_desc_
-
-tile = DescTile(32, 32, 16, 4, 1)
-# widths are multiples of 16 elements (the interpreter checks descriptor strides in elements)
-for rows, D, O, E in [(50, 64, 48, 5), (0, 32, 16, 2), (9, 32, 32, 12), (70, 64, 80, 3)]:
-    check(rows, D, O, E, lambda dw, x, dy, offs: grouped_wgrad_accumulate_desc_(dw, x, dy, offs, tile))
-""")
-    assert out.count("ok") == 4
+OFFS, ROWS = torch.tensor([1, 2], dtype=torch.int32), torch.zeros(2, 4)
 
 
-def test_descriptor_kernel_refuses_shapes_it_cannot_tile() -> None:
-    from lightning_moe.ops.wgrad_triton_desc import DescTile, grouped_wgrad_accumulate_desc_
-
-    with pytest.raises(ValueError, match="D=72 is not a multiple of block_d=64"):
-        grouped_wgrad_accumulate_desc_(
-            torch.zeros(2, 72, 32), torch.zeros(4, 72), torch.zeros(4, 32), torch.tensor([2, 4]), DescTile(64, 64)
-        )
+def test_on_cpu_every_kernel_runs_the_loop() -> None:
+    for kernel in ("triton", "cutlass", "streams", "loop", "auto"):  # on CPU tensors: the loop, whatever is asked
+        fusion = wacc.WgradFusion(OFFS, ROWS, kernel=kernel)
+        assert not fusion.grouped and fusion.kernel == "loop", kernel
 
 
-def test_unknown_wgrad_kernel_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", "cublaslt")
-    with pytest.raises(ValueError, match="LIGHTNING_MOE_WGRAD_KERNEL='cublaslt'"):
-        wacc.WgradFusion(torch.tensor([1, 2], dtype=torch.int32), torch.zeros(2, 4))
-    for grouped in ("triton", "cutlass"):  # on CPU tensors: the loop, whatever is asked
-        monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", grouped)
-        fusion = wacc.WgradFusion(torch.tensor([1, 2], dtype=torch.int32), torch.zeros(2, 4))
-        assert not fusion.grouped and fusion.kernel == "loop"
+def test_unknown_wgrad_kernel_and_stream_counts_are_refused() -> None:
+    with pytest.raises(ValueError, match="kernel='cublaslt' is not one of"):
+        wacc.WgradFusion(OFFS, ROWS, kernel="cublaslt")
+    with pytest.raises(ValueError, match=r"streams=\(2, 0\)"):
+        wacc.WgradFusion(OFFS, ROWS, streams=(2, 0))
 
 
 @pytest.mark.parametrize("kernel", ["auto", "loop", "streams"])
-def test_every_wgrad_kernel_accumulates_like_autograd(
-    kernel: str, fused_calls: list[int], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The layer with LIGHTNING_MOE_WGRAD_KERNEL=kernel (on CPU all run the loop) over 3 backward passes."""
-    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", kernel)
+def test_every_wgrad_kernel_accumulates_like_autograd(kernel: str, fused_calls: list[int]) -> None:
+    """The layer with KernelConfig(wgrad=kernel) (on CPU all run the loop) over 3 backward passes."""
     want = _steps(_layer(False), 3)
-    got = _steps(_layer(True), 3)
+    got = _steps(_layer(True, kernels=KernelConfig(wgrad=kernel)), 3)
     _assert_close(got, want)
     assert len(fused_calls) == 4  # w2 and w13 of the second and third passes
 
@@ -316,34 +300,37 @@ def test_accumulation_over_no_streams_is_refused() -> None:
         wacc.accumulate_wgrad_(torch.zeros(1, 2, 2), torch.zeros(1, 2), torch.zeros(1, 2), [0, 1], streams=0)
 
 
-def test_wgrad_streams_default_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("LIGHTNING_MOE_WGRAD_STREAMS", raising=False)
-    assert wacc.wgrad_streams("w13") == wacc._DEFAULT_STREAMS["w13"]
-    assert wacc.wgrad_streams("w2") == wacc._DEFAULT_STREAMS["w2"]
-    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_STREAMS", "3")
-    assert wacc.wgrad_streams("w13") == 3 and wacc.wgrad_streams("w2") == 3
-    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_STREAMS", "w13=4, w2=1")
-    assert wacc.wgrad_streams("w13") == 4 and wacc.wgrad_streams("w2") == 1
-    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_STREAMS", "w2=1")  # the other keeps its default
-    assert wacc.wgrad_streams("w13") == wacc._DEFAULT_STREAMS["w13"] and wacc.wgrad_streams("w2") == 1
-    for bad in ("two", "w3=2", "w13=x", "0", "w2=0"):
-        monkeypatch.setenv("LIGHTNING_MOE_WGRAD_STREAMS", bad)
-        with pytest.raises(ValueError, match="LIGHTNING_MOE_WGRAD_STREAMS="):
-            wacc.wgrad_streams("w13")
+def test_the_configured_stream_counts_reach_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KernelConfig(wgrad_streams_w13=3, wgrad_streams_w2=1) reaches accumulate_wgrad_ per weight."""
+    import lightning_moe.ops.wgrad.fusion as wfusion
+
+    seen: dict[tuple[int, ...], int] = {}
+
+    def spy(grad, x, dy, bounds, streams=1):  # noqa: ANN001, ANN202
+        seen[tuple(grad.shape)] = streams
+        for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            grad[e] += x[lo:hi].t() @ dy[lo:hi]
+
+    monkeypatch.setattr(wfusion, "accumulate_wgrad_", spy)
+    fusion = wacc.WgradFusion(OFFS, ROWS, kernel="streams", streams=(3, 1))
+    fusion.kernel = "streams"  # as on CUDA (on CPU tensors the choice is the loop)
+    fusion.accumulate_(torch.zeros(2, 4, 6), torch.zeros(2, 4), torch.zeros(2, 6), "w13")
+    fusion.accumulate_(torch.zeros(2, 3, 4), torch.zeros(2, 3), torch.zeros(2, 4), "w2")
+    assert seen == {(2, 4, 6): 3, (2, 3, 4): 1}
+    assert MoELayer(MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2, kernels=KernelConfig(
+        wgrad_streams_w13=3, wgrad_streams_w2=1))).experts.wgrad_streams == (3, 1)
 
 
 def test_triton_kernel_choice_fuses_narrow_experts_too(monkeypatch: pytest.MonkeyPatch) -> None:
     """One grouped launch per weight pays at any width: asking for it fuses Qwen3-like experts."""
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", "triton")
     w13 = torch.zeros(2, 8, 6, requires_grad=True)
     w2 = torch.zeros(2, 3, 8, requires_grad=True)
     x = torch.zeros(5, 8)
-    assert not fusion_pays(8, 3, 4) and local_ops._may_fuse(w13, w2, x)
-    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", "loop")
-    assert not local_ops._may_fuse(w13, w2, x)
-
+    monkeypatch.setattr(wgrad_cutlass, "supported", lambda x, *weights: False)
+    assert not fusion_pays(8, 3, 4) and wacc.may_fuse("triton", w13, w2, x)
+    assert not wacc.may_fuse("loop", w13, w2, x)
+    monkeypatch.setattr(wgrad_triton, "supported", lambda x: True)
+    assert wacc.WgradFusion(OFFS, ROWS, kernel="triton").kernel == "triton"
 
 
 def test_stream_count_on_cpu_runs_the_loop_in_place() -> None:
@@ -353,24 +340,18 @@ def test_stream_count_on_cpu_runs_the_loop_in_place() -> None:
     torch.testing.assert_close(grad[1], x[2:].t() @ dy[2:])
 
 
-
 def test_auto_takes_the_cutlass_kernel_for_narrow_experts_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Measured (H200, one process): CUTLASS wins on Qwen3's narrow experts, the cuBLAS loop on DeepSeek-V3's."""
-    from lightning_moe.ops import wgrad_cutlass
-
     monkeypatch.setattr(wgrad_cutlass, "supported", lambda x, *weights: True)
-    monkeypatch.delenv("LIGHTNING_MOE_WGRAD_KERNEL", raising=False)
-    offs, x = torch.tensor([1, 2], dtype=torch.int32), torch.zeros(2, 4)
     narrow = (torch.empty(2, 2048, 1536, device="meta", dtype=torch.bfloat16),
               torch.empty(2, 768, 2048, device="meta", dtype=torch.bfloat16))  # Qwen3-30B-A3B: 9.4 MB an expert
     wide = (torch.empty(2, 7168, 4096, device="meta", dtype=torch.bfloat16),
             torch.empty(2, 2048, 7168, device="meta", dtype=torch.bfloat16))  # DeepSeek-V3: 88 MB
-    assert wacc.WgradFusion(offs, x, narrow).kernel == "cutlass"
-    assert wacc.WgradFusion(offs, x, wide).kernel == "loop"  # streams on CUDA; CPU tensors: one stream
-    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", "cutlass")  # asked for: taken whatever the width
-    assert wacc.WgradFusion(offs, x, wide).kernel == "cutlass"
+    assert wacc.WgradFusion(OFFS, ROWS, narrow).kernel == "cutlass"
+    assert wacc.WgradFusion(OFFS, ROWS, wide).kernel == "loop"  # streams on CUDA; CPU tensors: one stream
+    assert wacc.WgradFusion(OFFS, ROWS, wide, kernel="cutlass").kernel == "cutlass"  # asked for: any width
     monkeypatch.setattr(wgrad_cutlass, "supported", lambda x, *weights: False)
-    assert wacc.WgradFusion(offs, x, narrow).kernel == "loop"  # unavailable: the cuBLAS path
+    assert wacc.WgradFusion(OFFS, ROWS, narrow).kernel == "loop"  # unavailable: the cuBLAS path
 
 
 def test_fresh_gradients_take_cutlass_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -378,28 +359,36 @@ def test_fresh_gradients_take_cutlass_only_when_asked(monkeypatch: pytest.Monkey
     (measured slower inside the step on Qwen3-30B-A3B and DeepSeek-V3)."""
     from types import SimpleNamespace
 
-    from lightning_moe.ops import wgrad_cutlass
-
     monkeypatch.setattr(wgrad_cutlass, "supported", lambda x, *weights: True)
-    monkeypatch.delenv("LIGHTNING_MOE_WGRAD_KERNEL", raising=False)
-    monkeypatch.delenv("LIGHTNING_MOE_WGRAD_CUTLASS_TILE", raising=False)
 
     def rows(width: int, dtype: torch.dtype = torch.bfloat16) -> SimpleNamespace:  # only .is_cuda, .dtype, .shape are read
         return SimpleNamespace(is_cuda=True, dtype=dtype, shape=(4096, width))
 
-    assert wacc.fresh_wgrad_tiling(rows(2048), rows(1536)) is None  # auto: F.grouped_mm
-    for kernel in ("loop", "streams", "triton"):
-        monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", kernel)
-        assert wacc.fresh_wgrad_tiling(rows(2048), rows(1536)) is None
-    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_KERNEL", "cutlass")
-    assert wacc.fresh_wgrad_tiling(rows(2048), rows(1536)) == wgrad_cutlass.DEFAULT_TILE
-    monkeypatch.setenv("LIGHTNING_MOE_WGRAD_CUTLASS_TILE", "cooperative")
-    assert wacc.fresh_wgrad_tiling(rows(7168), rows(4096)) == "cooperative"
-    assert wacc.fresh_wgrad_tiling(rows(12), rows(16)) is None  # not multiples of 8
-    assert wacc.fresh_wgrad_tiling(rows(2048), rows(1536, torch.float32)) is None  # dtypes differ
-    assert wacc.fresh_wgrad_tiling(torch.zeros(4, 64), torch.zeros(4, 64)) is None  # CPU
+    for kernel in ("auto", "loop", "streams", "triton"):
+        assert wacc.fresh_wgrad_tiling(kernel, rows(2048), rows(1536)) is None  # F.grouped_mm
+    assert wacc.fresh_wgrad_tiling("cutlass", rows(2048), rows(1536)) == wgrad_cutlass.DEFAULT_TILE
+    assert wacc.fresh_wgrad_tiling("cutlass", rows(12), rows(16)) is None  # not multiples of 8
+    assert wacc.fresh_wgrad_tiling("cutlass", rows(2048), rows(1536, torch.float32)) is None  # dtypes differ
+    assert wacc.fresh_wgrad_tiling("cutlass", torch.zeros(4, 64), torch.zeros(4, 64)) is None  # CPU
     monkeypatch.setattr(wgrad_cutlass, "supported", lambda x, *weights: False)
-    assert wacc.fresh_wgrad_tiling(rows(2048), rows(1536)) is None  # not built: F.grouped_mm
+    assert wacc.fresh_wgrad_tiling("cutlass", rows(2048), rows(1536)) is None  # not built: F.grouped_mm
+
+
+def test_the_configured_wgrad_kernel_reaches_the_fusion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KernelConfig(wgrad=...) is handed, as a plain string, to the fusion the layer builds."""
+    import lightning_moe.ops.local_experts as local_ops
+
+    asked: list[str] = []
+    real = local_ops.WgradFusion
+
+    def spy(offs, x, weights, kernel, streams):  # noqa: ANN001, ANN202
+        asked.append(kernel)
+        return real(offs, x, weights, kernel, streams)
+
+    monkeypatch.setattr(local_ops, "WgradFusion", spy)
+    monkeypatch.setattr(wchoice, "wide_experts", lambda w2: True)
+    _steps(_layer(True, kernels=KernelConfig(wgrad="streams")), 2)
+    assert asked and set(asked) == {"streams"}
 
 
 def test_accumulation_adds_each_experts_product_and_ignores_rows_past_the_last_offset() -> None:

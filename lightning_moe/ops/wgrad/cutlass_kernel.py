@@ -8,42 +8,31 @@ epilogue (beta = 1): the gradient is read once and written once, with no per-exp
 memset or host bound. ``grouped_wgrad`` is the same GEMM writing a fresh gradient (beta = 0: the
 old one is not read; experts without rows are zeroed by a small kernel): what a step without
 gradient accumulation needs (``.grad`` is ``None``). H200, both weights of one layer: Qwen3-30B-A3B 2.16 ms vs 2.81 for the
-grouped GEMM plus autograd's addition (``benchmarks/wgrad_kernels.py --cutlass-only``), so the
+grouped GEMM plus autograd's addition (``benchmarks/probes/wgrad_kernels.py --cutlass-only``), so the
 fusion uses it for narrow experts. For wide experts it does not win where it counts: timed
-inside the DeepSeek-V3 layer step (``benchmarks/wgrad_in_layer.py``) it takes 20.0 ms vs 18.2 for
+inside the DeepSeek-V3 layer step (``benchmarks/probes/wgrad_in_layer.py``) it takes 20.0 ms vs 18.2 for
 the two-stream cuBLAS loop (alone, with a synchronised start each time, the loop's 512 launches
 are paced by the host and it looked slower: 21.5 vs 18.4).
 Source: ``csrc/cutlass/``; build: ``ops/build_cutlass.py`` (optional: needs the CUTLASS headers
 and an sm_90 GPU).
 
-``LIGHTNING_MOE_WGRAD_CUTLASS_TILE`` picks the tiling (``csrc/cutlass/grouped_wgrad.h``):
-``cooperative-c1x2`` (default: 256 x 128 tiles, both consumer warp groups on one tile, clusters of
-two along N sharing the ``x_e^T`` tile through TMA multicast), ``cooperative`` (no clusters),
-``cooperative-128x256`` or ``pingpong-64x256`` (each consumer warp group its own tile, so one
-tile's epilogue overlaps the other's MMAs).
+One tiling is built (``csrc/cutlass/grouped_wgrad.h``): ``cooperative-c1x2``, 256 x 128 tiles,
+both consumer warp groups on one tile, clusters of two along N sharing the ``x_e^T`` tile through
+TMA multicast (the fastest of the tilings measured, summed over both weights of every shape).
 """
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import torch
 
 from lightning_moe.ops.build_cutlass import load_cutlass_extension
 
-__all__ = ["TILES", "grouped_wgrad", "grouped_wgrad_accumulate_", "reference_accumulate_", "supported", "tile"]
+__all__ = ["DEFAULT_TILE", "TILES", "grouped_wgrad", "grouped_wgrad_accumulate_", "reference_accumulate_", "supported"]
 
-TILES = {"cooperative-c1x2": 0, "cooperative": 1, "cooperative-128x256": 2, "pingpong-64x256": 3}
+TILES = {"cooperative-c1x2": 0}
 DEFAULT_TILE = "cooperative-c1x2"
-
-
-def tile() -> str:
-    """``LIGHTNING_MOE_WGRAD_CUTLASS_TILE``, one of :data:`TILES` (default :data:`DEFAULT_TILE`)."""
-    name = os.environ.get("LIGHTNING_MOE_WGRAD_CUTLASS_TILE", DEFAULT_TILE).strip().lower()
-    if name not in TILES:
-        raise ValueError(f"LIGHTNING_MOE_WGRAD_CUTLASS_TILE={name!r} is unknown; choose one of {tuple(TILES)}.")
-    return name
 
 
 def supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -60,21 +49,28 @@ def grouped_wgrad_accumulate_(
 ) -> None:
     """``grad_EDO[e] += x_RD[lo:hi]^T @ dy_RO[lo:hi]`` per expert; ``offs_E`` inclusive row ends (int32, device)."""
     _extension("grouped_wgrad_accumulate_").grouped_wgrad_accumulate_(
-        grad_EDO, x_RD.contiguous(), dy_RO.contiguous(), _int32(offs_E), TILES[tiling or tile()]
+        grad_EDO, x_RD.contiguous(), dy_RO.contiguous(), _int32(offs_E), _tile_index(tiling)
     )
 
 
 def grouped_wgrad(x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor, tiling: str | None = None) -> torch.Tensor:
     """A fresh ``[E, D, O]`` gradient: ``out[e] = x_RD[lo:hi]^T @ dy_RO[lo:hi]`` (zeros for experts without rows)."""
     return _extension("grouped_wgrad").grouped_wgrad(
-        x_RD.contiguous(), dy_RO.contiguous(), _int32(offs_E), TILES[tiling or tile()]
+        x_RD.contiguous(), dy_RO.contiguous(), _int32(offs_E), _tile_index(tiling)
     )
+
+
+def _tile_index(tiling: str | None) -> int:
+    name = DEFAULT_TILE if tiling is None else tiling
+    if name not in TILES:
+        raise ValueError(f"grouped_wgrad: tiling={name!r} is not one of {tuple(TILES)}; choose one of them.")
+    return TILES[name]
 
 
 def _extension(op: str) -> ModuleType:
     ops = load_cutlass_extension()
     if ops is None:
-        raise RuntimeError(f"{op}: the CUTLASS kernels are unavailable; check wgrad_cutlass.supported() first.")
+        raise RuntimeError(f"{op}: the CUTLASS kernels are unavailable; check ops.wgrad.cutlass_kernel.supported() first.")
     return ops
 
 

@@ -12,20 +12,19 @@ memory system idle half the time. Row ranges come from the device offsets: no ho
 launch instead of one GEMM per expert. Experts without rows return at once and leave their
 gradient untouched.
 
-Opt-in (``LIGHTNING_MOE_WGRAD_KERNEL=triton``) and Triton optional: :func:`supported` says when
+Opt-in (``KernelConfig(wgrad="triton")``) and Triton optional: :func:`supported` says when
 this path can run (CUDA tensors and an importable Triton; ``TRITON_INTERPRET=1`` runs it on CPU
-tensors for tests). The tile is fixed per call (:class:`WgradTile`), not autotuned: autotuning a
-kernel that adds in place must save and restore the whole gradient (15 GB for one DeepSeek-V3
-weight) on its first step. ``benchmarks/wgrad_kernels.py`` times tiles against the cuBLAS loop.
+tensors for tests; read once per process). The tile is fixed per call (:class:`WgradTile`, by
+dtype unless the caller passes one), not autotuned: autotuning a kernel that adds in place must
+save and restore the whole gradient (15 GB for one DeepSeek-V3 weight) on its first step.
+``benchmarks/probes/wgrad_kernels.py`` times tiles against the cuBLAS loop.
 
 Measured on the H200 (Triton 3.6, 22 tiles, DeepSeek-V3's two weights): the best,
 128x128x32 with 4 warps, 4 stages, "init", 22.3 ms against the one-stream cuBLAS loop's 22.6
 and the two-stream loop's ~19; reading the old tile early, through TMA, or with a persistent
 grid changed nothing or lost. Every variant moves the gradient at ~2 TB/s, half of what the
 memory allows: each tile reduces a few hundred rows, then waits on its gradient's read and
-write, and nothing overlaps one tile's epilogue with the next tile's MMAs. What would: a
-warp-specialised persistent kernel (one warp group loading, two alternating MMA and epilogue);
-``ops/wgrad_triton_desc.py`` is the first version of it, not yet measured.
+write, and nothing overlaps one tile's epilogue with the next tile's MMAs.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["WgradTile", "grouped_wgrad_accumulate_", "supported", "tile_for", "tile_from_env"]
+__all__ = ["WgradTile", "grouped_wgrad_accumulate_", "supported", "tile_for"]
 
 
 class WgradTile(NamedTuple):
@@ -64,36 +63,16 @@ class WgradTile(NamedTuple):
 _C_LOADS = ("init", "early", "late", "tma")
 
 
-def tile_from_env() -> WgradTile | None:
-    """``LIGHTNING_MOE_WGRAD_TILE="block_d,block_o,block_r,warps,stages,c_load[,programs_per_sm]"``
-    (for tuning), else ``None``."""
-    text = os.environ.get("LIGHTNING_MOE_WGRAD_TILE", "").strip()
-    if not text:
-        return None
-    parts = [p.strip() for p in text.split(",")]
-    numbers = parts[:5] + parts[6:]
-    if len(parts) not in (6, 7) or not all(p.isdigit() for p in numbers) or parts[5] not in _C_LOADS:
-        raise ValueError(
-            f"LIGHTNING_MOE_WGRAD_TILE={text!r} is not 'block_d,block_o,block_r,warps,stages,c_load[,programs_per_sm]' "
-            f"(five positive integers, one of {_C_LOADS}, optionally an integer), e.g. '128,128,64,4,3,init'."
-        )
-    d, o, r, warps, stages = map(int, parts[:5])
-    if min(d, o, r, warps, stages) <= 0:
-        raise ValueError(f"LIGHTNING_MOE_WGRAD_TILE={text!r}: the five sizes must be positive.")
-    return WgradTile(d, o, r, warps, stages, parts[5], int(parts[6]) if len(parts) == 7 else 0)
-
-
 def tile_for(dtype: torch.dtype) -> WgradTile:
-    """The tile used when the caller names none: ``LIGHTNING_MOE_WGRAD_TILE``, else by dtype."""
-    chosen = tile_from_env()
-    if chosen is not None:
-        return chosen
+    """The tile used when the caller names none, by dtype."""
     if dtype == torch.float32:
         return WgradTile(64, 64, 32, 4, 2)
     return WgradTile()
 
 
+@functools.cache
 def _interpreting() -> bool:
+    """Triton's own switch for its CPU interpreter, read once per process."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
