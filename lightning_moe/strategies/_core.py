@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
@@ -258,6 +258,11 @@ class FoldedMoECore:
         """
         owner = type(self).__name__
         check_namespace(module, owner)
+        if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+            raise TypeError(
+                f"{owner}: {type(module).__name__} holds torch.distributed.fsdp.FullyShardedDataParallel (FSDP1) "
+                "modules; pass the unwrapped module: the strategy shards it with FSDP2 (fully_shard)."
+            )
         mesh = self.folded_mesh
         had_meta = any(p.is_meta for p in module.parameters())
         if not _is_sharded(module):
