@@ -44,7 +44,9 @@ class ResumableSampler(DistributedSampler):
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"ResumableSampler: num_replicas={num_replicas!r} must be an int >= 1; pass the DP size.")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
-            raise ValueError(f"ResumableSampler: rank={rank!r} must be an int in [0, {num_replicas}); pass the DP rank.")
+            raise ValueError(
+                f"ResumableSampler: rank={rank!r} must be an int in [0, {num_replicas}); pass the DP rank."
+            )
         # drop_last: every rank reads the same number of samples, none of them twice.
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
         self.start = 0  # global samples of ``epoch`` already consumed; the next iterator skips them
@@ -86,7 +88,8 @@ class ResumableDataLoader(DataLoader):
 
     def __init__(self, dataset: Dataset[Any], sampler: ResumableSampler, batch_size: int, num_workers: int = 0) -> None:
         if not isinstance(sampler, ResumableSampler):
-            raise TypeError(f"ResumableDataLoader: sampler={type(sampler).__name__} is not a ResumableSampler; wrap it.")
+            got = type(sampler).__name__
+            raise TypeError(f"ResumableDataLoader: sampler={got} is not a ResumableSampler; build one over the dataset.")
         super().__init__(
             dataset,
             batch_size=batch_size,
@@ -127,7 +130,8 @@ class ResumableDataLoader(DataLoader):
         if missing:
             raise ValueError(f"ResumableDataLoader: state_dict lacks {missing}; pass a state saved by state_dict().")
         s = self.resumable_sampler
-        for key, now in (("seed", s.seed), ("shuffle", s.shuffle), ("dataset_len", len(s.dataset))):  # type: ignore[arg-type]
+        n = len(s.dataset)  # type: ignore[arg-type]
+        for key, now in (("seed", s.seed), ("shuffle", s.shuffle), ("dataset_len", n)):
             if state_dict[key] != now:
                 raise ValueError(
                     f"ResumableDataLoader: checkpoint {key}={state_dict[key]!r} but this loader has {key}={now!r}; "

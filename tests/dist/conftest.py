@@ -17,7 +17,7 @@ import pytest
 from _harness import Suite, launch_torchrun
 
 # parts run cheapest and most basic first: a dispatcher bug shows before the Trainer tests
-_KIND_ORDER = ("dispatch", "fit", "fabric", "ckpt", "echo", "replay")
+_KIND_ORDER = ("dispatch", "fit", "fabric", "ckpt", "echo", "replay", "resume")
 _BASE_TIMEOUT_S, _PART_TIMEOUT_S, _MAX_TIMEOUT_S = 120.0, 60.0, 570.0  # below pytest-timeout's 600 s
 
 

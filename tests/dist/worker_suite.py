@@ -15,7 +15,8 @@ Parts:
 * ``ckpt:<layout>`` — ``worker_ckpt.run`` (identical resume, reshard on load);
 * ``echo`` — ``worker_echo.run`` (ECHO expert cloning: plain, echo, resumed); ``echo:<dispatcher>``:
   plain and echo over that dispatcher;
-* ``replay:<layout>[+recompute]`` — ``worker_replay.main`` (RouterReplay record, then replay).
+* ``replay:<layout>[+recompute]`` — ``worker_replay.main`` (RouterReplay record, then replay);
+* ``resume:<layout>`` — ``worker_resume.main`` (crashed mid-epoch and resumed vs uninterrupted).
 
 Every Lightning part finds the default process group made here and reuses it (Lightning skips
 ``init_process_group`` when one exists); each part builds its own ``FoldedMesh`` groups.
@@ -61,9 +62,13 @@ def run_part(part: str, out: Path) -> None:
 
         spec_text, _, flag = arg.partition("+")
         worker_replay.main(out, spec_text, flag == "recompute")
+    elif kind == "resume":
+        import worker_resume
+
+        worker_resume.main(out, arg)
     else:
         raise ValueError(
-            f"worker_suite: part={part!r} is not known; use dispatch:…, fit:…, fabric:…, ckpt:…, echo or replay:…."
+            f"worker_suite: part={part!r} is not known; use dispatch:…, fit:…, fabric:…, ckpt:…, echo, replay:… or resume:…."
         )
 
 

@@ -1,10 +1,11 @@
 """One training run of the resume tests: full, killed at a step (SIGKILL), or resumed from a checkpoint.
 
-``python _resume_run.py OUT_DIR MODE [STRATEGY]``; MODE is ``full``, ``kill=<step>`` (the process
-SIGKILLs itself after that optimizer step, as a crash would) or ``resume`` (from
-``OUT_DIR/ckpt/last.ckpt``). STRATEGY is ``auto`` (plain Trainer) or ``folded`` (``folded_moe``).
-Each optimizer step's loss is appended to ``OUT_DIR/losses.txt`` as ``step loss.hex()`` (exact
-float bits) and, at the end, the final parameters go to ``OUT_DIR/<MODE>.pt``. The data
+``python _resume_run.py OUT_DIR MODES [STRATEGY]``; MODES is a comma-separated list of ``full``
+(into ``OUT_DIR/full``), ``kill=<step>`` (the process SIGKILLs itself after that optimizer step, as
+a crash would) and ``resume`` (from ``OUT_DIR/ckpt/last.ckpt``), run in order in one process.
+STRATEGY is ``auto`` (plain Trainer) or ``folded`` (``folded_moe`` on one device). Each optimizer
+step's loss is appended to ``losses.txt`` as ``step loss.hex()`` (exact float bits) and, at the
+end, the final parameters (and expert biases) go to ``<mode>.pt``. The data
 are small enough that the run crosses epoch boundaries, validation runs every 10 steps, the LR has a
 warm-up and a cosine decay, and the router has an expert bias, so all of those must resume exactly.
 """
@@ -27,9 +28,9 @@ from lightning_moe.data import MoEDataModule
 from lightning_moe.lit import MoELanguageModel
 from lightning_moe.models.transformer import TransformerConfig
 
-__all__ = ["STEPS", "main", "model_config", "run"]
+__all__ = ["KILL", "STEPS", "Crash", "main", "model_config", "read_losses", "run"]
 
-STEPS, EVERY, SEQ, BATCH = 30, 10, 16, 4
+STEPS, EVERY, KILL, SEQ, BATCH = 16, 5, 13, 16, 4
 
 
 def model_config() -> TransformerConfig:
@@ -44,24 +45,30 @@ def model_config() -> TransformerConfig:
 
 
 class _Record(Callback):
-    def __init__(self, out: Path, kill_at: int | None) -> None:
-        self.out, self.kill_at = out, kill_at
+    def __init__(self, out: Path, kill_at: int | None, how: str) -> None:
+        self.out, self.kill_at, self.how = out, kill_at, how
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_rank == 0:
-            with (self.out / "losses.txt").open("a") as f:
-                f.write(f"{trainer.global_step} {float(outputs['loss']).hex()}\n")
+        name = "losses.txt" if trainer.global_rank == 0 else f"losses.rank{trainer.global_rank}.txt"
+        with (self.out / name).open("a") as f:
+            f.write(f"{trainer.global_step} {float(outputs['loss']).hex()}\n")
         if self.kill_at is not None and trainer.global_step == self.kill_at:
+            if self.how == "raise":  # every rank at the same step, as a crash would stop them all
+                raise Crash(f"crash after step {self.kill_at}")
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Crash(RuntimeError):
+    """The simulated crash of ``raise=<step>``."""
 
 
 def run(out: Path, mode: str, strategy: str = "auto", devices: int = 1, folded: dict[str, int] | None = None) -> dict:
     """Train; return the final parameters (full tensors on every rank)."""
     pl.seed_everything(1234, workers=True)
-    kill_at = int(mode.split("=")[1]) if mode.startswith("kill=") else None
+    kill_at = int(mode.split("=")[1]) if mode.startswith(("kill=", "raise=")) else None
     model = MoELanguageModel(model_config(), learning_rate=3e-3, warmup_steps=5, log_layer_load=False)
-    # 2400 bytes: 141 train windows of 16 -> 35 batches of 4 on one rank, 17 on each of 2.
-    data = MoEDataModule(seq_len=SEQ, batch_size=BATCH, max_bytes=2_400, val_fraction=0.05, seed=7)
+    # 520 bytes: 30 train windows of 16 -> epochs of 7 batches of 4 on one rank, 3 on each of 2.
+    data = MoEDataModule(seq_len=SEQ, batch_size=BATCH, max_bytes=520, val_fraction=0.05, seed=7)
     ckpt = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=EVERY, save_top_k=-1, save_last=True)
     if strategy == "folded":
         from datetime import timedelta
@@ -75,13 +82,14 @@ def run(out: Path, mode: str, strategy: str = "auto", devices: int = 1, folded: 
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strat, max_steps=STEPS, val_check_interval=EVERY,
         limit_val_batches=2, num_sanity_val_steps=0, check_val_every_n_epoch=None, gradient_clip_val=1.0,
-        logger=False, callbacks=[ckpt, _Record(out, kill_at)], enable_progress_bar=False,
+        logger=False, callbacks=[ckpt, _Record(out, kill_at, mode.split("=")[0])], enable_progress_bar=False,
         enable_model_summary=False,
     )  # fmt: skip
     # The checkpoint's hyper-parameters hold the config dataclasses, which weights_only loading refuses
-    # unless allow-listed.
-    with torch.serialization.safe_globals([MoEConfig, TransformerConfig]):
-        trainer.fit(model, datamodule=data, ckpt_path=str(out / "ckpt" / "last.ckpt") if mode == "resume" else None)
+    # unless allow-listed (a DCP folder's metadata is read weights_only whatever fit is told).
+    ckpt_path = str(out / "ckpt" / "last.ckpt") if mode == "resume" else None
+    with torch.serialization.safe_globals(_config_classes()):
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=False)
     from lightning_moe.parallel.checkpoint import gather_full_state
 
     if strategy == "folded":
@@ -91,10 +99,20 @@ def run(out: Path, mode: str, strategy: str = "auto", devices: int = 1, folded: 
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def read_losses(out: Path) -> dict[int, float]:
+def _config_classes() -> list[type]:
+    import dataclasses
+
+    import lightning_moe.config as config
+
+    found = [v for v in vars(config).values() if isinstance(v, type) and dataclasses.is_dataclass(v)]
+    return [*found, TransformerConfig]
+
+
+def read_losses(out: Path, rank: int = 0) -> dict[int, float]:
     """Step -> loss; a later line for the same step (the resumed run) replaces the earlier one."""
     losses: dict[int, float] = {}
-    for line in (out / "losses.txt").read_text().split("\n"):
+    name = "losses.txt" if rank == 0 else f"losses.rank{rank}.txt"
+    for line in (out / name).read_text().split("\n"):
         if line:
             step, value = line.split()
             losses[int(step)] = float.fromhex(value)
@@ -102,11 +120,14 @@ def read_losses(out: Path) -> dict[int, float]:
 
 
 def main(argv: list[str]) -> None:
-    out, mode = Path(argv[0]), argv[1]
+    out, modes = Path(argv[0]), argv[1].split(",")
     strategy = argv[2] if len(argv) > 2 else "auto"
     torch.set_num_threads(1)
-    state = run(out, mode, strategy)
-    torch.save(state, out / f"{mode}.pt")
+    for mode in modes:
+        where = out / "full" if mode == "full" else out
+        where.mkdir(parents=True, exist_ok=True)
+        state = run(where, mode, strategy)
+        torch.save(state, where / f"{mode}.pt")
 
 
 if __name__ == "__main__":
