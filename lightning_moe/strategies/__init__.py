@@ -1,5 +1,10 @@
 """Lightning strategies: ``FoldedMoEStrategy`` (Trainer) and ``FabricFoldedMoEStrategy`` (Fabric).
 
+Both are :class:`~lightning_moe.strategies._core.FoldedMoECore` (degrees, layout, meshes, sampler
+arguments, sharding, meta-device init, expert seeding, mesh-aware clipping) on top of Lightning's
+``ModelParallelStrategy`` of their side; ``strategy.device_mesh`` is the dense DeviceMesh and
+``strategy.folded_mesh`` both views, readable once the processes have started.
+
 :func:`register_strategies` adds the name ``"folded_moe"`` to
 ``lightning.pytorch.strategies.StrategyRegistry`` and ``lightning.fabric.strategies.STRATEGY_REGISTRY``
 (idempotent; ``import lightning_moe`` calls it).

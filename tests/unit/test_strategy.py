@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -297,3 +298,12 @@ def test_fabric_meta_device_init_equals_the_trainer_s(tmp_path: Path) -> None:
     # the layers' global aux-loss counters (buffers outside the state dict) start at zero
     layers = [m for _, m in find_moe_layers(model.module)]
     assert layers and all(not m.global_tokens_per_expert.any() and not m.global_num_tokens for m in layers)
+
+
+def test_an_fsdp1_wrapped_module_is_refused_before_sharding(fake_world: Callable[[int, int], None]) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    fake_world(0, 1)
+    wrapped = torch.nn.Sequential(FullyShardedDataParallel(torch.nn.Linear(2, 2), device_id=torch.device("cpu")))
+    with pytest.raises(TypeError, match=r"FabricFoldedMoEStrategy: Sequential holds .*FullyShardedDataParallel \(FSDP1\)"):
+        FabricFoldedMoEStrategy().setup_module(wrapped)
