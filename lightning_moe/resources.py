@@ -2,15 +2,11 @@
 
 The repository keeps them at its top level, beside the package: ``csrc/`` (kernels, with the
 optional CUTLASS ones in ``csrc/cutlass/``) and ``configs/`` (one LightningCLI YAML per recipe).
-The wheel maps both into the package (``setup.py``'s ``package_dir``), so an installed copy holds
-them as package data:
+The wheel maps both into the package (``setup.py``'s ``package_dir``), where importlib.resources
+finds them:
 
-====================  ==========================  ===============================
-what                  source checkout (editable)  installed wheel
-====================  ==========================  ===============================
-kernel sources        ``<repo>/csrc/``             ``lightning_moe/_csrc/``
-recipes               ``<repo>/configs/``          ``lightning_moe/_configs/``
-====================  ==========================  ===============================
+* source checkout (editable install): ``<repo>/csrc/`` and ``<repo>/configs/``;
+* installed wheel: ``lightning_moe/_csrc/`` and ``lightning_moe/_configs/``.
 
 :func:`csrc_dir` and :func:`configs_dir` return the packaged directory when it exists and the
 checkout's otherwise. :func:`resolve_recipe` turns what a user gives ``--config`` into a file: an
