@@ -190,8 +190,8 @@ class MoELayer(nn.Module):
             elif cfg.aux_loss == "seq":
                 B = lead_shape[0] if len(lead_shape) > 1 else 1
                 losses["seq_load_balancing_loss"] = sequence_load_balancing_loss(
-                    probs_TE.view(B, -1, cfg.num_experts),
-                    routing.routed_ids_TK.view(B, -1, cfg.top_k),
+                    probs_TE.view(B, T // max(B, 1), cfg.num_experts),  # sizes named: B may be 0
+                    routing.routed_ids_TK.view(B, T // max(B, 1), cfg.top_k),
                     cfg.top_k,
                     cfg.aux_loss_coeff,
                 )

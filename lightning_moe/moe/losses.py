@@ -48,8 +48,10 @@ def load_balancing_loss(
     With ``T_c = T`` (local counts) this is the Switch formula above.
     """
     E = probs_TE.shape[-1]
-    f_E = tokens_per_expert_E.float() / num_counted_tokens
-    P_E = probs_TE.float().mean(0)
+    # no tokens (an empty micro-batch, or no counts anywhere): the loss is 0, not 0/0
+    n = num_counted_tokens.clamp(min=1) if isinstance(num_counted_tokens, torch.Tensor) else max(num_counted_tokens, 1)
+    f_E = tokens_per_expert_E.float() / n
+    P_E = probs_TE.float().mean(0) if probs_TE.shape[0] > 0 else probs_TE.float().sum(0)
     return coeff * E / top_k * torch.sum(f_E.detach() * P_E)
 
 
@@ -58,6 +60,8 @@ def sequence_load_balancing_loss(
 ) -> torch.Tensor:
     """The Switch loss per sequence (B sequences of S tokens), averaged over sequences."""
     B, S, E = probs_BSE.shape
+    if B == 0 or S == 0:  # no tokens: 0 (kept in the graph), not the mean of nothing
+        return probs_BSE.float().sum() * 0.0
     counts_BE = torch.zeros(B, E, device=probs_BSE.device, dtype=torch.float32)
     ones = torch.ones_like(topk_ids_BSK, dtype=torch.float32).view(B, -1)
     valid = topk_ids_BSK.view(B, -1) >= 0
@@ -69,7 +73,8 @@ def sequence_load_balancing_loss(
 
 def z_loss(logits_TE: torch.Tensor, coeff: float) -> torch.Tensor:
     """``coeff * mean_t logsumexp(logits_t)^2``."""
-    return coeff * torch.logsumexp(logits_TE.float(), dim=-1).square().mean()
+    lse_T = torch.logsumexp(logits_TE.float(), dim=-1)
+    return coeff * (lse_T.square().mean() if lse_T.shape[0] > 0 else lse_T.sum())  # no tokens: 0
 
 
 class AuxLossScaler(torch.autograd.Function):

@@ -236,9 +236,11 @@ def unpermute_sum_reference(
     """``out_TH[t] = sum_k w[t, k] * y_RH[slot_row_TK[t, k]]``, skipping ``-1``; fp32 sum (fp64 kept)."""
     T, K = slot_row_TK.shape
     acc = _accum_dtype(y_RH.dtype)
+    if y_RH.shape[0] == 0:  # no rows (every slot dropped, or nothing received): nothing to gather
+        return y_RH.new_zeros(T, y_RH.shape[-1])
     kept_TK = slot_row_TK >= 0
     rows_TK = slot_row_TK.clamp(min=0).long()
-    gathered_TKH = y_RH.index_select(0, rows_TK.reshape(-1)).view(T, K, -1).to(acc)
+    gathered_TKH = y_RH.index_select(0, rows_TK.reshape(-1)).view(T, K, y_RH.shape[-1]).to(acc)  # H named: T may be 0
     scale_TK = kept_TK.to(acc) if weights_TK is None else weights_TK.to(acc) * kept_TK
     return (gathered_TKH * scale_TK.unsqueeze(-1)).sum(1).to(y_RH.dtype)
 
@@ -299,7 +301,9 @@ def unpermute_weight_grad_reference(
     acc = _accum_dtype(y_RH.dtype)
     rows_TK = slot_row_TK.clamp(min=0).long()
     T, K = rows_TK.shape
-    y_TKH = y_RH.index_select(0, rows_TK.reshape(-1)).view(T, K, -1).to(acc)
+    if y_RH.shape[0] == 0:  # no rows: every slot was dropped
+        return torch.zeros(T, K, dtype=acc, device=y_RH.device)
+    y_TKH = y_RH.index_select(0, rows_TK.reshape(-1)).view(T, K, y_RH.shape[-1]).to(acc)  # H named: T may be 0
     return (y_TKH * grad_TH.to(acc).unsqueeze(1)).sum(-1) * (slot_row_TK >= 0)
 
 
