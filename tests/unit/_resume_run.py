@@ -3,7 +3,8 @@
 ``python _resume_run.py OUT_DIR MODES [STRATEGY]``; MODES is a comma-separated list of ``full``
 (into ``OUT_DIR/full``), ``kill=<step>`` (the process SIGKILLs itself after that optimizer step, as
 a crash would) and ``resume`` (from ``OUT_DIR/ckpt/last.ckpt``), run in order in one process.
-STRATEGY is ``auto`` (plain Trainer) or ``folded`` (``folded_moe`` on one device). Each optimizer
+STRATEGY is ``auto`` (plain Trainer) or ``folded`` (``folded_moe`` on one device); an optional
+fourth argument sets the checkpoint and validation interval (default ``EVERY``). Each optimizer
 step's loss is appended to ``losses.txt`` as ``step loss.hex()`` (exact float bits) and, at the
 end, the final parameters (and expert biases) go to ``<mode>.pt``. The data
 are small enough that the run crosses epoch boundaries, validation runs every 10 steps, the LR has a
@@ -62,14 +63,15 @@ class Crash(RuntimeError):
     """The simulated crash of ``raise=<step>``."""
 
 
-def run(out: Path, mode: str, strategy: str = "auto", devices: int = 1, folded: dict[str, int] | None = None) -> dict:
+def run(out: Path, mode: str, strategy: str = "auto", devices: int = 1, folded: dict[str, int] | None = None,
+        every: int = EVERY) -> dict:  # fmt: skip
     """Train; return the final parameters (full tensors on every rank)."""
     pl.seed_everything(1234, workers=True)
     kill_at = int(mode.split("=")[1]) if mode.startswith(("kill=", "raise=")) else None
     model = MoELanguageModel(model_config(), learning_rate=3e-3, warmup_steps=5, log_layer_load=False)
     # 520 bytes: 30 train windows of 16 -> epochs of 7 batches of 4 on one rank, 3 on each of 2.
     data = MoEDataModule(seq_len=SEQ, batch_size=BATCH, max_bytes=520, val_fraction=0.05, seed=7)
-    ckpt = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=EVERY, save_top_k=-1, save_last=True)
+    ckpt = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=every, save_top_k=-1, save_last=True)
     if strategy == "folded":
         from datetime import timedelta
 
@@ -80,7 +82,7 @@ def run(out: Path, mode: str, strategy: str = "auto", devices: int = 1, folded: 
     else:
         strat = "auto"
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strat, max_steps=STEPS, val_check_interval=EVERY,
+        accelerator="cpu", devices=devices, strategy=strat, max_steps=STEPS, val_check_interval=every,
         limit_val_batches=2, num_sanity_val_steps=0, check_val_every_n_epoch=None, gradient_clip_val=1.0,
         logger=False, callbacks=[ckpt, _Record(out, kill_at, mode.split("=")[0])], enable_progress_bar=False,
         enable_model_summary=False,
@@ -122,11 +124,12 @@ def read_losses(out: Path, rank: int = 0) -> dict[int, float]:
 def main(argv: list[str]) -> None:
     out, modes = Path(argv[0]), argv[1].split(",")
     strategy = argv[2] if len(argv) > 2 else "auto"
+    every = int(argv[3]) if len(argv) > 3 else EVERY
     torch.set_num_threads(1)
     for mode in modes:
         where = out / "full" if mode == "full" else out
         where.mkdir(parents=True, exist_ok=True)
-        state = run(where, mode, strategy)
+        state = run(where, mode, strategy, every=every)
         torch.save(state, where / f"{mode}.pt")
 
 

@@ -2,7 +2,8 @@
 
 The sampler/loader tests run in-process; the Trainer tests run a tiny MoE model (``_resume_run.py``)
 for 16 steps over several epochs with validation every 5 steps, once uninterrupted and once
-SIGKILLed after step 13 and resumed from its step-10 checkpoint: every loss of steps 11-16 and the
+SIGKILLed after step 13 and resumed from its step-10 checkpoint (or after 16 from 14, an epoch's
+last batch): every loss after the checkpoint and the
 final parameters (and the router's expert bias) must be bit-for-bit those of the uninterrupted run.
 """
 
@@ -137,19 +138,23 @@ def test_datamodule_train_loader_is_resumable() -> None:
 # --- Trainer: killed and resumed equals uninterrupted ------------------------------------------
 
 
-def _run(out: Path, mode: str, strategy: str) -> subprocess.CompletedProcess[str]:
+def _run(out: Path, mode: str, strategy: str, every: int) -> subprocess.CompletedProcess[str]:
     path = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
-    cmd = [sys.executable, str(HERE / "_resume_run.py"), str(out), mode, strategy]
+    cmd = [sys.executable, str(HERE / "_resume_run.py"), str(out), mode, strategy, str(every)]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
 
 
-def test_sigkilled_run_resumes_bitwise_from_its_last_checkpoint(tmp_path: Path) -> None:
+# every=5: the checkpoint at step 10 is mid-epoch (epochs of 7 batches); every=7: at step 14, the
+# last batch of an epoch, so the resumed run starts the next epoch.
+@pytest.mark.parametrize("every", [5, 7])
+def test_sigkilled_run_resumes_bitwise_from_its_last_checkpoint(tmp_path: Path, every: int) -> None:
     strategy = "auto"  # FoldedMoEStrategy on one device cannot load its own checkpoint yet
     from _resume_run import KILL, STEPS, read_losses
 
-    for modes, rc in ((f"kill={KILL}", -9), ("resume,full", 0)):
-        job = _run(tmp_path, modes, strategy)
+    kill = KILL if every == 5 else 16
+    for modes, rc in ((f"kill={kill}", -9), ("resume,full", 0)):
+        job = _run(tmp_path, modes, strategy, every)
         assert job.returncode == rc, f"{modes}: rc={job.returncode}\n{job.stderr[-4000:]}"
     full, crashed = tmp_path / "full", tmp_path
     want, got = read_losses(full), read_losses(crashed)
