@@ -1,4 +1,4 @@
-"""Unit tests for lightning_moe/data.py: corpus, windows, split, inputs and errors."""
+"""Unit tests for the lightning_moe.data package: corpus, windows, split, inputs and errors."""
 
 from __future__ import annotations
 
