@@ -177,7 +177,8 @@ class MoEConfig:
             self.kernels = KernelConfig(**self.kernels)
         if not isinstance(self.kernels, KernelConfig):
             raise TypeError(
-                f"MoEConfig: kernels={self.kernels!r} is not a KernelConfig; pass KernelConfig(...) or a dict of its fields."
+                f"MoEConfig: kernels={self.kernels!r} is not a KernelConfig; "
+                "pass KernelConfig(...) or a dict of its fields."
             )
         for name in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k"):
             value = getattr(self, name)

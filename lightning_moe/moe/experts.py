@@ -50,7 +50,9 @@ class GroupedExperts(nn.Module):
         super().__init__()
         kernels = KernelConfig() if kernels is None else kernels
         if not isinstance(kernels, KernelConfig):
-            raise TypeError(f"GroupedExperts: kernels={kernels!r} is not a KernelConfig; pass KernelConfig(...) or None.")
+            raise TypeError(
+                f"GroupedExperts: kernels={kernels!r} is not a KernelConfig; pass KernelConfig(...) or None."
+            )
         self.gemm_kernel: str = kernels.gemm
         self.gemm_tile: str = kernels.gemm_cutlass_tile
         self.wgrad_kernel: str = kernels.wgrad
