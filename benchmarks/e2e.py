@@ -388,7 +388,9 @@ def run_one(name: str, shape: Shape, device: str, strategy: str, profile_steps: 
         except Exception as err:  # noqa: BLE001 - a profiler failure must not lose the timings
             result["profile"] = {"error": f"{type(err).__name__}: {err}"}
         result["profile"]["profiled_step_ms"] = [round(1e3 * t, 2) for t in timer.times[-profile_steps:]]
-    del trainer, lit, data
+    # Lightning gives every callback the module's bound log methods; the timer outliving the Trainer
+    # would keep the module (and its optimizer) alive under strategies that do not take them back.
+    del trainer, lit, data, callbacks, timer
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()

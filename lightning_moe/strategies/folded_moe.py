@@ -39,6 +39,7 @@ samples/s; its FLOP numbers are per device and need no change.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
@@ -55,7 +56,16 @@ from typing_extensions import override
 from lightning_moe.parallel.grad import set_gradient_sync
 from lightning_moe.strategies._core import FoldedMoECore, check_namespace, mesh_aware_clip_norm, mesh_aware_clip_value
 
-__all__ = ["FoldedMoEStrategy"]
+__all__ = ["FoldedMoEStrategy", "release_callback_logging"]
+
+
+def release_callback_logging(callbacks: list[pl.Callback], module: pl.LightningModule | None) -> None:
+    """Remove the ``log``/``log_dict`` methods of ``module`` that Lightning attached to ``callbacks``."""
+    for callback in callbacks:
+        for name in ("log", "log_dict"):
+            method = callback.__dict__.get(name)
+            if method is not None and getattr(method, "__self__", None) is module:
+                del callback.__dict__[name]
 
 
 class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
@@ -66,6 +76,7 @@ class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
     """
 
     strategy_name = "folded_moe"
+    _trainer_ref: weakref.ref[pl.Trainer] | None = None  # the Trainer of the last setup (teardown's callbacks)
 
     @override
     def _module_to_check(self) -> nn.Module | None:
@@ -80,6 +91,7 @@ class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         if self.model is None or self.accelerator is None or self.lightning_module is None:
             raise RuntimeError(f"{type(self).__name__}: setup needs a connected model and accelerator; use a Trainer.")
+        self._trainer_ref = weakref.ref(trainer)
         self.accelerator.setup(trainer)
         self.shard_module(self.lightning_module, root=self.model)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -112,6 +124,21 @@ class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
         plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
+
+    @override
+    def teardown(self) -> None:
+        """Lightning's teardown, then the fit's references handed to callbacks are taken back.
+
+        At the start of every fit Lightning gives each callback the module's ``log`` and
+        ``log_dict`` as bound methods and never removes them, so a callback that outlives the
+        Trainer (a timer, a monitor reused in the next fit) would keep the module, the Trainer,
+        the optimizer state and the gradients alive: device memory that never comes back.
+        """
+        module = self.lightning_module
+        trainer = self._trainer_ref() if self._trainer_ref is not None else None
+        super().teardown()
+        if trainer is not None:
+            release_callback_logging(trainer.callbacks, module)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
