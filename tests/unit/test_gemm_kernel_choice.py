@@ -51,10 +51,12 @@ def test_unknown_kernel_is_named() -> None:
 def test_the_built_tilings_are_the_ones_the_config_offers() -> None:
     from typing import get_args
 
-    from lightning_moe.config import GemmCutlassTile, GemmKernel
+    from lightning_moe.config import GemmCutlassTile, GemmKernel, WgradKernel
+    from lightning_moe.ops.wgrad import WGRAD_KERNELS
 
     assert set(get_args(GemmCutlassTile)) == set(cg.TILES) and cg.WIDE_TILE in cg.TILES
     assert set(get_args(GemmKernel)) == set(cg.GEMM_KERNELS)
+    assert set(get_args(WgradKernel)) == set(WGRAD_KERNELS)
 
 
 @pytest.mark.parametrize("gemm,tile", [("auto", "cooperative-128x256-c2x1"), ("torch", "pingpong-64x256"),
