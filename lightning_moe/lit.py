@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 from typing_extensions import override
 
+from lightning_moe.checkpoint.hparams import config_from_plain, config_to_plain
 from lightning_moe.models.transformer import MoETransformer, TransformerConfig
 from lightning_moe.moe.utils import find_moe_layers, reset_global_aux_counts, set_aux_loss_scale, update_expert_biases
 
@@ -149,6 +150,12 @@ class MoELanguageModelBase(L.LightningModule):
             self.val_history.append((self.global_step, float(self._val_sum[0] / self._val_sum[1])))
 
     @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Config dataclasses in the hyper-parameters become plain dicts (``weights_only`` loads)."""
+        if "hyper_parameters" in checkpoint:
+            checkpoint["hyper_parameters"] = config_to_plain(checkpoint["hyper_parameters"])
+
+    @override
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         group = getattr(self.trainer.strategy, "expert_bias_group", None) if self._trainer is not None else None
@@ -220,6 +227,8 @@ class MoELanguageModel(MoELanguageModelBase):
         log_layer_load: bool = True,
         optimizer_impl: str = "auto",
     ) -> None:
+        if isinstance(model, dict):  # a checkpoint's hyper-parameters store configs as plain dicts
+            model = config_from_plain(model)
         super().__init__(learning_rate, weight_decay, warmup_steps, betas, log_layer_load, optimizer_impl)
         self.save_hyperparameters()
         self.config = model

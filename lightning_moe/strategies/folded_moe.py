@@ -42,6 +42,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Generator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -53,6 +54,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_moe.checkpoint.atomic import publish, remove, staging_path
+from lightning_moe.checkpoint.dcp import load_distributed, save_distributed
+from lightning_moe.checkpoint.hparams import config_classes, config_from_plain, config_to_plain
 from lightning_moe.parallel.grad import set_gradient_sync
 from lightning_moe.strategies._core import FoldedMoECore, check_namespace, mesh_aware_clip_norm, mesh_aware_clip_value
 
@@ -141,14 +145,45 @@ class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
             release_callback_logging(trainer.callbacks, module)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Lightning's DCP load; the metadata file may hold our config dataclasses (hyperparameters),
-        which ``torch.load(weights_only=True)`` accepts only when allow-listed — here, for this call."""
-        from lightning_moe.config import MoEConfig
-        from lightning_moe.models.transformer import TransformerConfig
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Atomic save (``lightning_moe.checkpoint``): written aside, fsynced, published by rename.
 
-        with torch.serialization.safe_globals([MoEConfig, TransformerConfig]):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        A DCP folder stores ``w13`` as ``gate``/``up`` halves (loads at any layout) with a manifest of
+        sizes and checksums; one file (``save_distributed_checkpoint=False``) is replaced by rename.
+        A checkpoint of the same name stays readable until the new one is complete.
+        """
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}: save_checkpoint(storage_options=...) is not supported; drop it.")
+        path = Path(self.broadcast(filepath))
+        if self._save_distributed_checkpoint:
+            lay = self.folded_mesh.layout
+            layout = {"tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "dp": lay.dp, "edp": lay.edp}
+            save_distributed(checkpoint, path, self.model, rank=self.global_rank, barrier=self.barrier, layout=layout)
+            return
+        if self.is_global_zero:
+            staged = staging_path(path)
+            torch.save(config_to_plain(checkpoint), staged)
+            publish(staged, path)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            remove(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Verified DCP load at any layout (``lightning_moe.checkpoint.dcp``), or Lightning's one-file load.
+
+        A folder is checked against its manifest before any weight changes; plain (one-device) and
+        DTensor parameters alike. Config dataclasses of older files are allow-listed for this call.
+        """
+        path = Path(self.broadcast(checkpoint_path))
+        module = self.lightning_module
+        if path.is_dir() and module is not None and isinstance(self.model, nn.Module):
+            return load_distributed(path, self.model, list(self.optimizers), strict=module.strict_loading,
+                                    rank=self.global_rank, broadcast=self.broadcast, weights_only=weights_only)  # fmt: skip
+        with torch.serialization.safe_globals(list(config_classes().values())):
+            return config_from_plain(super().load_checkpoint(path, weights_only=weights_only))
 
     @contextmanager
     @override

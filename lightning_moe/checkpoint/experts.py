@@ -1,0 +1,120 @@
+"""``w13`` stored as two logical tensors, ``<fqn>.gate`` and ``<fqn>.up``, each ``[E, H, F]``.
+
+In memory ``w13 [E, H, 2F]`` is sharded over ETP as column blocks ``[gate_j | up_j]``
+(``parallelize.shard_expert_weights``), so the global tensor DCP sees depends on the ETP degree
+and a reshard over F scrambles gate and up. Split into halves, each is an ordinary ``Shard(2)``
+DTensor (rank j holds columns ``j*f:(j+1)*f`` of gate and of up) and DCP reshards it correctly
+to any ETP, EP, EDP and to one process. :func:`split_model_state` / :func:`split_optimizer_state`
+rewrite a state dict before a save or load; :func:`join_model_state` /
+:func:`join_optimizer_state` put ``w13`` back in this process's layout after a load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from lightning_moe.moe.experts import GroupedExperts
+
+__all__ = [
+    "GATE",
+    "UP",
+    "join_model_state",
+    "join_optimizer_state",
+    "split_model_state",
+    "split_optimizer_state",
+    "w13_names",
+]
+
+GATE, UP = "gate", "up"
+
+
+def w13_names(module: nn.Module) -> set[str]:
+    """State-dict names of every ``GroupedExperts.w13`` under ``module``."""
+    return {f"{name}.w13" if name else "w13" for name, m in module.named_modules() if isinstance(m, GroupedExperts)}
+
+
+def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t``'s gate and up halves as tensors of the global shape ``[E, H, F]``."""
+    if isinstance(t, DTensor):
+        local = t.to_local()
+        f = local.shape[-1] // 2
+        shape = torch.Size((*t.shape[:-1], t.shape[-1] // 2))
+        stride = torch.empty(shape, device="meta").stride()
+
+        def make(x: torch.Tensor) -> torch.Tensor:
+            return DTensor.from_local(x.contiguous(), t.device_mesh, t.placements, run_check=False, shape=shape,
+                                      stride=stride)  # fmt: skip
+
+        return make(local[..., :f]), make(local[..., f:])
+    f = t.shape[-1] // 2
+    return t[..., :f].contiguous(), t[..., f:].contiguous()
+
+
+def _join(gate: torch.Tensor, up: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    if isinstance(like, DTensor):
+        local = torch.cat([gate.to_local(), up.to_local()], dim=-1)  # type: ignore[union-attr]
+        return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                                  stride=like.stride())  # fmt: skip
+    return torch.cat([gate, up], dim=-1)
+
+
+def split_model_state(state: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """A copy of a model state dict with each ``w13`` in ``names`` as ``.gate`` and ``.up``."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if key in names and isinstance(value, torch.Tensor):
+            out[f"{key}.{GATE}"], out[f"{key}.{UP}"] = _halves(value)
+        else:
+            out[key] = value
+    return out
+
+
+def join_model_state(loaded: dict[str, Any], like: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """``loaded`` (split) with each ``w13`` back in the layout of ``like``'s tensor."""
+    out = {k: v for k, v in loaded.items() if not any(k in (f"{n}.{GATE}", f"{n}.{UP}") for n in names)}
+    for name in names:
+        if f"{name}.{GATE}" in loaded:
+            out[name] = _join(loaded[f"{name}.{GATE}"], loaded[f"{name}.{UP}"], like[name])
+    return out
+
+
+def _is_w13_state(value: Any, param: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 3 and tuple(value.shape) == tuple(param)
+
+
+def split_optimizer_state(state: dict[str, Any], names: set[str], shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """A copy of an optimizer state dict (names as keys, ``get_optimizer_state_dict``) with every
+    ``w13``-shaped entry (``exp_avg``, ``momentum_buffer``, ...) as ``<entry>.gate`` / ``<entry>.up``."""
+    per_param = state.get("state", {})
+    new_state: dict[str, Any] = {}
+    for key, entries in per_param.items():
+        if key in names and isinstance(entries, dict):
+            split: dict[str, Any] = {}
+            for entry, value in entries.items():
+                if _is_w13_state(value, shapes[key]):
+                    split[f"{entry}.{GATE}"], split[f"{entry}.{UP}"] = _halves(value)
+                else:
+                    split[entry] = value
+            new_state[key] = split
+        else:
+            new_state[key] = entries
+    return {**state, "state": new_state}
+
+
+def join_optimizer_state(loaded: dict[str, Any], like: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """``loaded`` (split) with every ``w13``-shaped entry back in the layout of ``like``'s."""
+    new_state: dict[str, Any] = {}
+    for key, entries in loaded.get("state", {}).items():
+        if key in names and isinstance(entries, dict):
+            joined = {e: v for e, v in entries.items() if not e.endswith((f".{GATE}", f".{UP}"))}
+            for entry, value in like["state"][key].items():
+                if f"{entry}.{GATE}" in entries:
+                    joined[entry] = _join(entries[f"{entry}.{GATE}"], entries[f"{entry}.{UP}"], value)
+            new_state[key] = joined
+        else:
+            new_state[key] = entries
+    return {**loaded, "state": new_state}
