@@ -99,7 +99,13 @@ def test_fused_wgrad_accumulation_matches_autograd_accumulation(dtype, tol, kern
     kernel, _, streams = kernel.partition(":")
     w13_streams, w2_streams = map(int, streams.split(",")) if streams else (2, 2)
     kernels = KernelConfig(wgrad=kernel, wgrad_streams_w13=w13_streams, wgrad_streams_w2=w2_streams)
-    monkeypatch.setattr(wchoice, "wide_experts", lambda w2: True)  # the test shape is narrow
+    from lightning_moe.ops.wgrad import cutlass_kernel as wgrad_cutlass
+
+    cutlass_runs = dtype == torch.bfloat16 and wgrad_cutlass.supported(torch.empty(0, device="cuda", dtype=dtype))
+    if not (kernel in ("auto", "cutlass") and cutlass_runs):
+        # The test shape is narrow: per-expert cuBLAS kernels fuse only for wide experts. (CUTLASS fuses
+        # at any width, and ``auto`` must see the real width to choose it.)
+        monkeypatch.setattr(wchoice, "wide_experts", lambda w2: True)
     taken: list[str] = []
     original = wacc.WgradFusion.accumulate_
     monkeypatch.setattr(
@@ -117,9 +123,6 @@ def test_fused_wgrad_accumulation_matches_autograd_accumulation(dtype, tol, kern
             layer(x).float().pow(2).sum().backward()
         grads.append({n: p.grad.detach().clone() for n, p in layer.named_parameters()})
     assert len(taken) == 4  # w2 and w13 of the second and third passes
-    from lightning_moe.ops.wgrad import cutlass_kernel as wgrad_cutlass
-
-    cutlass_runs = dtype == torch.bfloat16 and wgrad_cutlass.supported(torch.empty(0, device="cuda", dtype=dtype))
     if kernel in ("auto", "cutlass"):
         expected = "cutlass" if cutlass_runs else "streams"  # 32 experts: two streams
     elif kernel == "triton":
