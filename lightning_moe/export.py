@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["export_checkpoint", "export_state_dict", "load_checkpoint", "main", "strip_prefix"]
+__all__ = ["export_checkpoint", "export_state_dict", "join_w13", "load_checkpoint", "main", "strip_prefix"]
 
 _METADATA_FILENAME = "meta.pt"  # what Lightning's ModelParallelStrategy writes beside the DCP shards
 
@@ -57,20 +57,40 @@ def _load_dcp_model_state(path: Path) -> dict[str, torch.Tensor]:
     return state["state_dict"]
 
 
+def join_w13(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``<name>.w13.gate`` and ``<name>.w13.up`` (how ``folded_moe`` stores the experts in a DCP
+    folder, any layout) as one ``<name>.w13`` ``[gate | up]``, the one-process layout."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        if key.endswith(".w13.gate"):
+            out[key[: -len(".gate")]] = torch.cat([value, state_dict[key[: -len(".gate")] + ".up"]], dim=-1)
+        elif not key.endswith(".w13.up"):
+            out[key] = value
+    return out
+
+
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """``(model state dict, hyper-parameters)`` of a Lightning ``.ckpt`` file or a DCP directory."""
+    """``(model state dict, hyper-parameters)`` of a Lightning ``.ckpt`` file or a DCP directory.
+
+    A DCP folder is verified against its manifest first (``lightning_moe.checkpoint``) and read at
+    any layout it was saved with (ep, etp, tp, edp); its ``w13`` comes back as ``[gate | up]``.
+    """
+    from lightning_moe.checkpoint.hparams import config_from_plain
+
     path = Path(path)
     if path.is_dir():
-        if not (path / ".metadata").is_file():
-            raise ValueError(f"export: {path} is a directory without .metadata; pass a DCP checkpoint or a .ckpt file.")
+        from lightning_moe.checkpoint.manifest import verify_checkpoint
+
+        verify_checkpoint(path)
         meta = _torch_load(path / _METADATA_FILENAME) if (path / _METADATA_FILENAME).is_file() else {}
-        return _load_dcp_model_state(path), dict(meta.get("hyper_parameters", {}))
+        hparams = config_from_plain(dict(meta.get("hyper_parameters", {})))
+        return join_w13(_load_dcp_model_state(path)), hparams
     if not path.is_file():
         raise ValueError(f"export: checkpoint {path} does not exist; pass a .ckpt file or a DCP directory.")
     ckpt = _torch_load(path)
     if "state_dict" not in ckpt:
         raise ValueError(f"export: {path} has no 'state_dict' (keys: {sorted(ckpt)}); pass a Lightning checkpoint.")
-    return ckpt["state_dict"], dict(ckpt.get("hyper_parameters", {}))
+    return ckpt["state_dict"], config_from_plain(dict(ckpt.get("hyper_parameters", {})))
 
 
 def strip_prefix(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -121,8 +141,9 @@ def export_state_dict(
         moe: the MoEConfig overrides the model was swapped with (needed when they add keys).
         dtype: cast floating tensors before saving (``None`` keeps the checkpoint's dtypes).
         max_shard_size: passed to ``save_pretrained``.
-        etp: expert tensor-parallel degree the checkpoint was saved with. ``folded_moe`` stores
-            ``w13`` column-blocked ``[gate_0|up_0|gate_1|up_1|...]`` when ``etp > 1``; it is
+        etp: expert tensor-parallel degree a one-file checkpoint was saved with (DCP folders
+            with a manifest need none: they store ``w13`` as gate/up halves). A one-file
+            ``folded_moe`` checkpoint stores ``w13`` column-blocked ``[gate_0|up_0|gate_1|up_1|...]`` when ``etp > 1``; it is
             reordered to ``[gate | up]`` here.
     """
     from transformers import AutoModelForCausalLM
@@ -164,6 +185,11 @@ def export_checkpoint(
     ``pretrained`` hyper-parameters (what :class:`~lightning_moe.lit_hf.HFMoELanguageModel` saves).
     """
     state_dict, hparams = load_checkpoint(checkpoint)
+    if etp != 1 and Path(checkpoint).is_dir() and (Path(checkpoint) / "manifest.json").is_file():
+        raise ValueError(
+            f"export: etp={etp} is not needed for {checkpoint}: the folder stores w13 independently of the layout; "
+            "drop --etp."
+        )
     state_dict = strip_prefix(state_dict, prefix)
     pretrained = None
     if hf_config is None:

@@ -3,14 +3,18 @@
 A checkpoint (a DCP folder or one file) is written under :func:`staging_path`, a hidden sibling
 that no "last"/top-k lookup matches, its files are fsynced, and :func:`publish` renames it into
 place. Renames within one filesystem are atomic, so a reader sees the old checkpoint or the new
-one, never a mix. A folder that replaces an older one of the same name (``last.ckpt``) moves the
-old one aside first (:func:`retired_path`) and deletes it only after the new one is in place; a
-crash between the two renames leaves the old one under its retired name, and
-:func:`recover` puts it back.
+one, never a mix. A folder that replaces an older one of the same name (``last.ckpt``) is swapped
+with it in one step (Linux ``renameat2(RENAME_EXCHANGE)``) and the old one, now under the staging
+name, is deleted after; where the exchange is not available the old one is moved aside first
+(:func:`retired_path`), and a crash between the two renames leaves it under its retired name, which
+:func:`recover` (called by every save and by :func:`~lightning_moe.checkpoint.resume.newest_complete_checkpoint`)
+puts back.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import shutil
 from pathlib import Path
@@ -49,6 +53,20 @@ def fsync_tree(path: Path) -> None:
         _fsync(Path(root), directory=True)
 
 
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap ``a`` and ``b`` atomically (Linux renameat2); False where the system cannot."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
 def recover(path: str | Path) -> None:
     """Put a retired checkpoint back if a crash came between its retirement and the publish."""
     p, old = Path(path), retired_path(path)
@@ -66,7 +84,9 @@ def publish(staged: str | Path, path: str | Path) -> None:
     if old.exists():
         recover(p)
         _rm(old)
-    if p.is_dir() or (p.exists() and staged.is_dir()):
+    if (p.is_dir() or (p.exists() and staged.is_dir())) and _exchange(staged, p):
+        _rm(staged)  # the old checkpoint, swapped out in the same step the new one came in
+    elif p.is_dir() or (p.exists() and staged.is_dir()):
         os.replace(p, old)  # the old checkpoint stays, under its retired name, until the new one is in
         os.replace(staged, p)
         _rm(old)

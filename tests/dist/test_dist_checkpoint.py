@@ -30,3 +30,17 @@ def test_resume_repeats_the_loss_tail_bitwise_and_the_checkpoint_reshards_on_loa
     for rank, (continuous, resumed) in enumerate(result["losses"]):
         assert len(continuous) == 8 and len(resumed) == 4, (rank, continuous, resumed)  # 4 steps x 2 micro
         assert resumed == continuous[4:], f"rank {rank}: resumed {resumed} != continuous tail {continuous[4:]}"
+
+
+@pytest.mark.suite4("ckpt:etp")
+def test_a_folder_saved_at_etp2_loads_bitwise_at_etp1_other_layouts_and_on_one_process(suite4: Suite) -> None:
+    """Saved at tp2·ep2·etp2; the worker loads it at tp2·ep2·etp1, tp1·ep4·etp1, tp1·ep2·etp1 (bitwise
+    parameters, equal validation loss); here one process reads it whole, without a process group."""
+    from lightning_moe.export import load_checkpoint
+
+    suite4.check("ckpt:etp")
+    result = torch.load(suite4.out / "ckpt_etp.pt")
+    state, hparams = load_checkpoint(result["folder"])
+    assert set(state) == set(result["params"])
+    for name, want in result["params"].items():
+        assert torch.equal(state[name], want), (name, (state[name] - want).abs().max())

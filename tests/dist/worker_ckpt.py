@@ -21,6 +21,11 @@ resumable loader (``state_dict``/``load_state_dict``, e.g. torchdata's ``Statefu
 lifts the second condition; it is Lightning's business, not the strategy's.
 
 Rank 0 writes ``OUT_DIR/ckpt_<LAYOUT>.pt`` with every rank's losses of both runs.
+
+``run_etp(OUT_DIR)`` (part ``ckpt:etp``): a DCP folder saved at tp2·ep2·etp2 loads at tp2·ep2·etp1,
+tp1·ep4·etp1 and tp1·ep2·etp1 (EDP2) with bitwise the parameters it was saved with (``w13`` is stored
+as gate/up halves, so a DCP reshard over F stays right), and the same validation loss (to 1e-5: TP changes the order of sums); rank 0
+writes ``OUT_DIR/ckpt_etp.pt`` (the saved parameters, the folder) for a one-process load.
 """
 
 from __future__ import annotations
@@ -56,9 +61,10 @@ class AdamLM(RecordingLM):
         return MoELanguageModel.configure_optimizers(self)
 
 
-def _trainer(tp: int, ep: int, callbacks: list[pl.Callback] | None = None) -> pl.Trainer:
+def _trainer(tp: int, ep: int, callbacks: list[pl.Callback] | None = None, etp: int = 1) -> pl.Trainer:
+    strategy = FoldedMoEStrategy(tp=tp, ep=ep, etp=etp, timeout=timedelta(seconds=90))
     return pl.Trainer(
-        accelerator="cpu", devices=4, strategy=FoldedMoEStrategy(tp=tp, ep=ep, timeout=timedelta(seconds=90)),
+        accelerator="cpu", devices=4, strategy=strategy,
         max_steps=STEPS, accumulate_grad_batches=ACCUM, gradient_clip_val=CLIP, logger=False,
         callbacks=callbacks or [], enable_checkpointing=bool(callbacks), enable_progress_bar=False,
         enable_model_summary=False, limit_train_batches=RESUME_AT * ACCUM, limit_val_batches=1,
@@ -112,10 +118,41 @@ def run(out: Path, spec: str) -> None:
     if rank == 0:
         for layer in (1, 2):
             for w in ("w13", "w2"):
-                ids = stored_expert_ids(last, f"state_dict.model.layers.{layer}.ffn.experts.{w}")
+                key = f"state_dict.model.layers.{layer}.ffn.experts.{w}"
+                ids = stored_expert_ids(last, f"{key}.gate" if w == "w13" else key)
                 if ids != list(range(8)):
                     raise AssertionError(f"layer {layer} {w}: stored expert ids {ids}")
         print(f"CKPT OK {spec}", flush=True)
+
+
+def run_etp(out: Path) -> None:
+    ckpt_dir = out / "ckpt_etp"
+    saver = ModelCheckpoint(dirpath=ckpt_dir, filename="saved", every_n_train_steps=RESUME_AT, save_top_k=1)
+    saved_model = _fresh()
+    _trainer(2, 2, [saver], etp=2).fit(saved_model)
+    saved = gather_full_state(saved_model)
+    folder = ckpt_dir / "saved.ckpt"
+    val = DataLoader(TokenData(), batch_size=2)
+    rank, losses = dist.get_rank(), {}
+    for tp, ep, etp in ((2, 2, 2), (2, 2, 1), (1, 4, 1), (1, 2, 1)):
+        other = _fresh()
+        with torch.no_grad():
+            for p in other.parameters():
+                p.zero_()
+        metrics = _trainer(tp, ep, etp=etp).validate(other, dataloaders=val, ckpt_path=folder, verbose=False)
+        losses[(tp, ep, etp)] = metrics[0]["val/loss"] if metrics and "val/loss" in metrics[0] else None
+        got = gather_full_state(other)
+        for name, want in saved.items():
+            if not torch.equal(got[name], want):
+                diff = (got[name] - want).abs().max().item()
+                raise AssertionError(f"rank {rank}: {name} differs by {diff} after loading tp2·ep2·etp2 at "
+                                     f"tp{tp}·ep{ep}·etp{etp}")  # fmt: skip
+    values = [v for v in losses.values() if v is not None]
+    if len(values) != len(losses) or max(values) - min(values) > 1e-5 * abs(values[0]):
+        raise AssertionError(f"rank {rank}: validation losses differ across layouts: {losses}")
+    if rank == 0:
+        torch.save({"params": saved, "folder": str(folder), "losses": losses}, out / "ckpt_etp.pt")
+        print(f"CKPT OK etp {losses}", flush=True)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ Parts:
 * ``dispatch:<kind>:<tp>:<ep>:<etp>`` — ``worker_dispatch.main`` (dispatchers vs one process);
 * ``fit:<layout>`` — ``worker_fit.fit_one`` (Trainer.fit vs one process), e.g. ``fit:tp=2,ep=4``;
 * ``fabric:<string|layout>`` — ``worker_fabric.run`` (Fabric vs one process);
-* ``ckpt:<layout>`` — ``worker_ckpt.run`` (identical resume, reshard on load);
+* ``ckpt:<layout>`` — ``worker_ckpt.run`` (identical resume, reshard on load); ``ckpt:etp`` —
+  ``worker_ckpt.run_etp`` (saved at etp2, loaded at etp1 and other layouts);
 * ``echo`` — ``worker_echo.run`` (ECHO expert cloning: plain, echo, resumed); ``echo:<dispatcher>``:
   plain and echo over that dispatcher;
 * ``replay:<layout>[+recompute]`` — ``worker_replay.main`` (RouterReplay record, then replay);
@@ -52,7 +53,7 @@ def run_part(part: str, out: Path) -> None:
     elif kind == "ckpt":
         import worker_ckpt
 
-        worker_ckpt.run(out, arg)
+        worker_ckpt.run_etp(out) if arg == "etp" else worker_ckpt.run(out, arg)
     elif kind == "echo":
         import worker_echo
 
