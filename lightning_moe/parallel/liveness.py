@@ -120,10 +120,12 @@ class LivenessMonitor:
         self._changed: dict[int, float] = {}
         self._pid: dict[int, tuple[int, str]] = {}
         self.done: set[int] = set()
+        self._lost_since: float | None = None
 
     def observe(self, values: Mapping[int, bytes | None]) -> list[DeadRank]:
         """Dead ranks given each rank's current value (``None``: not written yet)."""
         now = self._clock()
+        self._lost_since = None
         dead: list[DeadRank] = []
         for r in range(self.world_size):
             if r == self.rank or r in self.done:
@@ -150,13 +152,22 @@ class LivenessMonitor:
         return dead
 
     def store_lost(self) -> list[DeadRank]:
-        """Dead ranks when the store stopped answering; empty when rank 0 had exited cleanly."""
+        """Dead ranks when a read of the store failed; empty when rank 0 had exited cleanly.
+
+        Rank 0's process gone (same host) is its death at once; otherwise the store must have
+        failed for ``threshold_s`` in a row (a loaded store host answers late, not never).
+        """
+        now = self._clock()
+        if self._lost_since is None:
+            self._lost_since = now
         if self.rank == 0 or 0 in self.done:
             return []
         pid, host = self._pid.get(0, (-1, ""))
         if host == self.host and not self._alive(pid):
             return [DeadRank(0, f"is gone: its process {pid} on {host} no longer runs (it hosted the c10d store)")]
-        return [DeadRank(0, "stopped answering: the c10d store it hosts is unreachable")]
+        if now - self._lost_since > self.threshold_s:
+            return [DeadRank(0, f"stopped answering: the c10d store it hosts failed for {now - self._lost_since:.1f} s")]
+        return []
 
 
 def is_collective_failure(exception: BaseException) -> bool:

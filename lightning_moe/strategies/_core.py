@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn as nn
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
@@ -38,6 +37,13 @@ from typing_extensions import override
 from lightning_moe.moe.utils import reset_global_aux_counts
 from lightning_moe.parallel.grad import clip_grad_norm_, clip_grad_value_
 from lightning_moe.parallel.layout import FoldedLayout
+from lightning_moe.parallel.liveness import (
+    check_liveness_timeout,
+    collective_timeout,
+    ensure_watchdog,
+    is_collective_failure,
+    running_watchdog,
+)
 from lightning_moe.parallel.mesh import FoldedMesh
 from lightning_moe.parallel.parallelize import (
     DispatcherKind,
@@ -151,7 +157,13 @@ class FoldedMoECore:
             module built on the meta device.
         save_distributed_checkpoint: DCP folder (sharded, reshardable) instead of one file.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks the device's default.
-        timeout: collective timeout of the default process group.
+        timeout: collective timeout of the default process group (``init_process_group``), in
+            seconds or a ``datetime.timedelta``; ``None`` is torch's default. A collective that
+            waits longer raises.
+        rank_liveness_timeout_s: every rank heartbeats into the c10d store from a thread; a rank
+            whose process is gone (same host: within 0.5 s) or that sent no heartbeat for this many
+            seconds is named in a one-line error on every other rank, which then exits with code 1
+            (``parallel/liveness.py``). ``None`` turns the watchdog off.
     """
 
     def __init__(
@@ -168,16 +180,18 @@ class FoldedMoECore:
         expert_init_seed: int | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: float | timedelta | None = 1800.0,
+        rank_liveness_timeout_s: float | None = 30.0,
     ) -> None:
         check_args(type(self).__name__, tp, cp, ep, etp, pp, dp, edp, order, dispatcher)
+        self.rank_liveness_timeout_s = check_liveness_timeout(type(self).__name__, rank_liveness_timeout_s)
         super().__init__(  # type: ignore[call-arg] # the Lightning strategy after this class in the MRO
             *self._lightning_init_args(),
             data_parallel_size=dp,
             tensor_parallel_size=tp,
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=collective_timeout(type(self).__name__, timeout),
         )
         self.tp, self.cp, self.ep, self.etp, self.pp = tp, cp, ep, etp, pp
         self.dp, self.edp, self.order, self.dispatcher = dp, edp, order, dispatcher
@@ -241,7 +255,31 @@ class FoldedMoECore:
         if strategy.accelerator is not None:
             strategy.accelerator.setup_device(strategy.root_device)
         strategy._setup_distributed()
+        self._start_watchdog(layout, strategy.global_rank)
         self._folded_mesh = FoldedMesh.build(layout, strategy.root_device.type)
+
+    def _start_watchdog(self, layout: FoldedLayout, rank: int) -> None:
+        """The rank-liveness watchdog (one per process), unless off or alone."""
+        if self.rank_liveness_timeout_s is None or layout.world_size < 2:
+            return
+
+        def describe(r: int) -> str:
+            return " ".join(f"{a}={c}" for a, c in layout.coords(r).items() if layout.size(a) > 1)
+
+        ensure_watchdog(
+            rank, layout.world_size, self.rank_liveness_timeout_s, owner=type(self).__name__, describe=describe
+        )
+
+    def on_exception(self, exception: BaseException) -> None:
+        """A collective that failed because a peer died gets the watchdog's line naming it as a note."""
+        watchdog = running_watchdog()
+        if watchdog is not None and is_collective_failure(exception):
+            verdict = watchdog.wait_verdict(watchdog.monitor.threshold_s + 2.0)
+            if verdict is not None:
+                exception.add_note(verdict)
+        parent: Any = super()
+        if hasattr(parent, "on_exception"):
+            parent.on_exception(exception)
 
     def _module_to_check(self) -> nn.Module | None:
         """The module known before the processes start (the Trainer's LightningModule), if any."""

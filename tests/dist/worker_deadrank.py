@@ -1,10 +1,10 @@
-"""One rank of a Trainer fit under Lightning's own launcher SIGKILLs itself, or sleeps, at a step.
+"""A Trainer fit under Lightning's own launcher where one rank stalls, then SIGKILLs itself.
 
-``python worker_deadrank.py WORLD DEAD_RANK STEP MODE [LIVENESS_S]`` starts the other ranks itself
-(Lightning's subprocess script launcher: this process is rank 0). ``MODE`` is ``kill`` (the rank
-SIGKILLs itself at ``STEP``), ``raise`` (it raises ``ValueError``) or ``slow`` (it sleeps
-``3 * LIVENESS_S`` in the training loop, then goes on: a slow but alive rank must not be named).
-Every rank prints ``STEP-REACHED <rank> <time>`` at ``STEP`` so the test can time the detection.
+``python worker_deadrank.py WORLD DEAD_RANK SLOW_STEP KILL_STEP LIVENESS_S`` starts the other
+ranks itself (Lightning's subprocess script launcher: this process is rank 0). At ``SLOW_STEP``
+rank ``DEAD_RANK`` sleeps ``3 * LIVENESS_S`` in its training step (slow but alive: it must not be
+named); at ``KILL_STEP`` it SIGKILLs itself (``-1``: never). Every rank prints
+``STEP-REACHED <rank> <step> <time>`` at those steps so the test can time the detection.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import sys
 import time
 from typing import Any
 
-import faulthandler
 import lightning.pytorch as pl
 import torch
 
@@ -25,22 +24,19 @@ from _models import RecordingLM, leave_together  # noqa: E402
 
 from lightning_moe.strategies import FoldedMoEStrategy  # noqa: E402
 
-faulthandler.register(signal.SIGUSR1, all_threads=True)
-WORLD, DEAD, STEP, MODE = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-LIVENESS_S = float(sys.argv[5]) if len(sys.argv) > 5 else 30.0
+WORLD, DEAD, SLOW_STEP, KILL_STEP = (int(a) for a in sys.argv[1:5])
+LIVENESS_S = float(sys.argv[5])
 
 
 class DyingLM(RecordingLM):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        if self.global_step == STEP and batch_idx == STEP:
-            print(f"STEP-REACHED {self.global_rank} {time.time():.3f}", flush=True)
-            if self.global_rank == DEAD:
-                if MODE == "kill":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                elif MODE == "raise":
-                    raise ValueError("planted failure")
-                elif MODE == "slow":
-                    time.sleep(3 * LIVENESS_S)
+        step = self.global_step
+        if step in (SLOW_STEP, KILL_STEP) and batch_idx == step:
+            print(f"STEP-REACHED {self.global_rank} {step} {time.time():.3f}", flush=True)
+            if self.global_rank == DEAD and step == SLOW_STEP:
+                time.sleep(3 * LIVENESS_S)
+            if self.global_rank == DEAD and step == KILL_STEP:
+                os.kill(os.getpid(), signal.SIGKILL)
         return super().training_step(batch, batch_idx)
 
     def configure_optimizers(self) -> Any:
@@ -50,7 +46,7 @@ class DyingLM(RecordingLM):
 def main() -> None:
     strategy = FoldedMoEStrategy(ep=2, rank_liveness_timeout_s=LIVENESS_S, timeout=300)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=STEP + 3, logger=False,
+        accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=max(SLOW_STEP, KILL_STEP) + 2, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0,
     )  # fmt: skip
