@@ -9,26 +9,117 @@ from any directory: ``lightning-moe fit --config tiny_moe`` (``tiny_moe.yaml`` w
 existing file wins over a recipe of the same name; an unknown name, or a ``*.yaml`` path that is
 not a file, exits with one line listing the recipes. ``lightning-moe recipes`` prints each
 recipe's name and file (rules: :func:`lightning_moe.resources.resolve_recipe`).
+
+Bad input exits before training starts with a short message on stderr instead of a parser dump or
+a traceback: an unknown key or a value of the wrong type (exit status 2) gives the key path and the
+parser's reason plus a pointer to ``--help``; a value that a class's constructor refuses (the
+model, the data, the Trainer, its strategy or callbacks; exit status 1) gives that constructor's own
+``Owner: field=value breaks rule; fix.`` line. ``--help`` and ``--print_config`` are unchanged.
 """
 
 from __future__ import annotations
 
+import re
 import sys
+from typing import Any, NoReturn
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_moe  # noqa: F401 - registers the strategy names before the Trainer parses them
 from lightning_moe import resources
 from lightning_moe.data import MoEDataModule
 from lightning_moe.lit import MoELanguageModelBase
 
-__all__ = ["MoECLI", "main", "print_recipes", "resolve_config_args"]
+__all__ = ["CLIInputError", "MoECLI", "main", "print_recipes", "resolve_config_args", "short_parser_message"]
 
 _CONFIG_FLAGS = ("-c", "--config")
 
+# Lines of a jsonargparse error that describe its search, not the problem.
+_NOISE = (
+    "Does not validate against any of the Union subtypes",
+    "Subtypes:",
+    "Errors:",
+    "Given value type:",
+    "Given value:",
+    "Expected a <class 'NoneType'>",
+    "Problem with given class_path",
+    "Not a valid subclass of",
+    "Import path ",
+)
+_KEY = re.compile(r'^Parser key "([^"]+)":\s*(.*)$')
+_OURS = re.compile(r"^[A-Za-z_][\w.<>-]*: \S+=")  # "Owner: field=value ..."
+
+
+_INPUT_ERRORS = (ValueError, TypeError, OSError, ImportError, MisconfigurationException)
+
+
+class CLIInputError(Exception):
+    """A class named in the configuration refused its arguments; the message is one line."""
+
+
+def short_parser_message(message: str) -> str:
+    """One line from a (multi-line) jsonargparse error: the key path and the first reason.
+
+    A lightning-moe ``Owner: field=value ...`` line inside the message wins; otherwise the nested
+    ``Parser key`` names are joined into a dotted path before the parser's own reason.
+    """
+    lines = [ln.strip().removeprefix("- ").strip() for ln in message.splitlines()]
+    ours = [ln for ln in lines if _OURS.match(ln)]
+    if ours:
+        return ours[0]
+    keys: list[str] = []
+    for ln in lines:
+        match = _KEY.match(ln)
+        if match:
+            keys.append(match.group(1))
+            ln = match.group(2)
+        if ln and not ln.startswith(_NOISE):
+            return f"{'.'.join(keys)}: {ln}" if keys else ln
+    return lines[0] if lines else message
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return exc
+
+
+class _ShortErrorParser(LightningArgumentParser):
+    """Parser errors as two lines (the short reason, then a pointer to ``--help``), exit status 2."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = parser.prog.replace(" [options]", "")
+        sys.stderr.write(f"{prog}: {short_parser_message(message)}\n")
+        sys.stderr.write(f"{prog}: run `{prog} --help` for the accepted keys and types.\n")
+        sys.exit(2)
+
 
 class MoECLI(LightningCLI):
-    """LightningCLI for models deriving from :class:`MoELanguageModelBase` and :class:`MoEDataModule` data."""
+    """LightningCLI for models deriving from :class:`MoELanguageModelBase` and :class:`MoEDataModule` data.
+
+    A constructor that refuses its arguments (model, data, Trainer, strategy, callbacks) raises
+    :class:`CLIInputError` with its one-line message; :func:`main` prints it without a traceback.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_class", _ShortErrorParser)
+        super().__init__(*args, **kwargs)
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except _INPUT_ERRORS as exc:
+            raise CLIInputError(short_parser_message(str(_root_cause(exc)))) from exc
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except _INPUT_ERRORS as exc:
+            raise CLIInputError(short_parser_message(str(_root_cause(exc)))) from exc
 
     def after_fit(self) -> None:
         """Print the validation loss before the first step and at the end (rank zero)."""
@@ -86,14 +177,17 @@ def main(args: list[str] | None = None) -> None:
         # LightningCLI warns when given args besides a command line; and launchers that start
         # more ranks re-run sys.argv, which then names the resolved recipe file.
         sys.argv[1:] = argv
-    MoECLI(
-        MoELanguageModelBase,
-        MoEDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        save_config_kwargs={"overwrite": True},
-        args=None if args is None else argv,
-    )
+    try:
+        MoECLI(
+            MoELanguageModelBase,
+            MoEDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_kwargs={"overwrite": True},
+            args=None if args is None else argv,
+        )
+    except CLIInputError as exc:
+        raise SystemExit(str(exc)) from None  # one line on stderr, exit status 1
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ reported as ``MoEConfig: field=value breaks rule; fix.``
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = [
     "AuxLossType",
@@ -20,6 +21,9 @@ __all__ = [
     "MoEConfig",
     "ScoreFunc",
     "WgradKernel",
+    "check_bool",
+    "check_float",
+    "check_int",
 ]
 
 ScoreFunc = Literal["softmax", "sigmoid"]
@@ -41,6 +45,47 @@ WgradKernel = Literal["auto", "loop", "streams", "triton", "cutlass"]
 _GEMM_KERNELS = ("auto", "torch", "cutlass")
 _GEMM_CUTLASS_TILES = ("cooperative-128x256-c2x1", "pingpong-64x256")
 _WGRAD_KERNELS = ("auto", "loop", "streams", "triton", "cutlass")
+
+
+def check_int(owner: str, name: str, value: Any, minimum: int = 1, *, optional: bool = False, fix: str = "") -> None:
+    """Raise ``ValueError`` unless ``value`` is an int (not a bool) ``>= minimum`` (or ``None`` when ``optional``)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        none = ", or None" if optional else ""
+        fix = fix or f"set it to {minimum} or more"
+        raise ValueError(f"{owner}: {name}={value!r} must be an int >= {minimum}{none}; {fix}.")
+
+
+def check_float(
+    owner: str,
+    name: str,
+    value: Any,
+    minimum: float = 0.0,
+    *,
+    strict: bool = False,
+    optional: bool = False,
+    fix: str = "",
+) -> None:
+    """Raise ``ValueError`` unless ``value`` is a finite real number ``>= minimum`` (``> minimum`` when ``strict``).
+
+    Ints are accepted, bools and strings are not; NaN and infinities are refused.
+    """
+    if optional and value is None:
+        return
+    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not number or not math.isfinite(value) or value < minimum or (strict and value == minimum):
+        rule = f"{'>' if strict else '>='} {minimum:g}"
+        none = ", or None" if optional else ""
+        raise ValueError(
+            f"{owner}: {name}={value!r} must be a finite number {rule}{none}; {fix or f'use a value {rule}'}."
+        )
+
+
+def check_bool(owner: str, name: str, value: Any) -> None:
+    """Raise ``TypeError`` unless ``value`` is ``True`` or ``False``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}: {name}={value!r} is not a bool; write {name}=True or {name}=False.")
 
 
 @dataclass(kw_only=True)
@@ -91,6 +136,19 @@ class KernelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"KernelConfig: {name}={value!r} must be an int >= 1; set 1 (one stream) or more.")
+
+
+_BOOL_FIELDS = (
+    "pre_softmax",
+    "norm_topk_prob",
+    "expert_bias",
+    "pad_to_capacity",
+    "shared_expert_gate",
+    "shared_expert_overlap",
+    "memory_efficient_permute",
+    "fuse_wgrad_accumulation",
+    "check_finite",
+)
 
 
 def _divisors(n: int) -> list[int]:
@@ -182,8 +240,11 @@ class MoEConfig:
             )
         for name in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # True is not a size
                 raise ValueError(f"MoEConfig: {name}={value!r} must be a positive int; set it to 1 or more.")
+        for name in _BOOL_FIELDS:
+            check_bool("MoEConfig", name, getattr(self, name))
+        self._check_numbers()
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"MoEConfig: top_k={self.top_k} exceeds num_experts={self.num_experts}; "
@@ -211,21 +272,18 @@ class MoEConfig:
                 f"MoEConfig: router_dtype={self.router_dtype!r} is unknown; choose one of {_ROUTER_DTYPES}."
             )
         self._check_groups()
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(
-                f"MoEConfig: capacity_factor={self.capacity_factor} must be > 0; use e.g. 1.25, or None for dropless."
-            )
         if self.pad_to_capacity and self.capacity_factor is None:
             raise ValueError(
                 "MoEConfig: pad_to_capacity=True needs a capacity; set capacity_factor (e.g. 1.25)."
             )
-        if self.aux_loss_coeff < 0:
-            raise ValueError(f"MoEConfig: aux_loss_coeff={self.aux_loss_coeff} must be >= 0.")
-        if self.z_loss_coeff is not None and self.z_loss_coeff < 0:
-            raise ValueError(f"MoEConfig: z_loss_coeff={self.z_loss_coeff} must be >= 0, or None for off.")
-        if self.shared_expert_ffn_size is not None and self.shared_expert_ffn_size < 1:
+        if self.shared_expert_ffn_size is not None and (
+            isinstance(self.shared_expert_ffn_size, bool)
+            or not isinstance(self.shared_expert_ffn_size, int)
+            or self.shared_expert_ffn_size < 1
+        ):
             raise ValueError(
-                f"MoEConfig: shared_expert_ffn_size={self.shared_expert_ffn_size} must be >= 1, or None for off."
+                f"MoEConfig: shared_expert_ffn_size={self.shared_expert_ffn_size!r} must be an int >= 1, or None for "
+                "off; set a width or None."
             )
         if self.shared_expert_gate and self.shared_expert_ffn_size is None:
             raise ValueError("MoEConfig: shared_expert_gate=True needs shared_expert_ffn_size; set it or drop the gate.")
@@ -234,12 +292,29 @@ class MoEConfig:
                 "MoEConfig: shared_expert_overlap=True needs a shared expert; set shared_expert_ffn_size or drop "
                 "the overlap."
             )
-        if self.bias_update_rate < 0:
-            raise ValueError(f"MoEConfig: bias_update_rate={self.bias_update_rate} must be >= 0.")
+
+    def _check_numbers(self) -> None:
+        """Coefficients, rates and scales: finite real numbers (NaN, inf, bools and strings refused)."""
+        check_float("MoEConfig", "aux_loss_coeff", self.aux_loss_coeff, fix="use 0 or more (0 turns it off)")
+        check_float(
+            "MoEConfig", "z_loss_coeff", self.z_loss_coeff, optional=True, fix="use 0 or more, or None for off"
+        )
+        check_float("MoEConfig", "bias_update_rate", self.bias_update_rate, fix="use 0 or more, e.g. 1e-3")
+        check_float("MoEConfig", "init_std", self.init_std, strict=True, fix="use e.g. 0.02")
+        check_float(
+            "MoEConfig", "capacity_factor", self.capacity_factor, strict=True, optional=True,
+            fix="use e.g. 1.25, or None for dropless",
+        )  # fmt: skip
+        check_float(
+            "MoEConfig", "scaling_factor", self.scaling_factor, strict=True, optional=True,
+            fix="use e.g. 2.5, or None to leave the weights",
+        )  # fmt: skip
 
     def _check_groups(self) -> None:
         if self.num_groups is None and self.group_topk is None:
             return
+        check_int("MoEConfig", "num_groups", self.num_groups, optional=True)
+        check_int("MoEConfig", "group_topk", self.group_topk, optional=True)
         if self.num_groups is None or self.group_topk is None:
             raise ValueError(
                 f"MoEConfig: num_groups={self.num_groups} and group_topk={self.group_topk} must be set together; "

@@ -77,15 +77,21 @@ class ECHOExpertCloning(Callback):
         tolerance: float = 0.0,
         grad_scale: float | None = None,
     ) -> None:
-        if spare_slots_per_rank < 1:
+        spare = spare_slots_per_rank
+        if isinstance(spare, bool) or not isinstance(spare, int) or spare < 1:
             raise ValueError(
                 f"ECHOExpertCloning: spare_slots_per_rank={spare_slots_per_rank} must be >= 1; "
                 "remove the callback to turn cloning off."
             )
-        if interval < 1:
-            raise ValueError(f"ECHOExpertCloning: interval={interval} must be >= 1 (optimizer steps).")
-        if tolerance < 0:
-            raise ValueError(f"ECHOExpertCloning: tolerance={tolerance} must be >= 0.")
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"ECHOExpertCloning: interval={interval!r} must be >= 1 (optimizer steps).")
+        if not tolerance >= 0 or tolerance == float("inf"):  # NaN fails every comparison
+            raise ValueError(f"ECHOExpertCloning: tolerance={tolerance} must be >= 0 and finite; use e.g. 0.0.")
+        if grad_scale is not None and not 0 < grad_scale < float("inf"):
+            raise ValueError(
+                f"ECHOExpertCloning: grad_scale={grad_scale} must be a finite number > 0, or None for the "
+                "strategy's expert gradient scale."
+            )
         self.spare_slots_per_rank = spare_slots_per_rank
         self.interval = interval
         self.tolerance = tolerance

@@ -92,6 +92,10 @@ def render_heatmap(load_LE: torch.Tensor, layer_names: list[str], title: str) ->
     return fig
 
 
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
 class MoEMonitor(Callback):
     """Log MoE load statistics and draw a layer x expert load heatmap.
 
@@ -112,11 +116,11 @@ class MoEMonitor(Callback):
         per_layer: bool = True,
         prog_bar: bool = True,
     ) -> None:
-        if log_every_n_steps < 1:
-            raise ValueError(f"MoEMonitor: log_every_n_steps={log_every_n_steps} must be >= 1.")
-        if heatmap_every_n_steps is not None and heatmap_every_n_steps < 1:
+        if not _is_int(log_every_n_steps) or log_every_n_steps < 1:
+            raise ValueError(f"MoEMonitor: log_every_n_steps={log_every_n_steps!r} must be >= 1; use e.g. 10.")
+        if heatmap_every_n_steps is not None and (not _is_int(heatmap_every_n_steps) or heatmap_every_n_steps < 1):
             raise ValueError(
-                f"MoEMonitor: heatmap_every_n_steps={heatmap_every_n_steps} must be >= 1, or None for no heatmap."
+                f"MoEMonitor: heatmap_every_n_steps={heatmap_every_n_steps!r} must be >= 1, or None for no heatmap."
             )
         self.log_every_n_steps = log_every_n_steps
         self.heatmap_every_n_steps = heatmap_every_n_steps

@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
+from lightning_moe.config import check_float, check_int
 from lightning_moe.data.corpus import VOCAB_SIZE, load_tokens, missing_path
 from lightning_moe.data.datasets import TokenDataset
 from lightning_moe.data.sampler import ResumableDataLoader, ResumableSampler
@@ -54,17 +55,20 @@ class MoEDataModule(LightningDataModule):
         vocab_size: int = VOCAB_SIZE,
     ) -> None:
         super().__init__()
+        if path is not None and not isinstance(path, (str, Path)):
+            raise TypeError(f"MoEDataModule: path={path!r} is not a str; pass a file or folder path, or None.")
         if path is not None and not Path(path).exists():
             raise missing_path(path)
+        owner = "MoEDataModule"
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("vocab_size", vocab_size)):
-            if value < 1:
-                raise ValueError(f"MoEDataModule: {name}={value} must be >= 1; use a positive int.")
-        if not 0.0 < val_fraction < 1.0:
+            check_int(owner, name, value, fix="use a positive int")
+        check_float(owner, "val_fraction", val_fraction, strict=True, fix="use a value in (0, 1), e.g. 0.05")
+        if not val_fraction < 1.0:
             raise ValueError(f"MoEDataModule: val_fraction={val_fraction} must be in (0, 1); use e.g. 0.05.")
-        if max_bytes is not None and max_bytes < 1:
-            raise ValueError(f"MoEDataModule: max_bytes={max_bytes} must be >= 1; use None to read everything.")
-        if num_workers < 0:
-            raise ValueError(f"MoEDataModule: num_workers={num_workers} must be >= 0; use 0 to load in-process.")
+        check_int(owner, "max_bytes", max_bytes, optional=True, fix="use None to read everything")
+        check_int(owner, "num_workers", num_workers, minimum=0, fix="use 0 to load in-process")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"MoEDataModule: seed={seed!r} is not an int; use e.g. seed=0.")
         self.save_hyperparameters()
         self.path = path
         self.seq_len = seq_len

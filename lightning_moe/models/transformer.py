@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_moe.config import MoEConfig
+from lightning_moe.config import MoEConfig, check_bool, check_float, check_int
 from lightning_moe.models.recompute import RecomputePlan, RecomputeScope, RecomputeTarget, guarded_checkpoint
 from lightning_moe.moe.layer import MoELayer
 
@@ -49,6 +49,24 @@ class TransformerConfig:
     recompute: list[RecomputeTarget] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):  # from saved hyper-parameters or a plain mapping
+            self.moe = MoEConfig(**self.moe)
+        if not isinstance(self.moe, MoEConfig):
+            raise TypeError(
+                f"TransformerConfig: moe={self.moe!r} is not an MoEConfig; pass MoEConfig(...) or a dict of its fields."
+            )
+        owner = "TransformerConfig"
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len"):
+            check_int(owner, name, getattr(self, name))
+        check_int(owner, "num_kv_heads", self.num_kv_heads, optional=True, fix="set a divisor of num_heads, or None")
+        check_int(owner, "head_dim", self.head_dim, optional=True, fix="set an even width, or None")
+        check_int(owner, "dense_ffn_hidden_size", self.dense_ffn_hidden_size, optional=True)
+        check_int(owner, "num_dense_layers", self.num_dense_layers, minimum=0)
+        check_float(owner, "rope_theta", self.rope_theta, strict=True, fix="use e.g. 10000.0")
+        check_float(owner, "norm_eps", self.norm_eps, strict=True, fix="use e.g. 1e-6")
+        check_float(owner, "init_std", self.init_std, strict=True, fix="use e.g. 0.02")
+        for name in ("qk_norm", "tie_embeddings"):
+            check_bool(owner, name, getattr(self, name))
         RecomputePlan.from_targets(self.recompute)  # raises on a bad list
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:

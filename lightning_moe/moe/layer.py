@@ -117,6 +117,13 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.config
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{self.layer_name}: input is a {type(x).__name__}, not a tensor; pass a [..., H] tensor.")
+        if not x.dtype.is_floating_point:
+            raise TypeError(
+                f"{self.layer_name}: input dtype={x.dtype} is not a floating dtype; pass activations in float32, "
+                "bfloat16 or float16 (token ids go through an embedding first)."
+            )
         if x.shape[-1] != cfg.hidden_size:
             raise ValueError(
                 f"{self.layer_name}: input has hidden size {x.shape[-1]}, the layer was built for "

@@ -1,0 +1,343 @@
+"""Bad input gets one clear line, early: ``Owner: field=value breaks rule; fix.``
+
+One table per area (configuration, the layer's input, the LightningModules, strategy, callbacks,
+data, Hugging Face loading, the CLI). Each case builds the object with one bad argument and checks
+the exception type, that the message names the bad value, and that it is one line. The cases
+marked ``found:`` were accepted, or failed deep in torch or the parser, before these checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_moe.callbacks import CPUOffload, CUDAGraphCapture, ECHOExpertCloning, MoEMonitor, RouterReplay
+from lightning_moe.cli import main, short_parser_message
+from lightning_moe.config import KernelConfig, MoEConfig
+from lightning_moe.data import MoEDataModule
+from lightning_moe.lit import MoELanguageModel
+from lightning_moe.lit_hf import HFMoELanguageModel
+from lightning_moe.models.transformer import TransformerConfig
+from lightning_moe.moe.layer import MoELayer
+from lightning_moe.strategies import FabricFoldedMoEStrategy, FoldedMoEStrategy
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "tiny_moe.yaml"
+NAN, INF = float("nan"), float("inf")
+
+MOE = dict(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+
+
+def _tc(**overrides: Any) -> TransformerConfig:
+    base: dict[str, Any] = dict(vocab_size=64, hidden_size=16, num_layers=1, num_heads=2, moe=MoEConfig(**MOE))
+    return TransformerConfig(**{**base, **overrides})
+
+
+def _lm(**overrides: Any) -> MoELanguageModel:
+    return MoELanguageModel(_tc(), **overrides)
+
+
+Case = tuple[Callable[[], Any], type[BaseException], str]
+
+
+def _check(case: Case) -> None:
+    build, exc_type, names = case
+    with pytest.raises(exc_type, match=re.escape(names)) as info:
+        build()
+    message = str(info.value)
+    assert "\n" not in message, message
+    assert re.match(r"^[\w.<>-]+: ", message), message  # starts with its owner
+
+
+# --- configuration: MoEConfig, KernelConfig, TransformerConfig -------------------------------------
+
+CONFIG_CASES: dict[str, Case] = {
+    "found: MoEConfig hidden_size=True": (lambda: MoEConfig(**{**MOE, "hidden_size": True}), ValueError, "MoEConfig: hidden_size=True"),
+    "found: MoEConfig aux_loss_coeff=nan": (lambda: MoEConfig(**MOE, aux_loss_coeff=NAN), ValueError, "aux_loss_coeff=nan"),
+    "found: MoEConfig init_std=-0.02": (lambda: MoEConfig(**MOE, init_std=-0.02), ValueError, "MoEConfig: init_std=-0.02"),
+    "MoEConfig top_k=True": (lambda: MoEConfig(**{**MOE, "top_k": True}), ValueError, "top_k=True"),
+    "MoEConfig num_experts=0": (lambda: MoEConfig(**{**MOE, "num_experts": 0}), ValueError, "num_experts=0"),
+    "MoEConfig ffn_hidden_size=8.0": (lambda: MoEConfig(**{**MOE, "ffn_hidden_size": 8.0}), ValueError, "ffn_hidden_size=8.0"),
+    "MoEConfig top_k > num_experts": (lambda: MoEConfig(**{**MOE, "top_k": 5}), ValueError, "top_k=5 exceeds num_experts=4"),
+    "MoEConfig aux_loss_coeff=inf": (lambda: MoEConfig(**MOE, aux_loss_coeff=INF), ValueError, "aux_loss_coeff=inf"),
+    "MoEConfig aux_loss_coeff str": (lambda: MoEConfig(**MOE, aux_loss_coeff="0.1"), ValueError, "aux_loss_coeff='0.1'"),
+    "MoEConfig z_loss_coeff=nan": (lambda: MoEConfig(**MOE, z_loss_coeff=NAN), ValueError, "z_loss_coeff=nan"),
+    "MoEConfig bias_update_rate=nan": (lambda: MoEConfig(**MOE, bias_update_rate=NAN), ValueError, "bias_update_rate=nan"),
+    "MoEConfig init_std=nan": (lambda: MoEConfig(**MOE, init_std=NAN), ValueError, "init_std=nan"),
+    "MoEConfig scaling_factor=0": (lambda: MoEConfig(**MOE, scaling_factor=0.0), ValueError, "scaling_factor=0.0"),
+    "MoEConfig capacity_factor=inf": (lambda: MoEConfig(**MOE, capacity_factor=INF), ValueError, "capacity_factor=inf"),
+    "MoEConfig shared_expert_ffn_size=True": (lambda: MoEConfig(**MOE, shared_expert_ffn_size=True), ValueError, "shared_expert_ffn_size=True"),
+    "MoEConfig num_groups=True": (lambda: MoEConfig(**MOE, num_groups=True, group_topk=1), ValueError, "num_groups=True"),
+    "MoEConfig pre_softmax='yes'": (lambda: MoEConfig(**MOE, pre_softmax="yes"), TypeError, "pre_softmax='yes'"),
+    "MoEConfig score_func": (lambda: MoEConfig(**MOE, score_func="relu"), ValueError, "score_func='relu'"),
+    "MoEConfig kernels type": (lambda: MoEConfig(**MOE, kernels="cutlass"), TypeError, "kernels='cutlass'"),
+    "KernelConfig gemm": (lambda: KernelConfig(gemm="cublas"), ValueError, "gemm='cublas'"),
+    "KernelConfig wgrad_streams_w13='2'": (lambda: KernelConfig(wgrad_streams_w13="2"), ValueError, "wgrad_streams_w13='2'"),
+    "found: TransformerConfig init_std=-0.02": (lambda: _tc(init_std=-0.02), ValueError, "TransformerConfig: init_std=-0.02"),
+    "TransformerConfig vocab_size=0": (lambda: _tc(vocab_size=0), ValueError, "vocab_size=0"),
+    "TransformerConfig vocab_size=True": (lambda: _tc(vocab_size=True), ValueError, "vocab_size=True"),
+    "TransformerConfig num_layers=0": (lambda: _tc(num_layers=0), ValueError, "num_layers=0"),
+    "TransformerConfig num_heads=0": (lambda: _tc(num_heads=0), ValueError, "num_heads=0"),
+    "TransformerConfig num_kv_heads=0": (lambda: _tc(num_kv_heads=0), ValueError, "num_kv_heads=0"),
+    "TransformerConfig max_seq_len=0": (lambda: _tc(max_seq_len=0), ValueError, "max_seq_len=0"),
+    "TransformerConfig rope_theta=0": (lambda: _tc(rope_theta=0.0), ValueError, "rope_theta=0.0"),
+    "TransformerConfig norm_eps=-1": (lambda: _tc(norm_eps=-1.0), ValueError, "norm_eps=-1.0"),
+    "TransformerConfig dense_ffn_hidden_size=0": (lambda: _tc(dense_ffn_hidden_size=0), ValueError, "dense_ffn_hidden_size=0"),
+    "TransformerConfig moe str": (lambda: _tc(moe="x"), TypeError, "moe='x'"),
+    "TransformerConfig num_heads=3": (lambda: _tc(num_heads=3), ValueError, "num_heads=3"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_CASES))
+def test_bad_config(case: str) -> None:
+    _check(CONFIG_CASES[case])
+
+
+def test_transformer_config_takes_its_moe_config_as_a_dict() -> None:
+    assert _tc(moe=dict(MOE)).moe == MoEConfig(**MOE)
+
+
+# --- the layer's input -------------------------------------------------------------------------------
+
+LAYER_CASES: dict[str, Case] = {
+    "found: int64 input": (lambda: MoELayer(MoEConfig(**MOE))(torch.zeros(2, 16, dtype=torch.int64)), TypeError, "dtype=torch.int64"),
+    "bool input": (lambda: MoELayer(MoEConfig(**MOE))(torch.zeros(2, 16, dtype=torch.bool)), TypeError, "dtype=torch.bool"),
+    "list input": (lambda: MoELayer(MoEConfig(**MOE))([[0.0] * 16]), TypeError, "input is a list"),
+    "wrong width": (lambda: MoELayer(MoEConfig(**MOE))(torch.zeros(2, 8)), ValueError, "hidden_size=16"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAYER_CASES))
+def test_bad_layer_input(case: str) -> None:
+    _check(LAYER_CASES[case])
+
+
+# --- the LightningModules ----------------------------------------------------------------------------
+
+MODULE_CASES: dict[str, Case] = {
+    "found: warmup_steps=-5": (lambda: _lm(warmup_steps=-5), ValueError, "MoELanguageModel: warmup_steps=-5"),
+    "found: learning_rate=-1": (lambda: _lm(learning_rate=-1), ValueError, "MoELanguageModel: learning_rate=-1"),
+    "found: betas=(1.5, 0.9)": (lambda: _lm(betas=(1.5, 0.9)), ValueError, "betas=(1.5, 0.9)"),
+    "learning_rate=nan": (lambda: _lm(learning_rate=NAN), ValueError, "learning_rate=nan"),
+    "weight_decay=-1": (lambda: _lm(weight_decay=-1), ValueError, "weight_decay=-1"),
+    "warmup_steps=1.5": (lambda: _lm(warmup_steps=1.5), ValueError, "warmup_steps=1.5"),
+    "three betas": (lambda: _lm(betas=(0.9, 0.9, 0.9)), ValueError, "betas=(0.9, 0.9, 0.9)"),
+    "optimizer_impl": (lambda: _lm(optimizer_impl="apex"), ValueError, "optimizer_impl='apex'"),
+    "HF learning_rate=-1": (
+        lambda: HFMoELanguageModel(hf_config={"model_type": "qwen3_moe"}, learning_rate=-1),
+        ValueError,
+        "HFMoELanguageModel: learning_rate=-1",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MODULE_CASES))
+def test_bad_module_argument(case: str) -> None:
+    _check(MODULE_CASES[case])
+
+
+def test_found_model_vocabulary_smaller_than_the_data_is_refused_at_setup(tmp_path: Path) -> None:
+    """A 64-token model on byte data (ids up to 255) fails at setup, not with an IndexError in the embedding."""
+    model = _lm()
+    data = MoEDataModule(seq_len=8, batch_size=2, max_bytes=2_000)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    message = "MoELanguageModel: model vocab_size=64 is smaller than MoEDataModule's vocab_size=256"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        trainer.fit(model, datamodule=data)
+    assert model.global_step == 0
+
+
+# --- strategy ----------------------------------------------------------------------------------------
+
+STRATEGY_CASES: dict[str, Case] = {
+    "tp=0": (lambda: FoldedMoEStrategy(tp=0), ValueError, "tp=0"),
+    "tp=True": (lambda: FoldedMoEStrategy(tp=True), ValueError, "tp=True"),
+    "ep=-1": (lambda: FoldedMoEStrategy(ep=-1), ValueError, "ep=-1"),
+    "etp=1.5": (lambda: FoldedMoEStrategy(etp=1.5), ValueError, "etp=1.5"),
+    "pp=2": (lambda: FoldedMoEStrategy(pp=2), ValueError, "pp=2"),
+    "cp=2": (lambda: FoldedMoEStrategy(cp=2), ValueError, "cp=2"),
+    "dp=0": (lambda: FoldedMoEStrategy(dp=0), ValueError, "dp=0"),
+    "dp='all'": (lambda: FoldedMoEStrategy(dp="all"), ValueError, "dp='all'"),
+    "edp=True": (lambda: FoldedMoEStrategy(edp=True), ValueError, "edp=True"),
+    "order lacks axes": (lambda: FoldedMoEStrategy(order="tp-ep-dp"), ValueError, "order='tp-ep-dp'"),
+    "order repeats": (lambda: FoldedMoEStrategy(order="tp-tp-cp-ep-dp-pp"), ValueError, "repeats 'tp'"),
+    "order unknown axis": (lambda: FoldedMoEStrategy(order="tp-cp-xx-dp-pp"), ValueError, "unknown token 'xx'"),
+    "dispatcher": (lambda: FoldedMoEStrategy(dispatcher="nccl"), ValueError, "dispatcher='nccl'"),
+    "timeout=-1": (lambda: FoldedMoEStrategy(timeout=-1), ValueError, "timeout=-1"),
+    "timeout str": (lambda: FoldedMoEStrategy(timeout="x"), TypeError, "timeout='x'"),
+    "Fabric tp=0": (lambda: FabricFoldedMoEStrategy(tp=0), ValueError, "tp=0"),
+    "Fabric dispatcher": (lambda: FabricFoldedMoEStrategy(dispatcher="x"), ValueError, "dispatcher='x'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STRATEGY_CASES))
+def test_bad_strategy_argument(case: str) -> None:
+    _check(STRATEGY_CASES[case])
+
+
+# --- callbacks ---------------------------------------------------------------------------------------
+
+CALLBACK_CASES: dict[str, Case] = {
+    "MoEMonitor log_every_n_steps=0": (lambda: MoEMonitor(log_every_n_steps=0), ValueError, "log_every_n_steps=0"),
+    "MoEMonitor log_every_n_steps=True": (lambda: MoEMonitor(log_every_n_steps=True), ValueError, "log_every_n_steps=True"),
+    "MoEMonitor heatmap_every_n_steps=0": (lambda: MoEMonitor(heatmap_every_n_steps=0), ValueError, "heatmap_every_n_steps=0"),
+    "RouterReplay mode": (lambda: RouterReplay(mode="play", path="routes"), ValueError, "mode='play'"),
+    "RouterReplay steps_per_file=0": (lambda: RouterReplay(mode="record", path="routes", steps_per_file=0), ValueError, "steps_per_file=0"),
+    "ECHO spare_slots_per_rank=0": (lambda: ECHOExpertCloning(spare_slots_per_rank=0), ValueError, "spare_slots_per_rank=0"),
+    "ECHO interval=0": (lambda: ECHOExpertCloning(interval=0), ValueError, "interval=0"),
+    "ECHO tolerance=-1": (lambda: ECHOExpertCloning(tolerance=-1), ValueError, "tolerance=-1"),
+    "ECHO tolerance=nan": (lambda: ECHOExpertCloning(tolerance=NAN), ValueError, "tolerance=nan"),
+    "ECHO grad_scale=0": (lambda: ECHOExpertCloning(grad_scale=0.0), ValueError, "grad_scale=0.0"),
+    "CPUOffload activations str": (lambda: CPUOffload(activations="moe"), ValueError, "activations='moe'"),
+    "CPUOffload min_tensor_bytes=-1": (lambda: CPUOffload(min_tensor_bytes=-1), ValueError, "min_tensor_bytes=-1"),
+    "CPUOffload max_offload_gib=0": (lambda: CPUOffload(max_offload_gib=0), ValueError, "max_offload_gib=0"),
+    "CPUOffload prefetch=-1": (lambda: CPUOffload(prefetch=-1), ValueError, "prefetch=-1"),
+    "CUDAGraphCapture warmup_steps=0": (lambda: CUDAGraphCapture(warmup_steps=0), ValueError, "warmup_steps=0"),
+    "CUDAGraphCapture modules str": (lambda: CUDAGraphCapture(modules="router"), ValueError, "modules='router'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CALLBACK_CASES))
+def test_bad_callback_argument(case: str) -> None:
+    _check(CALLBACK_CASES[case])
+
+
+# --- data --------------------------------------------------------------------------------------------
+
+DATA_CASES: dict[str, Case] = {
+    "seq_len=0": (lambda: MoEDataModule(seq_len=0), ValueError, "seq_len=0"),
+    "seq_len=True": (lambda: MoEDataModule(seq_len=True), ValueError, "seq_len=True"),
+    "seq_len str": (lambda: MoEDataModule(seq_len="128"), ValueError, "seq_len='128'"),
+    "batch_size=0": (lambda: MoEDataModule(batch_size=0), ValueError, "batch_size=0"),
+    "batch_size=2.5": (lambda: MoEDataModule(batch_size=2.5), ValueError, "batch_size=2.5"),
+    "path missing": (lambda: MoEDataModule(path="/nonexistent/corpus.txt"), ValueError, "path='/nonexistent/corpus.txt'"),
+    "path not a str": (lambda: MoEDataModule(path=3), TypeError, "path=3"),
+    "val_fraction=0": (lambda: MoEDataModule(val_fraction=0.0), ValueError, "val_fraction=0.0"),
+    "val_fraction=1": (lambda: MoEDataModule(val_fraction=1.0), ValueError, "val_fraction=1.0"),
+    "val_fraction=nan": (lambda: MoEDataModule(val_fraction=NAN), ValueError, "val_fraction=nan"),
+    "max_bytes=0": (lambda: MoEDataModule(max_bytes=0), ValueError, "max_bytes=0"),
+    "num_workers=-1": (lambda: MoEDataModule(num_workers=-1), ValueError, "num_workers=-1"),
+    "vocab_size=0": (lambda: MoEDataModule(vocab_size=0), ValueError, "vocab_size=0"),
+    "seed str": (lambda: MoEDataModule(seed="x"), TypeError, "seed='x'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DATA_CASES))
+def test_bad_data_argument(case: str) -> None:
+    _check(DATA_CASES[case])
+
+
+# --- Hugging Face loading ----------------------------------------------------------------------------
+
+HF_CASES: dict[str, Case] = {
+    "missing directory": (lambda: HFMoELanguageModel(pretrained="/nonexistent/model"), ValueError, "pretrained='/nonexistent/model'"),
+    "unknown family": (lambda: HFMoELanguageModel(hf_config={"model_type": "qwen9_moe"}), ValueError, "model_type='qwen9_moe'"),
+    "no model_type": (lambda: HFMoELanguageModel(hf_config={"hidden_size": 8}), ValueError, "hf_config has no model_type"),
+    "both sources": (lambda: HFMoELanguageModel(hf_config={"model_type": "qwen3_moe"}, pretrained="/tmp"), ValueError, "pretrained='/tmp'"),
+    "no source": (lambda: HFMoELanguageModel(), ValueError, "pretrained=None"),
+    "dtype": (lambda: HFMoELanguageModel(hf_config={"model_type": "qwen3_moe"}, dtype="fp8"), ValueError, "dtype='fp8'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HF_CASES))
+def test_bad_hf_argument(case: str) -> None:
+    _check(HF_CASES[case])
+
+
+# --- CLI ---------------------------------------------------------------------------------------------
+
+CLI_CASES: dict[str, tuple[list[str], str]] = {
+    "found: unknown model key": (["--model.init_args.learnin_rate=0.1"], "learnin_rate"),
+    "found: seq_len=0": (["--data.init_args.seq_len=0"], "MoEDataModule: seq_len=0"),
+    "unknown trainer key": (["--trainer.max_stepz=3"], "max_stepz"),
+    "bad type": (["--data.init_args.batch_size=abc"], "batch_size"),
+    "moe rule": (["--model.init_args.model.moe.top_k=9"], "top_k=9"),
+    "learning_rate=-1": (["--model.init_args.learning_rate=-1"], "learning_rate=-1"),
+    "missing config": (["--config", "missing_recipe.yaml"], "missing_recipe.yaml"),
+    "strategy degree": (
+        ["--trainer.strategy=lightning_moe.strategies.FoldedMoEStrategy", "--trainer.strategy.init_args.ep=0"],
+        "ep=0",
+    ),
+    "callback argument": (
+        ["--trainer.callbacks+=lightning_moe.callbacks.MoEMonitor", "--trainer.callbacks.log_every_n_steps=0"],
+        "log_every_n_steps=0",
+    ),
+}
+
+
+def _cli_error(extra: list[str], monkeypatch: pytest.MonkeyPatch) -> str:
+    """Everything the CLI tells the user: stderr plus the message of its SystemExit."""
+    monkeypatch.setattr(sys, "argv", ["lightning-moe"])
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as info:
+        main(["fit", "--config", str(CONFIG), *extra, "--trainer.max_steps=1"])
+    assert info.value.code not in (0, None)
+    code = info.value.code if isinstance(info.value.code, str) else ""
+    return err.getvalue() + code
+
+
+@pytest.mark.parametrize("case", sorted(CLI_CASES))
+def test_cli_error_is_short_and_names_the_value(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    extra, names = CLI_CASES[case]
+    if extra[0] == "--config":  # replaces the recipe
+        monkeypatch.setattr(sys, "argv", ["lightning-moe"])
+        with pytest.raises(SystemExit) as info:
+            main(["fit", *extra])
+        text = str(info.value.code)
+    else:
+        text = _cli_error(extra, monkeypatch)
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    assert 1 <= len(lines) <= 3, text
+    assert names in lines[0], text
+    assert "Traceback" not in text and "Given value" not in text, text
+
+
+def test_cli_help_still_prints_the_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["lightning-moe"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as info:
+        main(["fit", "--help"])
+    assert info.value.code in (0, None)
+    assert "--config" in out.getvalue() and "--print_config" in out.getvalue()
+
+
+def test_cli_console_script_prints_one_line_without_a_traceback() -> None:
+    """The real process: a constructor's refusal reaches stderr as its own line, exit status 1."""
+    result = subprocess.run(
+        [sys.executable, "-c", "from lightning_moe.cli import main; main()", "fit", "--config", str(CONFIG),
+         "--data.init_args.seq_len=0"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip() and "Warning" not in ln and "warn" not in ln]
+    assert result.returncode == 1, result.stderr
+    assert lines[-1] == "MoEDataModule: seq_len=0 must be an int >= 1; use a positive int.", result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert len(lines) <= 3, result.stderr
+
+
+def test_short_parser_message_keeps_the_key_path_and_the_reason() -> None:
+    dump = """Parser key "data":
+  Does not validate against any of the Union subtypes
+  Subtypes: [<class 'lightning_moe.data.datamodule.MoEDataModule'>, <class 'NoneType'>]
+  Errors:
+    - Problem with given class_path 'lightning_moe.data.MoEDataModule':
+        Parser key "batch_size":
+          Expected a <class 'int'>. Got value: abc
+    - Expected a <class 'NoneType'>
+  Given value type: <class 'jsonargparse._util.NestedArg'>"""
+    assert short_parser_message(dump) == "data.batch_size: Expected a <class 'int'>. Got value: abc"
+    ours = "Parser key \"model\":\n  Errors:\n    - MoEConfig: top_k=9 exceeds num_experts=8; choose top_k <= 8.\n"
+    assert short_parser_message(ours) == "MoEConfig: top_k=9 exceeds num_experts=8; choose top_k <= 8."
