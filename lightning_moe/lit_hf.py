@@ -54,7 +54,16 @@ def hf_config_from(hf_config: dict[str, Any] | None = None, pretrained: str | No
             f"HFMoELanguageModel: hf_config has no model_type (keys: {sorted(hf_config)}); add e.g. model_type: qwen3_moe."
         )
     kwargs = dict(hf_config)
-    return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    model_type = kwargs.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **kwargs)
+    except ValueError as exc:
+        if "Unrecognized model identifier" not in str(exc):
+            raise
+        raise ValueError(
+            f"HFMoELanguageModel: hf_config model_type={model_type!r} is not a model type of this transformers; "
+            "use an MoE family, e.g. qwen3_moe, qwen2_moe, mixtral or deepseek_v3."
+        ) from None
 
 
 def build_hf_model(
