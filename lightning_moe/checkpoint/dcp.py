@@ -33,7 +33,7 @@ from lightning_moe.checkpoint.experts import (
 from lightning_moe.checkpoint.hparams import config_classes, config_from_plain, config_to_plain
 from lightning_moe.checkpoint.manifest import CheckpointError, verify_checkpoint, write_manifest
 
-__all__ = ["META_NAME", "W13_FORMAT", "load_distributed", "load_meta", "save_distributed"]
+__all__ = ["META_NAME", "W13_FORMAT", "load_distributed", "load_meta", "save_distributed", "save_staged", "verified_manifest"]
 
 META_NAME = "meta.pt"  # Lightning's name for the non-tensor part of a DCP checkpoint
 W13_FORMAT = "gate_up"
@@ -79,6 +79,35 @@ def save_distributed(
     barrier()
 
 
+def save_staged(
+    path: str | Path,
+    write: Callable[[Path], None],
+    *,
+    rank: int,
+    barrier: Callable[[], None],
+    manifest: dict[str, Any] | None = None,
+) -> None:
+    """``write(staging path)`` on every rank, then rank 0 adds the manifest (a folder) and publishes.
+
+    For writers that are not :func:`save_distributed` (Fabric's save); collective.
+    """
+    path = Path(path)
+    staged = staging_path(path)
+    if rank == 0:
+        recover(path)
+        if staged.exists():
+            shutil.rmtree(staged) if staged.is_dir() else staged.unlink()
+        staged.parent.mkdir(parents=True, exist_ok=True)
+    barrier()
+    write(staged)
+    barrier()
+    if rank == 0:
+        if staged.is_dir():
+            write_manifest(staged, manifest)
+        publish(staged, path)
+    barrier()
+
+
 def load_meta(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
     """``meta.pt`` of a DCP folder with its config dicts rebuilt (older files: classes allow-listed)."""
     file = path / META_NAME
@@ -89,7 +118,7 @@ def load_meta(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
     return config_from_plain(meta)
 
 
-def _verified(path: Path, rank: int, broadcast: Callable[[Any], Any]) -> dict[str, Any] | None:
+def verified_manifest(path: Path, rank: int, broadcast: Callable[[Any], Any]) -> dict[str, Any] | None:
     """Rank 0 checks the folder against its manifest; every rank raises the same error."""
     verdict: tuple[str | None, dict[str, Any] | None] = (None, None)
     if rank == 0:
@@ -126,7 +155,7 @@ def load_distributed(
     )
 
     path = Path(path)
-    manifest = _verified(path, rank, broadcast)
+    manifest = verified_manifest(path, rank, broadcast)
     split = manifest is not None and manifest.get("w13") == W13_FORMAT
     names = w13_names(module) if split else set()
     if not split:

@@ -16,6 +16,7 @@ Degrees, layout, meshes, sampler arguments, sharding, meta-device init and exper
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +25,8 @@ from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_moe.checkpoint.dcp import save_staged, verified_manifest
+from lightning_moe.checkpoint.manifest import CheckpointError
 from lightning_moe.strategies._core import FoldedMoECore, mesh_aware_clip_norm, mesh_aware_clip_value
 
 __all__ = ["FabricFoldedMoEStrategy"]
@@ -86,6 +89,37 @@ class FabricFoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
             for group in optimizer.param_groups:
                 group["params"] = [sharded[names[id(p)]] for p in group["params"]]
         return module, optimizers, scheduler
+
+    @override
+    def save_checkpoint(
+        self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any | None = None
+    ) -> None:
+        """Lightning's save, written aside and published by rename (``lightning_moe.checkpoint``); a
+        DCP folder gets a manifest of sizes and checksums. Its ``w13`` keeps the saved ETP layout."""
+        path = Path(self.broadcast(path))
+        etp = self.folded_mesh.layout.etp
+
+        def write(staged: Path) -> None:
+            super(FabricFoldedMoEStrategy, self).save_checkpoint(staged, state, storage_options, filter)
+
+        save_staged(path, write, rank=self.global_rank, barrier=self.barrier, manifest={"layout": {"etp": etp}})
+
+    @override
+    def load_checkpoint(
+        self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """A DCP folder is verified against its manifest (rank 0, before anything loads), then
+        Lightning's load; a folder saved at another ETP degree is refused, naming both."""
+        path = Path(self.broadcast(path))
+        if path.is_dir():
+            manifest = verified_manifest(path, self.global_rank, self.broadcast) or {}
+            saved, here = manifest.get("layout", {}).get("etp"), self.folded_mesh.layout.etp
+            if saved is not None and saved != here:
+                raise CheckpointError(
+                    f"{type(self).__name__}: checkpoint {str(path)!r} holds w13 at etp={saved}, this run has "
+                    f"etp={here}; load it at etp={saved}."
+                )
+        return super().load_checkpoint(path, state, strict, weights_only)
 
     @override
     def clip_gradients_norm(
