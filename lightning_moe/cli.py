@@ -79,10 +79,21 @@ def short_parser_message(message: str) -> str:
     return lines[0] if lines else message
 
 
-def _root_cause(exc: BaseException) -> BaseException:
-    while exc.__cause__ is not None:
-        exc = exc.__cause__
-    return exc
+def _input_message(exc: BaseException) -> str:
+    """The first ``Owner: field=value ...`` line anywhere in ``exc``'s chain, else its root cause, shortened."""
+    seen: set[int] = set()
+    chain: list[BaseException] = []
+    node: BaseException | None = exc
+    while node is not None and id(node) not in seen:
+        seen.add(id(node))
+        chain.append(node)
+        node = node.__cause__ or node.__context__
+    for item in chain:
+        for line in str(item).splitlines():
+            line = line.strip().removeprefix("- ").strip()
+            if _OURS.match(line):
+                return line
+    return short_parser_message(str(chain[-1]))
 
 
 class _ShortErrorParser(LightningArgumentParser):
@@ -113,13 +124,13 @@ class MoECLI(LightningCLI):
         try:
             super().instantiate_classes()
         except _INPUT_ERRORS as exc:
-            raise CLIInputError(short_parser_message(str(_root_cause(exc)))) from exc
+            raise CLIInputError(_input_message(exc)) from exc
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         try:
             return super().instantiate_trainer(**kwargs)
         except _INPUT_ERRORS as exc:
-            raise CLIInputError(short_parser_message(str(_root_cause(exc)))) from exc
+            raise CLIInputError(_input_message(exc)) from exc
 
     def after_fit(self) -> None:
         """Print the validation loss before the first step and at the end (rank zero)."""
