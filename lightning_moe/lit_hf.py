@@ -105,8 +105,8 @@ class HFMoELanguageModel(MoELanguageModelBase):
         fused_norms: compute the model's RMSNorms with one fused kernel each
             (:func:`~lightning_moe.models.hf_norms.swap_rms_norms`: same weights and checkpoint
             keys; in bf16 outputs differ from transformers' by about one unit in the last place).
-        learning_rate, weight_decay, warmup_steps, betas, log_layer_load, optimizer_impl: as in
-            :class:`~lightning_moe.lit.MoELanguageModelBase`.
+        learning_rate, weight_decay, warmup_steps, betas, log_layer_load, optimizer_impl,
+            guard_nonfinite, skip_nonfinite: as in :class:`~lightning_moe.lit.MoELanguageModelBase`.
     """
 
     def __init__(
@@ -125,8 +125,13 @@ class HFMoELanguageModel(MoELanguageModelBase):
         log_layer_load: bool = True,
         optimizer_impl: str = "auto",
         fused_norms: bool = True,
+        guard_nonfinite: bool = True,
+        skip_nonfinite: int = 0,
     ) -> None:
-        super().__init__(learning_rate, weight_decay, warmup_steps, betas, log_layer_load, optimizer_impl)
+        super().__init__(
+            learning_rate, weight_decay, warmup_steps, betas, log_layer_load, optimizer_impl,
+            guard_nonfinite, skip_nonfinite,
+        )  # fmt: skip
         self.save_hyperparameters()
         self.model = build_hf_model(hf_config, pretrained, dtype, attn_implementation, experts_implementation)
         if swap:

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_moe.moe.utils import reset_global_aux_counts
+from lightning_moe.parallel.finite import check_nonfinite_options
 from lightning_moe.parallel.grad import clip_grad_norm_, clip_grad_value_
 from lightning_moe.parallel.layout import FoldedLayout
 from lightning_moe.parallel.liveness import (
@@ -164,6 +165,13 @@ class FoldedMoECore:
             whose process is gone (same host: within 0.5 s) or that sent no heartbeat for this many
             seconds is named in a one-line error on every other rank, which then exits with code 1
             (``parallel/liveness.py``). ``None`` turns the watchdog off.
+        guard_nonfinite: before every optimizer step, check the loss and the gradients (local
+            shards, one 16-byte all-reduce over the world) and raise ``FloatingPointError`` naming
+            the first parameter and module holding NaN/inf, before clipping and before any weight
+            changes (``parallel/finite.py``; measured: 4 % of a tiny-model CPU step).
+        skip_nonfinite: with the guard on, skip up to this many non-finite steps in a row (their
+            gradients are dropped, the optimizer changes nothing; the step still counts toward
+            ``global_step`` and the LR schedule) and raise at the next; 0 raises at the first.
     """
 
     def __init__(
@@ -182,9 +190,12 @@ class FoldedMoECore:
         process_group_backend: str | None = None,
         timeout: float | timedelta | None = 1800.0,
         rank_liveness_timeout_s: float | None = 30.0,
+        guard_nonfinite: bool = True,
+        skip_nonfinite: int = 0,
     ) -> None:
         check_args(type(self).__name__, tp, cp, ep, etp, pp, dp, edp, order, dispatcher)
         self.rank_liveness_timeout_s = check_liveness_timeout(type(self).__name__, rank_liveness_timeout_s)
+        check_nonfinite_options(type(self).__name__, guard_nonfinite, skip_nonfinite)
         super().__init__(  # type: ignore[call-arg] # the Lightning strategy after this class in the MRO
             *self._lightning_init_args(),
             data_parallel_size=dp,
@@ -196,6 +207,7 @@ class FoldedMoECore:
         self.tp, self.cp, self.ep, self.etp, self.pp = tp, cp, ep, etp, pp
         self.dp, self.edp, self.order, self.dispatcher = dp, edp, order, dispatcher
         self.expert_init_seed = expert_init_seed
+        self.guard_nonfinite, self.skip_nonfinite = guard_nonfinite, skip_nonfinite
         self._folded_mesh: FoldedMesh | None = None
 
     def _lightning_init_args(self) -> tuple[Any, ...]:

@@ -40,7 +40,7 @@ samples/s; its FLOP numbers are per device and need no change.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn as nn
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
@@ -57,6 +58,7 @@ from typing_extensions import override
 from lightning_moe.checkpoint.atomic import publish, remove, staging_path
 from lightning_moe.checkpoint.dcp import load_distributed, save_distributed
 from lightning_moe.checkpoint.hparams import config_classes, config_from_plain, config_to_plain
+from lightning_moe.parallel.finite import NonFiniteGuard, guard_closure, resolve_nonfinite_options, world_group
 from lightning_moe.parallel.grad import set_gradient_sync
 from lightning_moe.strategies._core import FoldedMoECore, check_namespace, mesh_aware_clip_norm, mesh_aware_clip_value
 
@@ -76,8 +78,14 @@ class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
     """Parallel folding for MoE models: TP/CP/DP for attention, ETP/EP/EDP for experts.
 
     Arguments as :class:`~lightning_moe.strategies._core.FoldedMoECore`: ``tp cp ep etp pp dp edp
-    order dispatcher expert_init_seed save_distributed_checkpoint process_group_backend timeout``.
+    order dispatcher expert_init_seed save_distributed_checkpoint process_group_backend timeout
+    guard_nonfinite skip_nonfinite``. The non-finite guard runs in :meth:`optimizer_step` for any
+    LightningModule; a module with its own ``nonfinite_options`` (``MoELanguageModelBase``) leaves
+    it to the strategy, the two settings merged by ``resolve_nonfinite_options``.
     """
+
+    guards_nonfinite = True  # MoELanguageModelBase leaves its non-finite guard to this strategy
+    _nonfinite_guard: NonFiniteGuard | None = None
 
     strategy_name = "folded_moe"
     _trainer_ref: weakref.ref[pl.Trainer] | None = None  # the Trainer of the last setup (teardown's callbacks)
@@ -105,6 +113,7 @@ class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self._install_mesh_aware_clipping()
+        self._install_nonfinite_guard()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -128,6 +137,28 @@ class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
         plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
+
+    def _install_nonfinite_guard(self) -> None:
+        owner, module = type(self).__name__, self.lightning_module
+        guard, skip = self.guard_nonfinite, self.skip_nonfinite
+        module_options = getattr(module, "nonfinite_options", None)
+        if module_options is not None:
+            guard, skip = resolve_nonfinite_options((owner, guard, skip), (type(module).__name__, *module_options))
+        self._nonfinite_guard = NonFiniteGuard(owner, skip) if guard else None
+
+    @override
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: pl.LightningModule | nn.Module | None = None, **kwargs: Any
+    ) -> Any:
+        """Lightning's step with the non-finite guard after the closure's backward, before clipping."""
+        guard, module = self._nonfinite_guard, self.lightning_module
+        if guard is not None and module is not None:
+            scaler = getattr(self.precision_plugin, "scaler", None)
+            closure = guard_closure(
+                guard, closure, module, world_group(), self.root_device, module.global_step,
+                check_gradients=scaler is None or not scaler.is_enabled(), on_skip=rank_zero_warn,
+            )  # fmt: skip
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     @override
     def teardown(self) -> None:

@@ -1,0 +1,114 @@
+"""Worker: the non-finite guard under FoldedMoEStrategy(ep=2) on 2 gloo ranks (FSDP2 + EP DTensors).
+
+``python worker_finite.py``. At step 2, rank 1 alone writes +inf into its local shard of
+one expert-weight gradient (after backward, before the guard; clipping is on):
+
+1. ``raise``: every rank raises ``FloatingPointError`` with the same message naming that parameter
+   and rank 1, and every rank's local shards equal their values before step 2;
+2. ``skip``: with ``skip_nonfinite=1`` the step is skipped on both ranks and training goes on; each
+   rank's final local shards equal those of a run that drops every gradient at step 2.
+
+Rank 0 prints ``RAISE OK <message>`` and ``SKIP OK``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+
+import lightning_moe  # noqa: F401 - registers "folded_moe"
+from _models import BATCH, CLIP, TokenData, leave_together, model_config
+from lightning_moe.lit import MoELanguageModel
+from lightning_moe.strategies import FoldedMoEStrategy
+
+EXPERT_W13 = "model.layers.1.ffn.experts.w13"
+BAD_STEP, BAD_RANK, STEPS = 2, 1, 4
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class GuardedLM(MoELanguageModel):
+    def __init__(self, mode: str, skip_nonfinite: int = 0) -> None:
+        super().__init__(model_config(), warmup_steps=1, log_layer_load=False, skip_nonfinite=skip_nonfinite)
+        self.mode = mode
+        self.before: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.before[self.global_step] = {n: _local(p.detach()).clone() for n, p in self.named_parameters()}
+
+    def on_after_backward(self) -> None:
+        if self.global_step != BAD_STEP:
+            return
+        if self.mode == "drop":
+            for p in self.parameters():
+                p.grad = None
+        elif dist.get_rank() == BAD_RANK:
+            grad = self.get_parameter(EXPERT_W13).grad
+            assert grad is not None and isinstance(grad, DTensor)
+            _local(grad)[0, 0, 0] = float("inf")
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TokenData(), batch_size=BATCH, shuffle=False)
+
+
+def _fit(model: GuardedLM) -> GuardedLM:
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=FoldedMoEStrategy(ep=2, timeout=timedelta(seconds=90)),
+        max_steps=STEPS, gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(model)
+    return model
+
+
+def _build(mode: str, skip_nonfinite: int = 0) -> GuardedLM:
+    torch.manual_seed(0)
+    return GuardedLM(mode, skip_nonfinite)
+
+
+def _local_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: _local(p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    return [n for n in a if not torch.equal(a[n], b[n])]
+
+
+def main() -> None:
+    # 1. raise: the same error on every rank, no weight changed
+    model, message = _build("inf"), ""
+    try:
+        _fit(model)
+    except FloatingPointError as err:
+        message = str(err)
+    changed = _differ(_local_params(model), model.before[BAD_STEP]) if message else ["<did not raise>"]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results: list[Any] = [None] * world
+    dist.all_gather_object(results, (message, changed))
+    if rank == 0:
+        assert len({m for m, _ in results}) == 1 and message, f"ranks raised different errors or none: {results}"
+        assert all(c == [] for _, c in results), f"weights changed before the error: {results}"
+        assert f"parameter '{EXPERT_W13}'" in message and f"on rank {BAD_RANK}" in message, message
+        print(f"RAISE OK {message}", flush=True)
+    # 2. skip, against a run that drops step 2's gradients
+    skipped = _local_params(_fit(_build("inf", skip_nonfinite=1)))
+    dropped = _local_params(_fit(_build("drop")))
+    finite = all(bool(torch.isfinite(t).all()) for t in skipped.values())
+    dist.all_gather_object(results, (_differ(skipped, dropped), finite))
+    if rank == 0:
+        assert all(d == [] and f for d, f in results), f"the skipped run differs from the dropped one: {results}"
+        print("SKIP OK", flush=True)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()
+    leave_together()
