@@ -29,6 +29,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStr
 from typing_extensions import override
 
 from lightning_moe.checkpoint.hparams import config_from_plain, config_to_plain
+from lightning_moe.config import check_bool, check_float, check_int
 from lightning_moe.models.transformer import MoETransformer, TransformerConfig
 from lightning_moe.parallel.finite import NonFiniteGuard, check_nonfinite_options, guard_closure, world_group
 from lightning_moe.moe.utils import find_moe_layers, reset_global_aux_counts, set_aux_loss_scale, update_expert_biases
@@ -36,7 +37,14 @@ from lightning_moe.moe.utils import find_moe_layers, reset_global_aux_counts, se
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["MoELanguageModel", "MoELanguageModelBase", "check_optimizer_impl", "check_wgrad_fusion"]
+__all__ = [
+    "MoELanguageModel",
+    "MoELanguageModelBase",
+    "check_optimizer_args",
+    "check_optimizer_impl",
+    "check_vocab",
+    "check_wgrad_fusion",
+]
 
 _OPTIMIZER_IMPLS = ("auto", "fused", "foreach")
 
@@ -44,6 +52,35 @@ _OPTIMIZER_IMPLS = ("auto", "fused", "foreach")
 def check_optimizer_impl(impl: str, owner: str) -> None:
     if impl not in _OPTIMIZER_IMPLS:
         raise ValueError(f"{owner}: optimizer_impl={impl!r} is unknown; choose one of {_OPTIMIZER_IMPLS}.")
+
+
+def check_optimizer_args(
+    owner: str, learning_rate: Any, weight_decay: Any, warmup_steps: Any, betas: Any, log_layer_load: Any
+) -> None:
+    """The AdamW and schedule arguments, checked at construction (torch would refuse them at the first step)."""
+    check_float(owner, "learning_rate", learning_rate, fix="use e.g. 3e-3")
+    check_float(owner, "weight_decay", weight_decay, fix="use 0 or more, e.g. 0.1")
+    check_int(owner, "warmup_steps", warmup_steps, minimum=0, fix="use 0 (no warm-up) or more")
+    if (
+        isinstance(betas, (str, bytes))
+        or not hasattr(betas, "__len__")
+        or len(betas) != 2
+        or not all(not isinstance(b, bool) and isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)
+    ):
+        raise ValueError(f"{owner}: betas={betas!r} must be two numbers in [0, 1); use e.g. betas=(0.9, 0.95).")
+    check_bool(owner, "log_layer_load", log_layer_load)
+
+
+def check_vocab(owner: str, model_vocab: int | None, datamodule: Any) -> None:
+    """Refuse a model whose embedding is smaller than the data module's token-id range."""
+    data_vocab = getattr(datamodule, "vocab_size", None)
+    if not isinstance(model_vocab, int) or not isinstance(data_vocab, int) or model_vocab >= data_vocab:
+        return
+    raise ValueError(
+        f"{owner}: model vocab_size={model_vocab} is smaller than {type(datamodule).__name__}'s "
+        f"vocab_size={data_vocab} (token ids up to {data_vocab - 1} would index past the embedding); "
+        f"set the model's vocab_size to {data_vocab} or more."
+    )
 
 
 # Strategies whose gradient reduction hangs on hooks of the gradient accumulator nodes, which the
@@ -111,6 +148,7 @@ class MoELanguageModelBase(L.LightningModule):
     ) -> None:
         super().__init__()
         check_optimizer_impl(optimizer_impl, type(self).__name__)
+        check_optimizer_args(type(self).__name__, learning_rate, weight_decay, warmup_steps, betas, log_layer_load)
         check_nonfinite_options(type(self).__name__, guard_nonfinite, skip_nonfinite)
         self.nonfinite_options = (guard_nonfinite, skip_nonfinite)
         self._nonfinite_guard = NonFiniteGuard(type(self).__name__, skip_nonfinite) if guard_nonfinite else None
@@ -138,6 +176,8 @@ class MoELanguageModelBase(L.LightningModule):
     @override
     def setup(self, stage: str) -> None:
         check_wgrad_fusion(self, self.trainer.strategy)
+        model_vocab = getattr(getattr(self, "config", None), "vocab_size", None)
+        check_vocab(type(self).__name__, model_vocab, self.trainer.datamodule)
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
