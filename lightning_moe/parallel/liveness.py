@@ -219,6 +219,7 @@ class RankWatchdog:
         self._found = threading.Event()
         self._stop = threading.Event()
         self._counter = 0
+        self._store_gone = False  # rank 0 finished and its store went with it
         self._threads: list[threading.Thread] = []
 
     @classmethod
@@ -245,14 +246,17 @@ class RankWatchdog:
     def stop(self, clean: bool) -> None:
         """Stop both threads; ``clean`` tells the other ranks this one ended on purpose."""
         self._stop.set()
-        if clean:
+        if clean and not self._store_gone:
             try:
                 self.store.set(_beat_key(self.rank), f"{os.getpid()} {self.host} done")
             except Exception:  # noqa: BLE001 # the store's host may have exited first
                 pass
 
     def _at_exit(self) -> None:
-        self.stop(clean=getattr(sys, "last_value", None) is None and self.verdict is None)
+        clean = getattr(sys, "last_value", None) is None and self.verdict is None
+        self.stop(clean=clean)
+        if clean and self.rank == 0:  # the store may live in this process: let the others read "done"
+            time.sleep(2 * self.interval_s)
 
     def wait_verdict(self, timeout_s: float) -> str | None:
         """The verdict line, waiting up to ``timeout_s`` for the monitor to find a dead rank."""
@@ -270,7 +274,9 @@ class RankWatchdog:
             try:
                 self._beat()
             except Exception:  # noqa: BLE001 # the monitor reports an unreachable store
-                pass
+                if 0 in self.monitor.done:  # rank 0 finished and took the store with it
+                    self._store_gone = True
+                    return
 
     def read(self) -> dict[int, bytes | None]:
         """Every rank's current value (``None`` where not written yet)."""
@@ -288,7 +294,11 @@ class RankWatchdog:
         except Exception:  # noqa: BLE001 # connection refused/reset, timeout: the store's host
             if self._stop.is_set():
                 return []
-            return self.monitor.store_lost()
+            dead = self.monitor.store_lost()
+            if 0 in self.monitor.done:  # rank 0 finished and took the store with it: nothing to watch
+                self._store_gone = True
+                self._stop.set()
+            return dead
         return self.monitor.observe(values)
 
     def message(self, dead: list[DeadRank]) -> str:
