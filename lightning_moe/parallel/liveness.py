@@ -331,11 +331,12 @@ class RankWatchdog:
 _running: dict[str, Any] = {}  # the process's watchdog and the default process group it watches
 
 
-def ensure_watchdog(rank: int, world_size: int, threshold_s: float, **kwargs: Any) -> RankWatchdog:
+def ensure_watchdog(rank: int, world_size: int, threshold_s: float, **kwargs: Any) -> RankWatchdog | None:
     """This process's watchdog over the current default process group, started once.
 
     A strategy calls it from every ``setup_environment``; a second fit in the same process (same
-    default group) keeps the running one. A new default group replaces it.
+    default group) keeps the running one. A new default group replaces it. A default store that
+    cannot open a second connection (an in-memory test store) gets no watchdog (``None``).
     """
     from torch.distributed.distributed_c10d import _get_default_group
 
@@ -345,7 +346,10 @@ def ensure_watchdog(rank: int, world_size: int, threshold_s: float, **kwargs: An
         return current
     if current is not None:
         current.stop(clean=True)
-    watchdog = RankWatchdog.from_default_store(rank, world_size, threshold_s, **kwargs)
+    try:
+        watchdog = RankWatchdog.from_default_store(rank, world_size, threshold_s, **kwargs)
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return None
     watchdog.start()
     _running.update(watchdog=watchdog, group=group)
     return watchdog
