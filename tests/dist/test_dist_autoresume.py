@@ -23,12 +23,14 @@ pytestmark = pytest.mark.dist
 
 
 def _torchrun(out: Path, which: str, restarts: int) -> None:
-    # c10d rendezvous: each restart round gets fresh store keys (the static --master_port rendezvous
-    # keeps the first attempt's gloo addresses, and the restarted group's connect fails on them)
+    # c10d rendezvous with the workers' own store: each restart round gets fresh store keys. With the
+    # agent's shared store (the default, and the static --master_port rendezvous) the restarted gloo
+    # group reads the first attempt's addresses and its connect is refused (torch 2.13, CPU).
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", f"--max-restarts={restarts}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(HERE / "worker_autoresume.py"),
            str(out), which]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCHELASTIC_ERROR_FILE="")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCHELASTIC_ERROR_FILE="",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # fmt: skip
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
