@@ -36,12 +36,12 @@ def parse(spec: str) -> dict[str, object]:
 
 def _count_fused_accumulations() -> list[int]:
     """``fuse=1`` layouts: the tiny experts count as wide, and every in-place accumulation is counted."""
-    import lightning_moe.ops.local_experts as local_ops
     import lightning_moe.ops.wgrad as wacc
+    import lightning_moe.ops.wgrad.choice as wchoice
 
     calls: list[int] = []
     original = wacc.WgradFusion.accumulate_
-    local_ops.wide_experts = lambda w2: True  # type: ignore[assignment]
+    wchoice.wide_experts = lambda w2: True  # type: ignore[assignment]
 
     def counted(self: wacc.WgradFusion, *args: Any) -> None:
         calls.append(1)

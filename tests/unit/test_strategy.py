@@ -9,6 +9,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
@@ -21,6 +22,15 @@ from lightning_moe.parallel.grad import expert_grad_scale
 from lightning_moe.parallel.layout import FoldedLayout
 from lightning_moe.strategies import FabricFoldedMoEStrategy, FoldedMoEStrategy, register_strategies
 from lightning_moe.strategies._core import folded_layout
+
+
+@pytest.fixture(autouse=True)
+def _close_the_group_a_fit_left() -> object:
+    """A one-rank ``folded_moe`` fit opens a process group and Lightning keeps it; close it after the
+    test, so a later fake-world test of this module starts from none."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _lm(num_experts: int = 8, ffn: int = 16, heads: int = 4) -> MoELanguageModel:
