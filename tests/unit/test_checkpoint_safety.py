@@ -96,7 +96,8 @@ def test_a_save_that_dies_half_way_keeps_the_previous_last(run_dir: Path, tmp_pa
         trainer.fit(_model(), datamodule=_data(), ckpt_path=out / "last.ckpt")
     monkeypatch.setattr(dcp, "save", real)
     assert torch.load(out / "last.ckpt" / "meta.pt", weights_only=True)["global_step"] == 4
-    assert not (out / "step=6.ckpt").exists(), "a half-written checkpoint was published"
+    published = [p.name for p in out.iterdir() if not p.name.startswith(".")]
+    assert not [n for n in published if "step=6" in n], f"a half-written checkpoint was published: {published}"
     assert newest_complete_checkpoint(out) is not None
     resumed = _model()
     _trainer(out, 6).fit(resumed, datamodule=_data(), ckpt_path="last")  # the old last is whole and loads
@@ -153,3 +154,25 @@ def test_one_process_ckpt_loads_weights_only(tmp_path: Path) -> None:
     assert ckpt["hyper_parameters"]["model"]["moe"]["__config__"] == "MoEConfig"
     back = MoELanguageModel.load_from_checkpoint(tmp_path / "last.ckpt", weights_only=True)
     assert back.config == model_config()
+
+
+def test_fabric_saves_aside_with_a_manifest_and_refuses_a_damaged_folder(tmp_path: Path) -> None:
+    import lightning as L
+
+    from lightning_moe.models.transformer import MoETransformer
+    from lightning_moe.strategies.fabric import FabricFoldedMoEStrategy
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=FabricFoldedMoEStrategy(timeout=timedelta(seconds=60)))
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup(MoETransformer(model_config()))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    folder = tmp_path / "fabric.ckpt"
+    fabric.save(folder, {"model": model, "optimizer": optimizer, "step": 3})
+    assert (folder / MANIFEST_NAME).is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["fabric.ckpt"], "staging left behind"
+    assert fabric.load(folder, {"model": model, "optimizer": optimizer})["step"] == 3
+    shard = _shard(folder)
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match=rf"fabric.ckpt.*{shard.name}"):
+        fabric.load(folder, {"model": model, "optimizer": optimizer})
