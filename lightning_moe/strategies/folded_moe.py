@@ -19,15 +19,15 @@ Fabric strategy; this class adds the Trainer's side. Its stages:
 4. training: ``block_backward_sync`` turns FSDP2 gradient sync off during accumulation;
    ``distributed_sampler_kwargs`` hands out DP rank/size; ``expert_bias_group`` is the
    ``dp_cp`` group the router counts are summed over;
-5. checkpoints: Lightning's distributed (DCP) save/load; expert parameters are DTensors over
-   ``(edp, ep[, etp])`` so every expert id is stored and a load reshards (EP4 -> EP2 -> EP1).
-   Optimizer state (SGD momentum, AdamW moments and step) goes through the same DCP folder and
-   comes back exactly: a run resumed from a checkpoint written at an optimizer-step boundary
-   continues with the identical loss sequence. Accumulated gradients are not checkpointed (as in
-   Lightning), and a plain ``DataLoader`` restarts an interrupted epoch from its first batch, so
-   an exact resume needs a checkpoint at an epoch end or a resumable loader
-   (``state_dict``/``load_state_dict``). Save from ``ModelCheckpoint`` (``on_train_batch_end``):
-   a ``trainer.save_checkpoint`` after ``fit`` returned at ``max_steps`` on an epoch's last batch
+5. checkpoints (``lightning_moe.checkpoint``): a DCP folder written aside and published by
+   rename (``last`` is always the newest complete checkpoint), with a manifest of sizes and
+   CRC-32s verified before any weight changes; expert parameters are DTensors over
+   ``(edp, ep[, etp])`` and ``w13`` is stored as its gate and up halves, so a load reshards to any
+   layout, one process included. Optimizer state goes through the same folder and comes back
+   exactly. Accumulated gradients are not checkpointed (as in Lightning); ``MoEDataModule``'s
+   train loader saves its position, while a plain ``DataLoader`` restarts an interrupted epoch from
+   its first batch. Save from ``ModelCheckpoint`` (``on_train_batch_end``): a
+   ``trainer.save_checkpoint`` after ``fit`` returned at ``max_steps`` on an epoch's last batch
    stores loop counters that make Lightning end the next epoch after its first batch.
 
 Throughput: Lightning's ``ThroughputMonitor`` multiplies per-device samples by
