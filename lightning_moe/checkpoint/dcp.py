@@ -59,13 +59,7 @@ def save_distributed(
     from torch.distributed.checkpoint import save
 
     path = Path(path)
-    staged = staging_path(path)
-    if rank == 0:
-        recover(path)
-        if staged.exists():
-            shutil.rmtree(staged) if staged.is_dir() else staged.unlink()
-        staged.parent.mkdir(parents=True, exist_ok=True)
-    barrier()
+    staged = _fresh_staging(path, rank, barrier)
     names = w13_names(module)
     shapes = {n: tuple(t.shape) for n, t in checkpoint["state_dict"].items() if n in names}
     converted: dict[str, Any] = {"state_dict": split_model_state(checkpoint.pop("state_dict"), names)}
@@ -92,13 +86,7 @@ def save_staged(
     For writers that are not :func:`save_distributed` (Fabric's save); collective.
     """
     path = Path(path)
-    staged = staging_path(path)
-    if rank == 0:
-        recover(path)
-        if staged.exists():
-            shutil.rmtree(staged) if staged.is_dir() else staged.unlink()
-        staged.parent.mkdir(parents=True, exist_ok=True)
-    barrier()
+    staged = _fresh_staging(path, rank, barrier)
     write(staged)
     barrier()
     if rank == 0:
@@ -180,3 +168,16 @@ def load_distributed(
         set_optimizer_state_dict(module, optimizer, optim_state_dict=joined,
                                  options=StateDictOptions(cpu_offload=True))  # fmt: skip
     return meta
+
+
+def _fresh_staging(path: Path, rank: int, barrier: Callable[[], None]) -> Path:
+    """The empty staging path of ``path`` (a checkpoint interrupted earlier is recovered, a stale
+    staging copy removed, by rank 0), once every rank has reached it; collective."""
+    staged = staging_path(path)
+    if rank == 0:
+        recover(path)
+        if staged.exists():
+            shutil.rmtree(staged) if staged.is_dir() else staged.unlink()
+        staged.parent.mkdir(parents=True, exist_ok=True)
+    barrier()
+    return staged
