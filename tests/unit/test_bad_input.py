@@ -36,6 +36,12 @@ CONFIG = ROOT / "configs" / "tiny_moe.yaml"
 NAN, INF = float("nan"), float("inf")
 
 MOE = dict(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+# A small HF config: a case whose check is missing builds this model, not the full-size default.
+HF_TINY = {
+    "model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+    "moe_intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+}  # fmt: skip
 
 
 def _tc(**overrides: Any) -> TransformerConfig:
@@ -134,7 +140,7 @@ MODULE_CASES: dict[str, Case] = {
     "three betas": (lambda: _lm(betas=(0.9, 0.9, 0.9)), ValueError, "betas=(0.9, 0.9, 0.9)"),
     "optimizer_impl": (lambda: _lm(optimizer_impl="apex"), ValueError, "optimizer_impl='apex'"),
     "HF learning_rate=-1": (
-        lambda: HFMoELanguageModel(hf_config={"model_type": "qwen3_moe"}, learning_rate=-1),
+        lambda: HFMoELanguageModel(hf_config=HF_TINY, learning_rate=-1),
         ValueError,
         "HFMoELanguageModel: learning_rate=-1",
     ),
@@ -246,9 +252,9 @@ HF_CASES: dict[str, Case] = {
     "missing directory": (lambda: HFMoELanguageModel(pretrained="/nonexistent/model"), ValueError, "pretrained='/nonexistent/model'"),
     "unknown family": (lambda: HFMoELanguageModel(hf_config={"model_type": "qwen9_moe"}), ValueError, "model_type='qwen9_moe'"),
     "no model_type": (lambda: HFMoELanguageModel(hf_config={"hidden_size": 8}), ValueError, "hf_config has no model_type"),
-    "both sources": (lambda: HFMoELanguageModel(hf_config={"model_type": "qwen3_moe"}, pretrained="/tmp"), ValueError, "pretrained='/tmp'"),
+    "both sources": (lambda: HFMoELanguageModel(hf_config=HF_TINY, pretrained="/tmp"), ValueError, "pretrained='/tmp'"),
     "no source": (lambda: HFMoELanguageModel(), ValueError, "pretrained=None"),
-    "dtype": (lambda: HFMoELanguageModel(hf_config={"model_type": "qwen3_moe"}, dtype="fp8"), ValueError, "dtype='fp8'"),
+    "dtype": (lambda: HFMoELanguageModel(hf_config=HF_TINY, dtype="fp8"), ValueError, "dtype='fp8'"),
 }
 
 
