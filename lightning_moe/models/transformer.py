@@ -126,16 +126,21 @@ class Attention(nn.Module):
 
     def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
         B, S, _ = x_BSH.shape
-        # -1 instead of the head count: under tensor parallelism each rank holds a slice of heads.
-        q = self.q_proj(x_BSH).view(B, S, -1, self.head_dim)
-        k = self.k_proj(x_BSH).view(B, S, -1, self.head_dim)
+        q, k, v = (_heads(proj(x_BSH), self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.v_proj(x_BSH).view(B, S, -1, self.head_dim).transpose(1, 2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos_SD, sin_SD), apply_rope(k, cos_SD, sin_SD)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, out.shape[1] * self.head_dim))
+
+
+def _heads(x_BSX: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``[B, S, N * head_dim]`` as ``[B, S, N, head_dim]``. N comes from the width, not the config:
+    under tensor parallelism each rank holds a slice of the heads (and an empty batch has no
+    elements for ``view(..., -1, ...)`` to infer N from)."""
+    B, S, X = x_BSX.shape
+    return x_BSX.view(B, S, X // head_dim, head_dim)
 
 
 class DenseMLP(nn.Module):

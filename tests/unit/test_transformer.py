@@ -123,3 +123,16 @@ def test_num_active_params_counts_top_k_of_the_experts_and_skips_embeddings() ->
 def test_num_kv_heads_that_does_not_divide_num_heads_is_rejected() -> None:
     with pytest.raises(ValueError, match="num_heads=4 is not divisible by num_kv_heads=3"):
         _cfg(num_kv_heads=3)
+
+
+def test_an_empty_micro_batch_runs_forward_and_backward() -> None:
+    """B = 0 (a rank's share of an uneven last batch): attention infers no head count from no elements."""
+    from lightning_moe.config import MoEConfig
+
+    moe = MoEConfig(hidden_size=32, ffn_hidden_size=16, num_experts=4, top_k=2, pre_softmax=True)
+    model = MoETransformer(TransformerConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                             moe=moe, max_seq_len=16))  # fmt: skip
+    logits = model(torch.zeros(0, 8, dtype=torch.long))
+    assert logits.shape == (0, 8, 64)
+    logits.sum().backward()
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
