@@ -127,8 +127,6 @@ def test_num_kv_heads_that_does_not_divide_num_heads_is_rejected() -> None:
 
 def test_an_empty_micro_batch_runs_forward_and_backward() -> None:
     """B = 0 (a rank's share of an uneven last batch): attention infers no head count from no elements."""
-    from lightning_moe.config import MoEConfig
-
     moe = MoEConfig(hidden_size=32, ffn_hidden_size=16, num_experts=4, top_k=2, pre_softmax=True)
     model = MoETransformer(TransformerConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                                              moe=moe, max_seq_len=16))  # fmt: skip
