@@ -20,7 +20,7 @@ pytestmark = pytest.mark.dist
     ("family", "tp", "ep", "etp"),
     [
         ("qwen3_moe", 1, 2, 1),
-        ("mixtral", 2, 1, 2),  # w13 stored column-blocked over ETP; export unblocks it
+        ("mixtral", 2, 1, 2),  # w13 sharded over ETP; the folder stores its gate and up halves whole
         ("qwen3_moe", 2, 1, 2),  # per-head q/k norms: TP-replicated weights, gradients summed over TP
     ],
     ids=["qwen3_ep2", "mixtral_tp2_etp2", "qwen3_tp2_etp2"],
@@ -32,7 +32,10 @@ def test_folded_dcp_checkpoint_exports_to_hf_with_trained_logits(
 
     out = run_torchrun("worker_hf_export.py", 2, [str(tmp_path), family, str(tp), str(ep), str(etp)], timeout=300)
     assert "WORKER OK" in out
-    hf_dir = export_checkpoint(tmp_path / "ckpt", tmp_path / "hf", etp=etp)
+    if etp > 1:  # a DCP folder stores w13 independently of the layout: an etp for it is refused
+        with pytest.raises(ValueError, match=f"etp={etp} is not needed"):
+            export_checkpoint(tmp_path / "ckpt", tmp_path / "refused", etp=etp)
+    hf_dir = export_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
     ref = torch.load(tmp_path / "logits.pt")
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).float().eval()
     with torch.no_grad():
