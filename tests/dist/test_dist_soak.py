@@ -13,7 +13,7 @@ import re
 import pytest
 from _harness import run_torchrun
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.soak]  # opt-in: pytest tests/dist/test_dist_soak.py -m soak
 
 MAX_GROWTH_PERCENT = 5.0
 
