@@ -233,7 +233,7 @@ def _run_file(doc: Path, blocks: list[Block], tmp_path: Path) -> None:
     work.mkdir()
     (work / "configs").symlink_to(ROOT / "configs", target_is_directory=True)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
-    # A page runs as a user's fresh process: an earlier in-process fit of this test session leaves
+    # A page runs as a user's fresh process: an earlier in-process fit of this pytest run leaves
     # Lightning's MASTER_PORT (and friends) in os.environ, on a port that may still be held here.
     for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"):
         env.pop(name, None)
