@@ -2,7 +2,7 @@
 
 ``python worker_suite.py OUT_DIR PART...`` on W gloo ranks. On 2 CPU cores starting W Python
 processes that import torch and Lightning costs more than most parts themselves, so the
-session-scoped fixtures in ``conftest.py`` collect the parts the selected tests need and launch one job
+fixtures in ``conftest.py`` (one per pytest run) collect the parts the selected tests need and launch one job
 per world size. Parts run in the order given; each one ends with a barrier and rank 0 prints
 ``PART OK <part> <seconds>s``. An exception ends the job (torchrun stops the other ranks), so
 the parts that finished before it still report OK.
