@@ -15,6 +15,11 @@ __all__ = [
     "AuxLossType",
     "DropPolicy",
     "ExpertsBackend",
+    "Fp8Backend",
+    "Fp8Config",
+    "Fp8Enabled",
+    "Fp8Format",
+    "Fp8Recipe",
     "GemmCutlassTile",
     "GemmKernel",
     "KernelConfig",
@@ -45,6 +50,17 @@ WgradKernel = Literal["auto", "loop", "streams", "triton", "cutlass"]
 _GEMM_KERNELS = ("auto", "torch", "cutlass")
 _GEMM_CUTLASS_TILES = ("cooperative-128x256-c2x1", "pingpong-64x256")
 _WGRAD_KERNELS = ("auto", "loop", "streams", "triton", "cutlass")
+
+# The same values as ``lightning_moe.ops.fp8.recipe`` (kept here so that the config imports no torch).
+Fp8Recipe = Literal["tensorwise", "rowwise", "blockwise"]
+Fp8Format = Literal["e4m3", "e5m2"]
+Fp8Enabled = Literal["on", "auto", "off"]
+Fp8Backend = Literal["auto", "emulate", "torch", "cutlass"]
+
+_FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")
+_FP8_FORMATS = ("e4m3", "e5m2")
+_FP8_ENABLED = ("on", "auto", "off")
+_FP8_BACKENDS = ("auto", "emulate", "torch", "cutlass")
 
 
 def check_int(owner: str, name: str, value: Any, minimum: int = 1, *, optional: bool = False, fix: str = "") -> None:
@@ -138,6 +154,58 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig: {name}={value!r} must be an int >= 1; set 1 (one stream) or more.")
 
 
+@dataclass(kw_only=True)
+class Fp8Config:
+    """FP8 expert GEMMs (``MoEConfig(fp8=Fp8Config(...))``; ``MoEConfig.fp8=None`` keeps them in bf16).
+
+    Both expert projections run forward and backward (data and weight gradients) with FP8
+    operands and fp32 accumulation; the master weights, the optimizer and everything outside the
+    expert GEMMs stay as they are. The weights are quantized from the master copy in every forward
+    (and along the other dimension in backward); no FP8 copy outlives the step.
+
+    Args:
+        recipe: the scaling units. ``blockwise`` (DeepSeek-V3): 1 x 128 tiles for activations and
+            gradients, 128 x 128 tiles for weights; ``rowwise``: one scale per row of an activation
+            and per column of a weight; ``tensorwise``: one scale per tensor (per expert for weights).
+        enabled: ``on``; ``off`` (bf16, as with ``fp8=None``); ``auto``: FP8 only where it is
+            faster for the experts' shape, bf16 elsewhere (``lightning_moe.ops.fp8.expert_mlp.fp8_pays``
+            has the rule and its measurements), and bf16 on a device without FP8 tensor cores
+            (CPU, CUDA before sm_89), unless ``backend='emulate'`` was asked for.
+        backend: who runs the FP8 GEMMs. ``auto``: the fastest runnable on the device
+            (CUDA sm_89+); ``torch``: ``torch._scaled_mm`` / ``torch._scaled_grouped_mm``;
+            ``cutlass``: the CUTLASS blockwise grouped kernel; ``emulate``: dequantize and run the
+            GEMM in fp32 (same numbers, any device: the only one on CPU).
+        grad_format: the FP8 format of the gradients in backward: ``e4m3`` (DeepSeek-V3, with the
+            fine-grained recipes) or ``e5m2`` (more range, less precision: the usual one with ``tensorwise``).
+        pow2_scales: round every scale up to a power of two (exact dequantization).
+        save_fp8_activations: keep the experts' saved inputs (the rows and the SwiGLU input) in FP8
+            for backward instead of in the activation dtype (about half the memory).
+        dispatch: quantize the rows before the token exchange, where the dispatcher can carry FP8
+            rows (half the bytes on the wire); the gradients of the exchange stay in high precision.
+    """
+
+    recipe: Fp8Recipe = "blockwise"
+    enabled: Fp8Enabled = "on"
+    backend: Fp8Backend = "auto"
+    grad_format: Fp8Format = "e4m3"
+    pow2_scales: bool = False
+    save_fp8_activations: bool = True
+    dispatch: bool = True
+
+    def __post_init__(self) -> None:
+        for name, allowed in (
+            ("recipe", _FP8_RECIPES),
+            ("enabled", _FP8_ENABLED),
+            ("backend", _FP8_BACKENDS),
+            ("grad_format", _FP8_FORMATS),
+        ):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"Fp8Config: {name}={value!r} is not one of {allowed}; choose one of them.")
+        for name in ("pow2_scales", "save_fp8_activations", "dispatch"):
+            check_bool("Fp8Config", name, getattr(self, name))
+
+
 _BOOL_FIELDS = (
     "pre_softmax",
     "norm_topk_prob",
@@ -199,6 +267,8 @@ class MoEConfig:
         check_finite: raise, naming the layer, when router logits are not finite.
         init_std: standard deviation of the normal initialisation of all weights.
         kernels: which GEMM and weight-gradient kernels the experts run (:class:`KernelConfig`).
+        fp8: FP8 expert GEMMs (:class:`Fp8Config`); ``None`` (the default) keeps them in the
+            activation dtype.
     """
 
     hidden_size: int
@@ -229,6 +299,7 @@ class MoEConfig:
     check_finite: bool = False
     init_std: float = 0.02
     kernels: KernelConfig = field(default_factory=KernelConfig)
+    fp8: Fp8Config | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.kernels, dict):  # from saved hyper-parameters or a plain mapping
@@ -237,6 +308,13 @@ class MoEConfig:
             raise TypeError(
                 f"MoEConfig: kernels={self.kernels!r} is not a KernelConfig; "
                 "pass KernelConfig(...) or a dict of its fields."
+            )
+        if isinstance(self.fp8, dict):  # from saved hyper-parameters or a plain mapping
+            self.fp8 = Fp8Config(**self.fp8)
+        if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
+            raise TypeError(
+                f"MoEConfig: fp8={self.fp8!r} is not an Fp8Config; pass Fp8Config(...), a dict of its fields, "
+                "or None for bf16 experts."
             )
         for name in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k"):
             value = getattr(self, name)
