@@ -10,8 +10,16 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
 from lightning_moe.config import check_float, check_int
-from lightning_moe.data.corpus import VOCAB_SIZE, load_tokens, missing_path
+from lightning_moe.data.corpus import SEPARATOR, VOCAB_SIZE, load_tokens, missing_path
 from lightning_moe.data.datasets import TokenDataset
+from lightning_moe.data.packing import (
+    LONG_DOCUMENTS,
+    PACKING_MODES,
+    LongDocuments,
+    PackedDataset,
+    PackingMode,
+    check_choice,
+)
 from lightning_moe.data.sampler import ResumableDataLoader, ResumableSampler
 
 __all__ = ["MoEDataModule"]
@@ -20,7 +28,13 @@ __all__ = ["MoEDataModule"]
 class MoEDataModule(LightningDataModule):
     """Byte-level LM data from the stdlib corpus, text files, a folder or a ``.npy``.
 
-    Batches are ``{"input_ids": int64 [B, seq_len], "labels": int64 [B, seq_len]}``.
+    Batches are ``{"input_ids": int64 [B, seq_len], "labels": int64 [B, seq_len]}``: windows cut
+    from the token stream with no regard to document boundaries. With ``packing="pack"`` they also
+    hold ``"position_ids"`` and ``"document_ids"`` (int64 ``[B, seq_len]``): each split of the stream
+    is cut into documents at its ``eos_id`` tokens (for the byte corpora: the files, which the reader
+    joins with the NUL separator) and the documents are packed into rows
+    (:mod:`lightning_moe.data.packing`: one EOS after each document, labels -100 across a
+    document boundary and at padding, position ids restarting at each document).
 
     The train loader is a :class:`ResumableDataLoader`: its order depends only on ``seed``, the
     epoch and the data-parallel rank/size the strategy reports (``distributed_sampler_kwargs``; DP
@@ -41,6 +55,13 @@ class MoEDataModule(LightningDataModule):
         seed: seeds the training shuffle: epoch ``e`` is the permutation drawn from ``seed + e``,
             dealt out over the strategy's data-parallel ranks.
         vocab_size: 256 for bytes; raise it for a ``.npy`` made by a larger tokenizer.
+        packing: ``"none"`` (windows over the stream) or ``"pack"`` (packed documents).
+        eos_id: the token that ends each document in the stream and follows each packed one;
+            ``None`` is the NUL byte (0), the file separator of the byte corpora; a ``.npy`` made by
+            a tokenizer needs its tokenizer's EOS id here.
+        long_documents: what becomes of a document longer than a row: ``"split"`` over rows,
+            ``"truncate"`` to one row, or ``"error"`` (naming its index and length); see
+            :mod:`lightning_moe.data.packing`.
     """
 
     def __init__(
@@ -53,6 +74,9 @@ class MoEDataModule(LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
         vocab_size: int = VOCAB_SIZE,
+        packing: PackingMode = "none",
+        eos_id: int | None = None,
+        long_documents: LongDocuments = "split",
     ) -> None:
         super().__init__()
         if path is not None and not isinstance(path, (str, Path)):
@@ -69,6 +93,20 @@ class MoEDataModule(LightningDataModule):
         check_int(owner, "num_workers", num_workers, minimum=0, fix="use 0 to load in-process")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"MoEDataModule: seed={seed!r} is not an int; use e.g. seed=0.")
+        check_choice(owner, "packing", packing, PACKING_MODES)
+        check_choice(owner, "long_documents", long_documents, LONG_DOCUMENTS)
+        check_int(owner, "eos_id", eos_id, minimum=0, optional=True, fix="use the tokenizer's EOS id")
+        if packing == "pack" and eos_id is None and vocab_size > VOCAB_SIZE:
+            raise ValueError(
+                f"MoEDataModule: packing='pack' with vocab_size={vocab_size} needs eos_id (the default, the NUL "
+                "byte 0, is the byte corpora's file separator); pass the EOS id of the tokenizer that made the data."
+            )
+        eos = SEPARATOR[0] if eos_id is None else eos_id
+        if packing == "pack" and eos >= vocab_size:
+            raise ValueError(
+                f"MoEDataModule: eos_id={eos} is outside the vocabulary [0, vocab_size={vocab_size}); "
+                "use the EOS id of the tokenizer that made the data."
+            )
         self.save_hyperparameters()
         self.path = path
         self.seq_len = seq_len
@@ -78,8 +116,11 @@ class MoEDataModule(LightningDataModule):
         self.num_workers = num_workers
         self.seed = seed
         self._vocab_size = vocab_size
-        self.train_dataset: TokenDataset | None = None
-        self.val_dataset: TokenDataset | None = None
+        self.packing = packing
+        self.eos_id = eos
+        self.long_documents = long_documents
+        self.train_dataset: TokenDataset | PackedDataset | None = None
+        self.val_dataset: TokenDataset | PackedDataset | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -102,13 +143,22 @@ class MoEDataModule(LightningDataModule):
                 f"(val_fraction={self.val_fraction}), but seq_len={self.seq_len} needs {need} tokens in each split "
                 f"(about {total} in total); lower seq_len, raise max_bytes, or supply more text."
             )
-        self.train_dataset = TokenDataset(tokens[:n_train], self.seq_len)
-        self.val_dataset = TokenDataset(tokens[n_train:], self.seq_len)
+        self.train_dataset = self._dataset(tokens[:n_train])
+        self.val_dataset = self._dataset(tokens[n_train:])
         if len(self.train_dataset) < self.batch_size:
             raise ValueError(
-                f"MoEDataModule: the train split has {len(self.train_dataset)} windows of seq_len={self.seq_len}, "
+                f"MoEDataModule: the train split has {len(self.train_dataset)} {self._unit} of seq_len={self.seq_len}, "
                 f"fewer than batch_size={self.batch_size} (partial batches are dropped); lower batch_size or add text."
             )
+
+    @property
+    def _unit(self) -> str:
+        return "packed rows" if self.packing == "pack" else "windows"
+
+    def _dataset(self, tokens: torch.Tensor) -> TokenDataset | PackedDataset:
+        if self.packing == "pack":
+            return PackedDataset(tokens, self.seq_len, self.eos_id, self.long_documents)
+        return TokenDataset(tokens, self.seq_len)
 
     def _dp_rank_size(self) -> tuple[int, int]:
         """``(rank, size)`` of data parallelism from the attached Trainer's strategy; ``(0, 1)`` alone."""
@@ -123,7 +173,7 @@ class MoEDataModule(LightningDataModule):
         rank, size = self._dp_rank_size()
         if len(dataset) < self.batch_size * size:
             raise ValueError(
-                f"MoEDataModule: the train split has {len(dataset)} windows, fewer than batch_size={self.batch_size} "
+                f"MoEDataModule: the train split has {len(dataset)} {self._unit}, fewer than batch_size={self.batch_size} "
                 f"x {size} data-parallel ranks; lower batch_size or add text."
             )
         sampler = ResumableSampler(dataset, num_replicas=size, rank=rank, shuffle=True, seed=self.seed)
@@ -141,7 +191,7 @@ class MoEDataModule(LightningDataModule):
         )
 
     @staticmethod
-    def _require(dataset: TokenDataset | None) -> TokenDataset:
+    def _require(dataset: TokenDataset | PackedDataset | None) -> TokenDataset | PackedDataset:
         if dataset is None:
             raise RuntimeError("MoEDataModule: a dataloader was requested before setup(); call dm.setup('fit') first.")
         return dataset
