@@ -7,9 +7,18 @@ subclass builds its network as ``self.model`` in its own ``__init__`` and define
 
 The base logs ``train/loss``, ``train/ppl``, every aux loss summed over layers, and the per-layer load
 imbalance ``max(c)/mean(c)`` of routed tokens per expert; ``val/loss`` and ``val/ppl``.
-``train/loss`` and the ``val/`` values are means over all ranks (one all-reduce each): tensor- and
-context-parallel ranks of one data-parallel replica hold equal shares, so this is the DP mean, the
-number a one-process run would log. ``train/ppl`` and the aux losses are logged unsynchronised
+``train/loss`` and the ``val/`` values are means over all ranks (one all-reduce each), the number a
+one-process run would log.
+
+Under ``strategy="folded_moe"`` each batch goes through the strategy's ``shard_batch`` first:
+with ``cp > 1`` this rank's load-balanced sequence chunks with their global ``position_ids``
+(``parallel/fold_batch.py``); ``position_ids`` and ``document_ids`` of a batch (packed
+documents) reach ``forward``. The loss is ``lm_cross_entropy`` (``parallel/vocab.py``: the
+vocab-parallel cross-entropy when the head is vocab-parallel), summed over this rank's labelled
+tokens and divided by the labelled tokens of the whole step's batch on all data-parallel and
+context-parallel ranks (one all-reduce of one number), times ``dp*cp``: FSDP's gradient average
+over ``dp x cp`` is then the gradient of the mean over every labelled token, as one process
+computes it, whatever ``ignore_index`` labels or packing leave on each rank. ``train/ppl`` and the aux losses are logged unsynchronised
 (rank 0's value reaches the logger). It also keeps the MoE layers' bookkeeping in step with the
 optimizer: aux-loss gradient scale (``1/accumulate_grad_batches``, times the fp16 loss scale),
 expert-bias updates and global-aux-loss counts, once per optimizer step. ``self.device_mesh`` is the
@@ -24,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 import lightning as L
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 from typing_extensions import override
 
@@ -32,6 +40,7 @@ from lightning_moe.checkpoint.hparams import config_from_plain, config_to_plain
 from lightning_moe.config import check_bool, check_float, check_int
 from lightning_moe.models.transformer import MoETransformer, TransformerConfig
 from lightning_moe.parallel.finite import NonFiniteGuard, check_nonfinite_options, guard_closure, world_group
+from lightning_moe.parallel.fold_batch import lm_token_mean_loss
 from lightning_moe.moe.utils import find_moe_layers, reset_global_aux_counts, set_aux_loss_scale, update_expert_biases
 
 if TYPE_CHECKING:
@@ -249,8 +258,14 @@ class MoELanguageModelBase(L.LightningModule):
     # --- helpers -----------------------------------------------------------------------------
 
     def _lm_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits_BSV = self(batch["input_ids"])
-        return F.cross_entropy(logits_BSV.flatten(0, 1).float(), batch["labels"].flatten())
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        shard = getattr(strategy, "shard_batch", None)
+        if shard is not None:
+            batch = shard(batch)
+        extra = {k: batch[k] for k in ("position_ids", "document_ids") if batch.get(k) is not None}
+        logits_BSV = self(batch["input_ids"], **extra)
+        group, ranks = getattr(strategy, "loss_group", (None, 1))
+        return lm_token_mean_loss(self.model, logits_BSV, batch["labels"], group, ranks)
 
     def _aux_loss_scale(self) -> float:
         if self._trainer is None:
@@ -306,8 +321,13 @@ class MoELanguageModel(MoELanguageModelBase):
         self.model = MoETransformer(model)
 
     @override
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids)
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if position_ids is None and document_ids is None:
+            return self.model(input_ids)
+        return self.model(input_ids, position_ids, document_ids)
+
 
 
 def _warmup_cosine(warmup: int, total: int):  # noqa: ANN202 - returns a LambdaLR schedule

@@ -82,6 +82,15 @@ class SharedExpert(nn.Module):
         return y_TH
 
 
+def _summed_counts(counts_E: torch.Tensor, num_tokens: int, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-expert counts and token count summed over ``group`` (one all-reduce; no gradient)."""
+    import torch.distributed as dist
+
+    counts_and_num = torch.cat([counts_E.detach().float(), counts_E.new_full((1,), float(num_tokens)).float()])
+    dist.all_reduce(counts_and_num, group=group)
+    return counts_and_num[:-1], counts_and_num[-1]
+
+
 class MoELayer(nn.Module):
     """Mixture-of-Experts FFN: ``forward(x[..., H]) -> y[..., H]``.
 
@@ -107,6 +116,9 @@ class MoELayer(nn.Module):
         self.dispatcher: Dispatcher = LocalDispatcher(config.num_experts, dropless=config.capacity_factor is None)
         self.aux_loss_scale: float = 1.0
         self.aux_loss_group: Any = None
+        # ranks holding the other tokens of the same sequences (context parallel): the switch loss
+        # takes its per-expert counts over all of them, so the group's mean loss is the sequences'
+        self.aux_loss_sequence_group: Any = None
         self.last_aux_losses: dict[str, torch.Tensor] = {}
         self.last_tokens_per_expert: torch.Tensor | None = None
         self.last_dropped_fraction: torch.Tensor | None = None
@@ -191,8 +203,11 @@ class MoELayer(nn.Module):
             probs_TE = aux_probs(routing.logits_TE, cfg.score_func)
             T = probs_TE.shape[0]
             if cfg.aux_loss == "switch":
+                counts_E, num_counted = routing.tokens_per_expert_E, T
+                if self.aux_loss_sequence_group is not None:
+                    counts_E, num_counted = _summed_counts(counts_E, T, self.aux_loss_sequence_group)
                 losses["load_balancing_loss"] = load_balancing_loss(
-                    probs_TE, routing.tokens_per_expert_E, T, cfg.top_k, cfg.aux_loss_coeff
+                    probs_TE, counts_E, num_counted, cfg.top_k, cfg.aux_loss_coeff
                 )
             elif cfg.aux_loss == "seq":
                 B = lead_shape[0] if len(lead_shape) > 1 else 1

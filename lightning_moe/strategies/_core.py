@@ -5,15 +5,22 @@ of their side (``class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy)``
 two ``ModelParallelStrategy`` classes share ``_setup_device_mesh``. The core holds everything that
 does not depend on Trainer or Fabric:
 
-1. ``__init__``: typed degrees and the checks that need no world size (pp, cp, order, positive
-   ints, the dispatcher name), then the Lightning strategy's own constructor;
+1. ``__init__``: typed degrees and options and the checks that need no world size (pp, order,
+   positive ints, the dispatcher name, ``sequence_parallel``/``vocab_parallel`` need ``tp > 1``),
+   then the Lightning strategy's own constructor;
 2. ``setup_environment``: :func:`folded_layout` for the world size and the model checks (num_experts
-   % ep, ffn % etp, heads % tp) *before* any collective; then the accelerator's device, the default
+   % ep, ffn % etp, heads % tp; with ``cp > 1`` no ``aux_loss="seq"``) *before* any collective;
+   then the accelerator's device, the default
    process group (WORLD: gloo on CPU, nccl on GPU) and :meth:`FoldedMesh.build` (new groups);
 3. meshes: :attr:`folded_mesh` (dense and expert views), :attr:`device_mesh` (the dense mesh, as
    Lightning's ``ModelParallelStrategy.device_mesh``), :attr:`expert_bias_group`,
    :attr:`data_parallel_size` and :attr:`distributed_sampler_kwargs` (DP rank and size);
-4. :meth:`shard_module`: ``parallelize_moe_model`` unless the module is sharded already, then
+   :attr:`context_parallel` (the CP group, size and rank) and :meth:`shard_batch` (this CP rank's
+   load-balanced chunks of a batch, with global position ids);
+4. :meth:`shard_module`: with ``cp > 1`` ``enable_context_parallel`` on the module's attention (a
+   model it cannot wrap is refused, naming the module) and the MoE layers' switch aux-loss counts
+   summed over the CP group; ``parallelize_moe_model`` (with ``sequence_parallel`` and
+   ``vocab_parallel``) unless the module is sharded already, then
    materialisation of a meta-device module (its MoE layers' global aux-loss counters zeroed), then
    expert seeding per global expert id (always after
    meta-device init, so every EP rank holds different experts and the values do not depend on the
@@ -34,7 +41,10 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_moe.config import check_bool
+from lightning_moe.moe.layer import MoELayer
 from lightning_moe.moe.utils import reset_global_aux_counts
+from lightning_moe.parallel.fold_batch import ContextParallel, shard_batch
 from lightning_moe.parallel.finite import check_nonfinite_options
 from lightning_moe.parallel.grad import clip_grad_norm_, clip_grad_value_
 from lightning_moe.parallel.layout import FoldedLayout
@@ -87,14 +97,36 @@ def check_args(
     check_dispatcher(dispatcher, owner)
     if pp != 1 and isinstance(pp, int) and pp > 1:
         raise ValueError(f"{owner}: pp={pp} is not supported; pipeline parallel comes later; set pp=1.")
-    if cp != 1 and isinstance(cp, int) and cp > 1:
-        raise ValueError(f"{owner}: cp={cp} is not supported yet; context parallel comes later; set cp=1.")
     for name, value in (("dp", dp), ("edp", edp)):
         if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{owner}: {name}={value!r} must be 'auto' or a positive int.")
     # Order tokens and positive degrees are checked by FoldedLayout with a world that always divides.
     world = tp * cp * ep * etp * pp if all(isinstance(d, int) and d > 0 for d in (tp, cp, ep, etp, pp)) else 1
     FoldedLayout(world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
+
+
+def check_parallel_options(owner: str, tp: int, sequence_parallel: Any, vocab_parallel: Any) -> None:
+    """``sequence_parallel`` and ``vocab_parallel`` are bools and act on a TP group: both need ``tp > 1``."""
+    for name, value in (("sequence_parallel", sequence_parallel), ("vocab_parallel", vocab_parallel)):
+        check_bool(owner, name, value)
+        if value and tp == 1:
+            raise ValueError(
+                f"{owner}: {name}=True needs tensor parallel (it splits over the TP group) but tp=1; "
+                f"set tp>1 or {name}=False."
+            )
+
+
+def check_model_for_context_parallel(owner: str, module: nn.Module, cp: int) -> None:
+    """With ``cp > 1``: no MoE layer may use ``aux_loss="seq"`` (its per-sequence counts would see
+    only this rank's chunks); raises ``ValueError`` naming the layer (no collective)."""
+    if cp == 1:
+        return
+    for name, m in module.named_modules():
+        if isinstance(m, MoELayer) and m.config.aux_loss == "seq":
+            raise ValueError(
+                f"{owner}: cp={cp} with aux_loss='seq' at {name!r} is not supported: each context-parallel "
+                "rank holds only chunks of every sequence; use aux_loss='switch' or 'global', or cp=1."
+            )
 
 
 def folded_layout(
@@ -142,7 +174,10 @@ class FoldedMoECore:
 
     Args:
         tp: tensor-parallel degree of attention and dense MLPs.
-        cp: context-parallel degree (reserved; only 1 is implemented).
+        cp: context-parallel degree of attention: each sequence is cut into ``2*cp`` chunks and
+            CP rank r holds chunks r and ``2*cp-1-r`` (load-balanced causal work); attention
+            all-gathers keys/values over the CP group. The sequence length must be a multiple
+            of ``2*cp``.
         ep: expert-parallel degree (must divide ``num_experts``).
         etp: expert tensor-parallel degree (must divide the expert FFN size and ``tp``).
         pp: pipeline-parallel degree; only 1 (pipeline parallel comes later).
@@ -172,6 +207,10 @@ class FoldedMoECore:
         skip_nonfinite: with the guard on, skip up to this many non-finite steps in a row (their
             gradients are dropped, the optimizer changes nothing; the step still counts toward
             ``global_step`` and the LR schedule) and raise at the next; 0 raises at the first.
+        sequence_parallel: in the TP regions shard the residual stream and the norms along the
+            sequence over the TP group (``parallelize_moe_model(sequence_parallel=True)``); needs ``tp > 1``.
+        vocab_parallel: split the embedding rows and the output head's vocabulary over the TP
+            group (the loss is ``lm_cross_entropy``'s vocab-parallel cross-entropy); needs ``tp > 1``.
     """
 
     def __init__(
@@ -192,8 +231,11 @@ class FoldedMoECore:
         rank_liveness_timeout_s: float | None = 30.0,
         guard_nonfinite: bool = True,
         skip_nonfinite: int = 0,
+        sequence_parallel: bool = False,
+        vocab_parallel: bool = False,
     ) -> None:
         check_args(type(self).__name__, tp, cp, ep, etp, pp, dp, edp, order, dispatcher)
+        check_parallel_options(type(self).__name__, tp, sequence_parallel, vocab_parallel)
         self.rank_liveness_timeout_s = check_liveness_timeout(type(self).__name__, rank_liveness_timeout_s)
         check_nonfinite_options(type(self).__name__, guard_nonfinite, skip_nonfinite)
         super().__init__(  # type: ignore[call-arg] # the Lightning strategy after this class in the MRO
@@ -208,6 +250,7 @@ class FoldedMoECore:
         self.dp, self.edp, self.order, self.dispatcher = dp, edp, order, dispatcher
         self.expert_init_seed = expert_init_seed
         self.guard_nonfinite, self.skip_nonfinite = guard_nonfinite, skip_nonfinite
+        self.sequence_parallel, self.vocab_parallel = sequence_parallel, vocab_parallel
         self._folded_mesh: FoldedMesh | None = None
 
     def _lightning_init_args(self) -> tuple[Any, ...]:
@@ -238,9 +281,43 @@ class FoldedMoECore:
 
     @property
     def expert_bias_group(self) -> Any:
-        """Group the router's token counts are summed over (DP x CP); ``None`` with one data rank."""
+        """Group the router's token counts are summed over: the ranks that route different tokens.
+
+        DP x CP (``dp_cp``); with ``sequence_parallel`` every TP rank routes its own sequence shard
+        too, so the whole world (``pp=1``). ``None`` when every rank routes the same tokens.
+        """
         lay = self.folded_mesh.layout
+        if self.sequence_parallel and lay.tp > 1:
+            return torch.distributed.group.WORLD
         return self.folded_mesh.group("dp_cp") if lay.dp * lay.cp > 1 else None
+
+    @property
+    def context_parallel(self) -> ContextParallel:
+        """The CP group (``None`` at ``cp=1``), its size and this rank's coordinate in it."""
+        lay = self.folded_mesh.layout
+        if lay.cp == 1:
+            return ContextParallel(None, 1, 0)
+        return ContextParallel(self.folded_mesh.group("cp"), lay.cp, self.folded_mesh.rank("cp"))
+
+    @property
+    def loss_group(self) -> tuple[Any, int]:
+        """The ranks whose labelled tokens make up one micro-batch of the step, and their number:
+        ``dp_cp`` (``(None, 1)`` with one data rank). ``lm_token_mean_loss`` divides by their count."""
+        lay = self.folded_mesh.layout
+        if lay.dp * lay.cp == 1:
+            return None, 1
+        return self.folded_mesh.group("dp_cp"), lay.dp * lay.cp
+
+    def shard_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This CP rank's part of ``batch`` (``fold_batch.shard_batch``); the batch itself at ``cp=1``.
+
+        Every ``[B, S]`` tensor (``input_ids``, ``labels``, ``position_ids``, ``document_ids``) is cut
+        to chunks r and ``2*cp-1-r`` of ``2*cp``; ``position_ids`` is added (the global positions)
+        when the batch has none. A length that is not a multiple of ``2*cp`` raises ``ValueError``
+        before any collective.
+        """
+        cp = self.context_parallel
+        return shard_batch(batch, cp.size, cp.rank, owner=type(self).__name__)
 
     @property
     def data_parallel_size(self) -> int:
@@ -264,6 +341,7 @@ class FoldedMoECore:
         module = self._module_to_check()
         if module is not None:
             check_model_for_layout(module, layout)
+            check_model_for_context_parallel(owner, module, layout.cp)
         if strategy.accelerator is not None:
             strategy.accelerator.setup_device(strategy.root_device)
         strategy._setup_distributed()
@@ -317,7 +395,11 @@ class FoldedMoECore:
         had_meta = any(p.is_meta for p in module.parameters())
         if not _is_sharded(module):
             check_model_for_layout(module, mesh.layout)
-            parallelize_moe_model(module, mesh=mesh, dispatcher=self.dispatcher, shard_root=shard_root)
+            check_model_for_context_parallel(owner, module, mesh.layout.cp)
+            self._enable_context_parallel(module)
+            parallelize_moe_model(
+                module, mesh=mesh, dispatcher=self.dispatcher, shard_root=shard_root, **self._parallel_options()
+            )
         strategy: Any = self
         _materialize_distributed_module(root if root is not None else module, strategy.root_device)
         if had_meta:  # the layers' global aux-loss counters are buffers without reset_parameters
@@ -325,3 +407,25 @@ class FoldedMoECore:
         if had_meta or self.expert_init_seed is not None:
             init_experts_by_id(module, mesh, self.expert_init_seed if self.expert_init_seed is not None else 0)
         return module
+
+    def _parallel_options(self) -> dict[str, bool]:
+        """``sequence_parallel``/``vocab_parallel`` for ``parallelize_moe_model``, only those turned on."""
+        return {k: True for k in ("sequence_parallel", "vocab_parallel") if getattr(self, k)}
+
+    def _enable_context_parallel(self, module: nn.Module) -> None:
+        """With ``cp > 1``: attention over the CP group, MoE switch aux-loss counts summed over it.
+
+        ``enable_context_parallel`` raises for attention it cannot wrap, before any collective. Each
+        MoE layer routes only this rank's tokens; its switch aux loss takes the per-expert counts of
+        the whole sequences (summed over CP) with the local probabilities, so the CP average of the
+        local losses (FSDP's gradient average over ``dp_cp``) is the loss of the whole sequences.
+        """
+        cp = self.context_parallel
+        if cp.group is None:
+            return
+        from lightning_moe.parallel.context import enable_context_parallel
+
+        enable_context_parallel(module, cp.group)
+        for m in module.modules():
+            if isinstance(m, MoELayer):
+                m.aux_loss_sequence_group = cp.group

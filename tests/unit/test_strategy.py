@@ -81,7 +81,8 @@ def test_module_device_mesh_is_none_until_a_trainer_with_a_mesh_attaches() -> No
     [
         ({"pp": 2}, "pp=2 is not supported; pipeline parallel comes later"),
         ({"order": "tp-cp-xx-dp-pp"}, "order='tp-cp-xx-dp-pp' has unknown token 'xx'"),
-        ({"cp": 2}, "cp=2 is not supported yet"),
+        ({"sequence_parallel": True}, "sequence_parallel=True needs tensor parallel .* but tp=1"),
+        ({"vocab_parallel": True, "ep": 2}, "vocab_parallel=True needs tensor parallel .* but tp=1"),
         ({"ep": 0}, "ep=0 must be a positive int"),
         ({"dp": 0}, "dp=0 must be 'auto' or a positive int"),
         ({"edp": True}, "edp=True must be 'auto' or a positive int"),
@@ -227,12 +228,23 @@ def test_fabric_setup_with_an_unusable_optimizer_fails_before_sharding(make: str
         strategy.setup_module_and_optimizers(model, [optimizer])
 
 
-@pytest.mark.parametrize("kwargs", [{"cp": 2}, {"pp": 2}])
-def test_fabric_twin_refuses_what_the_trainer_strategy_refuses(kwargs: dict) -> None:
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"pp": 2}, "pp=2 is not supported"), ({"sequence_parallel": True}, "sequence_parallel=True needs tensor parallel")],
+)
+def test_fabric_twin_refuses_what_the_trainer_strategy_refuses(kwargs: dict, match: str) -> None:
     from lightning_moe.strategies.fabric import FabricFoldedMoEStrategy
 
-    with pytest.raises(ValueError, match="FabricFoldedMoEStrategy: (cp|pp)=2 is not supported"):
+    with pytest.raises(ValueError, match=f"FabricFoldedMoEStrategy: {match}"):
         FabricFoldedMoEStrategy(**kwargs)
+
+
+def test_both_strategies_accept_context_parallel_and_the_tp_options() -> None:
+    from lightning_moe.strategies.fabric import FabricFoldedMoEStrategy
+
+    for cls in (FoldedMoEStrategy, FabricFoldedMoEStrategy):
+        strategy = cls(tp=2, cp=2, ep=4, sequence_parallel=True, vocab_parallel=True)
+        assert (strategy.cp, strategy.sequence_parallel, strategy.vocab_parallel) == (2, True, True)
 
 
 def test_one_rank_keeps_the_model_plain_and_trains_like_the_default_strategy(tmp_path: Path) -> None:
