@@ -9,6 +9,8 @@ It follows DeepEP's documented contract, not its kernels:
   ``x``, their top-k ids made local to the receiving rank (``-1`` for slots owned elsewhere),
   their weights, the per-local-expert counts (a list), a handle and an event;
   ``dispatch(x, handle=h)`` repeats the exchange of ``h`` for new rows (the backward of combine);
+  ``x`` may be DeepEP's FP8 pair ``(float8_e4m3fn [T, H], fp32 scales [T, H/128])`` (checked
+  as the library checks it: H a multiple of 128, contiguous), received as such a pair;
 * ``combine(x, handle, topk_weights=None)`` sends every received row back and sums the rows of a
   token over the ranks it went to (and the weights likewise).
 """
@@ -35,7 +37,7 @@ class FakeDeepEPBuffer:
         self.group = group
         self.num_ranks = group.size()
         self.rank = group.rank()
-        self.calls: dict[str, int] = {"layout": 0, "dispatch": 0, "cached_dispatch": 0, "combine": 0}
+        self.calls: dict[str, int] = {"layout": 0, "dispatch": 0, "fp8_dispatch": 0, "cached_dispatch": 0, "combine": 0}
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> tuple[Any, ...]:
         self.calls["layout"] += 1
@@ -70,6 +72,14 @@ class FakeDeepEPBuffer:
         self.calls["dispatch"] += 1
         assert is_token_in_rank is not None and topk_idx is not None and topk_weights is not None
         assert topk_idx.dtype == torch.int64 and topk_weights.is_floating_point()
+        scales = None
+        if isinstance(x, tuple):  # FP8 rows: (e4m3 data [T, H], fp32 scales [T, H / 128])
+            self.calls["fp8_dispatch"] += 1
+            x, scales = x
+            assert x.dtype == torch.float8_e4m3fn and x.dim() == 2 and x.is_contiguous(), (x.dtype, x.shape)
+            assert x.shape[1] % 128 == 0, x.shape
+            assert scales.dtype == torch.float32 and scales.is_contiguous(), scales.dtype
+            assert tuple(scales.shape) == (x.shape[0], x.shape[1] // 128), (scales.shape, x.shape)
         P, T = self.num_ranks, x.shape[0]
         e = int(num_tokens_per_expert.numel()) // P  # type: ignore[union-attr]
         index = [torch.nonzero(is_token_in_rank[:, p]).flatten() for p in range(P)]
@@ -83,7 +93,11 @@ class FakeDeepEPBuffer:
             [torch.where(topk_idx[i] // e == p, topk_idx[i] - p * e, -1) for p, i in enumerate(index)]
         )
         local_ids = torch.where(topk_idx[send_index] >= 0, local_ids, -1)
-        recv_x = self._exchange(x[send_index], recv_splits, send_splits)
+        if scales is None:
+            recv_x = self._exchange(x[send_index], recv_splits, send_splits)
+        else:  # gloo moves no float8: the bytes travel as uint8
+            data = self._exchange(x.view(torch.uint8)[send_index], recv_splits, send_splits).view(x.dtype)
+            recv_x = (data, self._exchange(scales[send_index], recv_splits, send_splits))
         recv_ids = self._exchange(local_ids, recv_splits, send_splits)
         recv_w = self._exchange(topk_weights[send_index], recv_splits, send_splits)
         per_local_expert = [int((recv_ids == j).sum()) for j in range(e)]

@@ -24,17 +24,18 @@ from lightning_moe.moe.dispatch import (
 def test_local_dispatcher_runs_experts_and_takes_the_router_permutation_only_when_dropless() -> None:
     dropless, dropping = LocalDispatcher(4, dropless=True), LocalDispatcher(4, dropless=False)
     assert dropless.capabilities == DispatcherCapabilities(
-        runs_experts=True, takes_router_permutation=True, rows_cheap_to_rebuild=True
+        runs_experts=True, takes_router_permutation=True, rows_cheap_to_rebuild=True, carries_fp8_rows=True
     )
     assert dropping.capabilities == DispatcherCapabilities(
-        runs_experts=True, takes_router_permutation=False, rows_cheap_to_rebuild=True
+        runs_experts=True, takes_router_permutation=False, rows_cheap_to_rebuild=True, carries_fp8_rows=True
     )
     assert dropless.ep_size == 1
 
 
 @pytest.mark.parametrize("cls", [AllToAllDispatcher, AllGatherDispatcher, FlexDispatcher, EchoDispatcher])
 def test_expert_parallel_dispatchers_offer_nothing_beyond_dispatch_and_combine(cls: type) -> None:
-    assert cls.capabilities == NO_EXTRAS
+    # beyond FP8 rows, which the all-to-all carries (tests/unit/test_fp8_dispatch.py)
+    assert cls.capabilities == NO_EXTRAS or cls.capabilities == DispatcherCapabilities(carries_fp8_rows=True)
     assert not (NO_EXTRAS.runs_experts or NO_EXTRAS.takes_router_permutation or NO_EXTRAS.rows_cheap_to_rebuild)
 
 

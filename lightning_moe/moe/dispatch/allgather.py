@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lightning_moe.moe.dispatch.base import DispatchedTokens, row_weights
+from lightning_moe.moe.dispatch.base import DispatchedTokens, fp8_rows_of, row_weights
 from lightning_moe.moe.dispatch.comm import all_gather_rows, copy_to_group, reduce_from_group, reduce_scatter_rows
 from lightning_moe.moe.dispatch.ep import ExpertParallelDispatcher
 from lightning_moe.ops.permute import Permutation, build_permutation, permute_rows, unpermute_sum
@@ -57,6 +57,7 @@ class AllGatherDispatcher(ExpertParallelDispatcher):
         self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, capacity: int | None
     ) -> tuple[DispatchedTokens, AllGatherHandle]:
         self._reject_padding(capacity)
+        fp8_rows_of(self)  # no FP8 rows here (capability False): a set fp8_rows is refused, naming the fix
         P, e = self.ep_size, self.num_local_experts
         num_T = torch.tensor([x_TH.shape[0]], dtype=torch.long, device=x_TH.device)
         sizes_P = torch.empty(P, dtype=torch.long, device=x_TH.device)

@@ -26,19 +26,29 @@ Stages of ``combine`` (the reverse):
 4. gather-sum (local) into token order over the K slots (weighted unless the experts already
    applied the weight).
 
+FP8 rows (``fp8_rows`` set, see ``moe/dispatch/base.py``): stage 1 quantizes ``x_TH`` once and
+gathers the packed FP8 rows (data and scales in one ``uint8`` row, ``moe/dispatch/fp8_rows.py``);
+stage 4 moves them in one all-to-all; stage 5 regroups data and scales by the same order; with ETP
+stage 6 marks the placeholder ``x_RH`` like the activation-dtype rows (each ETP rank quantized
+the same tokens to the same bits). The gradient goes back in the activation dtype through the
+same inverse regroup, reverse all-to-all and gather-sum as the activation-dtype rows'.
+
 The dispatcher holds only its groups; it is not an ``nn.Module``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
-from lightning_moe.moe.dispatch.base import DispatchedTokens, row_weights
-from lightning_moe.moe.dispatch.comm import all_to_all_rows, copy_to_group, reduce_from_group
+from lightning_moe.moe.dispatch.base import DispatchedTokens, DispatcherCapabilities, fp8_rows_of, row_weights
+from lightning_moe.moe.dispatch.comm import all_to_all_rows, copy_to_group, exchange_rows, reduce_from_group
 from lightning_moe.moe.dispatch.ep import ExpertParallelDispatcher
+from lightning_moe.moe.dispatch.fp8_rows import dispatch_fp8_rows, gather_rows, pack_rows, unpack_rows
 from lightning_moe.ops.permute import Permutation, build_permutation, permute_rows, reorder_rows, unpermute_sum
 
 __all__ = ["AllToAllDispatcher", "AllToAllHandle"]
@@ -54,6 +64,28 @@ class AllToAllHandle:
     regroup_R: torch.Tensor  # source-major row -> expert-major position (the regroup itself)
 
 
+@dataclass(frozen=True)
+class _AllToAllRoute:
+    """FP8 rows: gathered and packed, A2A(EP), regrouped; the gradient the reverse way."""
+
+    perm: Permutation
+    send_splits: list[int]
+    recv_splits: list[int]
+    regroup_R: torch.Tensor
+    unregroup_R: torch.Tensor
+    group: ProcessGroup
+
+    def send(self, q_TH: Any) -> Any:
+        packed_NB = pack_rows(q_TH, self.perm.src_token_R)
+        packed_MB = exchange_rows(packed_NB, self.recv_splits, self.send_splits, self.group)
+        return gather_rows(unpack_rows(packed_MB, q_TH.data.shape[-1], (q_TH.recipe, q_TH.fmt, False)), self.regroup_R)
+
+    def send_back(self, grad_RH: torch.Tensor) -> torch.Tensor:
+        grad_MH = grad_RH.index_select(0, self.unregroup_R)
+        grad_NH = exchange_rows(grad_MH, self.send_splits, self.recv_splits, self.group)
+        return unpermute_sum(grad_NH, self.perm)  # the gradient of permute_rows
+
+
 class AllToAllDispatcher(ExpertParallelDispatcher):
     """Experts sharded over ``ep_group``; tokens travel by uneven all-to-all.
 
@@ -63,15 +95,20 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         etp_group: the expert-tensor-parallel group when each expert's F dimension is sharded
             (``None``: ETP is 1). Its ranks must hold identical tokens (they are tensor-parallel
             replicas of each other); ``parallel/parallelize.py`` checks that.
+
+    Capabilities: FP8 rows (``fp8_rows``: quantized once, one all-to-all for data and scales).
     """
+
+    capabilities = DispatcherCapabilities(carries_fp8_rows=True)
+    fp8_rows = None  # (recipe, fmt, pow2_scales) when the layer's FP8 experts take FP8 rows
 
     def dispatch(
         self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, capacity: int | None
     ) -> tuple[DispatchedTokens, AllToAllHandle]:
         self._reject_padding(capacity)
+        spec = fp8_rows_of(self)
         P, e = self.ep_size, self.num_local_experts
         perm = build_permutation(topk_ids_TK, self.num_experts, None)
-        x_NH = permute_rows(x_TH, perm)
         w_N = row_weights(topk_weights_TK, perm)
 
         send_Pe = perm.tokens_per_expert_E.view(P, e).contiguous()
@@ -81,7 +118,6 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         splits = torch.stack([send_Pe.sum(1), recv_Pe.sum(1)]).tolist()
         send_splits, recv_splits = splits[0], splits[1]
 
-        x_RH = all_to_all_rows(x_NH, recv_splits, send_splits, self.ep_group)
         w_R = all_to_all_rows(w_N.unsqueeze(-1), recv_splits, send_splits, self.ep_group).squeeze(-1)
 
         # received rows are [src][local expert]; sort stably by local expert -> [expert][src]
@@ -90,7 +126,14 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         regroup_R = torch.argsort(expert_of_row_R, stable=True)
         unregroup_R = torch.empty_like(regroup_R)
         unregroup_R[regroup_R] = torch.arange(regroup_R.numel(), device=regroup_R.device)
-        x_RH = reorder_rows(x_RH, regroup_R, unregroup_R)
+        x_fp8 = None
+        if spec is not None:
+            route = _AllToAllRoute(perm, send_splits, recv_splits, regroup_R, unregroup_R, self.ep_group)
+            x_RH, x_fp8 = dispatch_fp8_rows(x_TH, route, spec)
+        else:
+            x_NH = permute_rows(x_TH, perm)
+            x_RH = all_to_all_rows(x_NH, recv_splits, send_splits, self.ep_group)
+            x_RH = reorder_rows(x_RH, regroup_R, unregroup_R)
         w_R = reorder_rows(w_R, regroup_R, unregroup_R)
         if self.etp_group is not None:
             x_RH = copy_to_group(x_RH, self.etp_group)
@@ -98,7 +141,7 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
 
         tokens_per_expert_e = recv_Pe.sum(0)
         handle = AllToAllHandle(perm, topk_weights_TK, send_splits, recv_splits, unregroup_R, regroup_R)
-        return DispatchedTokens(x_RH, tokens_per_expert_e, w_R), handle
+        return DispatchedTokens(x_RH, tokens_per_expert_e, w_R, x_fp8), handle
 
     def combine(self, y_RH: torch.Tensor, handle: AllToAllHandle, weighted: bool) -> torch.Tensor:
         if self.etp_group is not None:
@@ -112,5 +155,7 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         etp = 1 if self.etp_group is None else self.etp_group.size()
         return (
             f"AllToAllDispatcher(num_experts={self.num_experts}, ep={self.ep_size}, "
-            f"local_experts={self.num_local_experts}, etp={etp})"
+            f"local_experts={self.num_local_experts}, etp={etp}"
+            + ("" if self.fp8_rows is None else f", fp8_rows={self.fp8_rows!r}")
+            + ")"
         )

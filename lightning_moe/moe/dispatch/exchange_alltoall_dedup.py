@@ -17,16 +17,22 @@ the (rank, token) pairs rank-major, tokens ascending (``send_N``, no further syn
 4. A2A of the rows ``x_TH[send_N]`` and of ``[local ids | weights]`` packed in one float tensor
 (ids below 2**24 are exact in fp32). ``combine``: A2A back, then ``index_add`` of the partial sums
 into the source tokens (in fp32 at least). The backward calls are the same two moves mirrored.
+
+``dispatch_fp8``: the same exchange for FP8 rows: stage 4 sends each row's FP8 data and fp32
+scales packed in one ``uint8`` row (``moe/dispatch/fp8_rows.py``), so a row costs ``H + 4`` bytes
+(rowwise) or ``H + 4 ceil(H/128)`` (blockwise) instead of ``2 H`` in bfloat16.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup
 
 from lightning_moe.moe.dispatch.comm import exchange_rows
+from lightning_moe.moe.dispatch.fp8_rows import pack_rows, unpack_rows
 
 __all__ = ["AllToAllTokenExchange"]
 
@@ -45,6 +51,7 @@ class AllToAllTokenExchange:
     name = "alltoall_dedup"
     takes_any_expert_count = True
     needs_bf16 = False
+    carries_fp8_rows = True
 
     def __init__(self, group: ProcessGroup) -> None:
         self.group = group
@@ -75,6 +82,14 @@ class AllToAllTokenExchange:
         ids_MK = meta_MK2[:, :K].long()
         w_MK = meta_MK2[:, K:].to(w_TK.dtype)
         return x_MH, ids_MK, w_MK, _Layout(send_N, send_splits, recv_splits, T)
+
+    def dispatch_fp8(
+        self, x_fp8: Any, ids_TK: torch.Tensor, w_TK: torch.Tensor, num_experts: int
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, _Layout]:
+        """``dispatch`` of an ``Fp8Tensor [T, H]``: data and scales packed in one ``uint8`` row each."""
+        H = x_fp8.data.shape[-1]
+        packed_MB, ids_MK, w_MK, layout = self.dispatch(pack_rows(x_fp8), ids_TK, w_TK, num_experts)
+        return unpack_rows(packed_MB, H, (x_fp8.recipe, x_fp8.fmt, False)), ids_MK, w_MK, layout
 
     def _sum_back(self, rows_MX: torch.Tensor, layout: _Layout) -> torch.Tensor:
         """Rows back to their source ranks, summed into the source tokens (fp32 at least)."""

@@ -19,6 +19,12 @@ in their own EP groups; backward all-reduces the rows' gradient).
 2. gather-sum of the rows back to the received tokens over their slots (weighted unless the
 experts applied the weight), then the library's combine sums every rank's partial outputs into
 the source tokens (backward: a dispatch of the gradient with the cached layout).
+
+FP8 rows (``fp8_rows`` set, see ``moe/dispatch/base.py``), when the exchange ``carries_fp8_rows``:
+``x_TH`` is quantized once and the exchange moves the FP8 rows with their scales
+(``dispatch_fp8``); stage 2 gathers data and scales by the same permutation into ``x_fp8`` and
+``x_RH`` is a placeholder; ETP marks it like the activation-dtype rows. The backward is the same
+gather-sum and ``combine_grads`` as the activation-dtype rows' (gradients in the activation dtype).
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ from typing import Any, Protocol
 import torch
 from torch.distributed import ProcessGroup
 
-from lightning_moe.moe.dispatch.base import DispatchedTokens, row_weights
+from lightning_moe.moe.dispatch.base import DispatchedTokens, DispatcherCapabilities, Fp8Rows, fp8_rows_of, row_weights
 from lightning_moe.moe.dispatch.comm import copy_to_group, reduce_from_group
 from lightning_moe.moe.dispatch.ep import ExpertParallelDispatcher
+from lightning_moe.moe.dispatch.fp8_rows import gather_rows, placeholder_rows, quantize_rows
 from lightning_moe.ops.permute import Permutation, build_permutation, permute_rows, unpermute_sum
 
 __all__ = ["FlexDispatcher", "FlexHandle", "TokenExchange"]
@@ -43,6 +50,7 @@ class TokenExchange(Protocol):
     ``needs_bf16``: the library moves bfloat16 rows only. ``takes_any_expert_count``: the
     ``num_experts`` of each ``dispatch`` call may differ from the one the exchange was built for
     (no buffer sized by the expert count), so ECHO can route over extra clone slots through it.
+    ``carries_fp8_rows``: it has ``dispatch_fp8`` (optional; ``False`` when absent).
     """
 
     name: str
@@ -57,6 +65,14 @@ class TokenExchange(Protocol):
 
     def combine(self, y_MH: torch.Tensor, layout: Any) -> torch.Tensor:
         """Sum each received token's rows back into its source token: ``y_TH``."""
+        ...
+
+    def dispatch_fp8(
+        self, x_fp8: Any, ids_TK: torch.Tensor, w_TK: torch.Tensor, num_experts: int
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, Any]:
+        """``dispatch`` of FP8 rows (an ``Fp8Tensor [T, H]``; scales per row or per (1, 128)):
+        -> the received ``Fp8Tensor [M, H]``, ``ids_MJ``, ``w_MJ``, layout (the same layout as
+        ``dispatch``'s: ``combine`` and ``combine_grads`` take it unchanged)."""
         ...
 
     def dispatch_again(self, grad_TH: torch.Tensor, layout: Any) -> torch.Tensor:
@@ -100,6 +116,36 @@ class _Dispatch(torch.autograd.Function):
         return grad_x_TH, None, grad_w_TK, None, None, None
 
 
+class _Fp8Dispatch(torch.autograd.Function):
+    """The FP8 exchange and the local sort in one node: its ``x_RH`` output is a placeholder."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x_TH: torch.Tensor,
+        ids_TK: torch.Tensor,
+        w_TK: torch.Tensor,
+        exchange: TokenExchange,
+        num_experts: int,
+        num_local_experts: int,
+        spec: Fp8Rows,
+        box: dict,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q_MH, ids_MJ, w_MJ, layout = exchange.dispatch_fp8(quantize_rows(x_TH, spec), ids_TK, w_TK, num_experts)
+        perm = build_permutation(ids_MJ, num_local_experts, None)
+        box["layout"], box["perm"] = layout, perm
+        box["x_fp8"] = gather_rows(q_MH, perm.src_token_R)
+        ctx.exchange, ctx.layout, ctx.perm = exchange, layout, perm
+        ctx.mark_non_differentiable(ids_MJ)
+        return placeholder_rows(x_TH, perm.num_rows, x_TH.shape[-1]), ids_MJ, w_MJ
+
+    @staticmethod
+    def backward(ctx: Any, grad_x_RH: torch.Tensor, _grad_ids: Any, grad_w_MJ: torch.Tensor):  # type: ignore[override]
+        grad_x_MH = unpermute_sum(grad_x_RH.contiguous(), ctx.perm)  # the gradient of permute_rows
+        grad_x_TH, grad_w_TK = ctx.exchange.combine_grads(grad_x_MH.contiguous(), grad_w_MJ.contiguous(), ctx.layout)
+        return grad_x_TH, None, grad_w_TK, None, None, None, None, None
+
+
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, y_MH: torch.Tensor, exchange: TokenExchange, layout: Any) -> torch.Tensor:  # type: ignore[override]
@@ -120,7 +166,11 @@ class FlexDispatcher(ExpertParallelDispatcher):
         etp_group: the expert-tensor-parallel group when each expert's F dimension is sharded
             (``None``: ETP is 1); its ranks must hold identical tokens, as for the all-to-all.
         exchange: the library adapter (``exchange_deepep.py``, ``exchange_hybrid_ep.py``).
+
+    Capabilities: FP8 rows when the exchange carries them (``alltoall_dedup``, ``deepep``).
     """
+
+    fp8_rows = None  # (recipe, fmt, pow2_scales) when the layer's FP8 experts take FP8 rows
 
     def __init__(
         self,
@@ -132,6 +182,7 @@ class FlexDispatcher(ExpertParallelDispatcher):
     ) -> None:
         super().__init__(num_experts, ep_group=ep_group, etp_group=etp_group)
         self.exchange = exchange
+        self.capabilities = DispatcherCapabilities(carries_fp8_rows=bool(getattr(exchange, "carries_fp8_rows", False)))
 
     def dispatch(
         self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, capacity: int | None
@@ -142,17 +193,24 @@ class FlexDispatcher(ExpertParallelDispatcher):
                 f"FlexDispatcher({self.exchange.name}): activations are {x_TH.dtype}; the library moves bfloat16 "
                 "rows. Train in bf16 (precision='bf16-true' or 'bf16-mixed') or use dispatcher='alltoall'."
             )
+        spec = fp8_rows_of(self, self.exchange.name)
         box: dict = {}
-        x_MH, ids_MJ, w_MJ = _Dispatch.apply(
-            x_TH, topk_ids_TK.long().contiguous(), topk_weights_TK.contiguous(), self.exchange, self.num_experts, box
-        )
-        perm = build_permutation(ids_MJ, self.num_local_experts, None)
-        x_RH = permute_rows(x_MH, perm)
+        ids_TK, w_TK = topk_ids_TK.long().contiguous(), topk_weights_TK.contiguous()
+        if spec is not None:
+            x_RH, ids_MJ, w_MJ = _Fp8Dispatch.apply(
+                x_TH, ids_TK, w_TK, self.exchange, self.num_experts, self.num_local_experts, spec, box
+            )
+            perm = box["perm"]
+        else:
+            x_MH, ids_MJ, w_MJ = _Dispatch.apply(x_TH, ids_TK, w_TK, self.exchange, self.num_experts, box)
+            perm = build_permutation(ids_MJ, self.num_local_experts, None)
+            x_RH = permute_rows(x_MH, perm)
         w_R = row_weights(w_MJ, perm)
         if self.etp_group is not None:
             x_RH = copy_to_group(x_RH, self.etp_group)
             w_R = copy_to_group(w_R, self.etp_group)
-        return DispatchedTokens(x_RH, perm.tokens_per_expert_E, w_R), FlexHandle(perm, w_MJ, box["layout"])
+        handle = FlexHandle(perm, w_MJ, box["layout"])
+        return DispatchedTokens(x_RH, perm.tokens_per_expert_E, w_R, box.get("x_fp8")), handle
 
     def combine(self, y_RH: torch.Tensor, handle: FlexHandle, weighted: bool) -> torch.Tensor:
         if self.etp_group is not None:
@@ -164,5 +222,7 @@ class FlexDispatcher(ExpertParallelDispatcher):
     def __repr__(self) -> str:
         return (
             f"FlexDispatcher(exchange={self.exchange.name}, num_experts={self.num_experts}, ep={self.ep_size}, "
-            f"local_experts={self.num_local_experts})"
+            f"local_experts={self.num_local_experts}"
+            + ("" if self.fp8_rows is None else f", fp8_rows={self.fp8_rows!r}")
+            + ")"
         )
