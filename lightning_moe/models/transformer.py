@@ -1,6 +1,12 @@
-"""A decoder-only MoE transformer: RMSNorm, RoPE attention through SDPA, MoE FFN blocks.
+"""A decoder-only MoE transformer: RMSNorm, RoPE attention, MoE FFN blocks.
 
 Legend: B batch, S sequence, H hidden, V vocabulary, N heads, D head dim.
+
+Packed documents: ``forward(input_ids, position_ids=None, document_ids=None)``. With
+``document_ids`` (non-decreasing along each row) a token attends only to earlier tokens of its own
+document, and positions (for RoPE) restart at each document unless ``position_ids`` are given.
+Under context parallelism (``parallel/context.py: enable_context_parallel``) the input is this
+rank's shard of the sequence and ``position_ids`` are its global positions (required).
 
 The first ``num_dense_layers`` blocks use a dense SwiGLU FFN (as DeepSeek-V3 does); the rest
 use :class:`MoELayer`. Attention projections are separate ``q/k/v/o`` Linears so that
@@ -16,10 +22,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lightning_moe.config import MoEConfig, check_bool, check_float, check_int
+from lightning_moe.models.attention import ATTENTION_BACKENDS, AttentionBackend, attend
 from lightning_moe.models.recompute import RecomputePlan, RecomputeScope, RecomputeTarget, guarded_checkpoint
 from lightning_moe.moe.layer import MoELayer
 
-__all__ = ["TransformerConfig", "MoETransformer", "Attention", "Block", "DenseMLP", "rope_tables", "apply_rope"]
+__all__ = [
+    "TransformerConfig",
+    "MoETransformer",
+    "Attention",
+    "Block",
+    "DenseMLP",
+    "rope_tables",
+    "rope_at_positions",
+    "apply_rope",
+    "document_positions",
+]
 
 
 @dataclass(kw_only=True)
@@ -29,6 +46,9 @@ class TransformerConfig:
     ``recompute`` lists what each block rebuilds in backward instead of keeping (fine-grained
     activation recompute; ``models/recompute.py``): ``norm``, ``moe_act``, ``moe``, ``attn``,
     ``block``. ``[]`` keeps everything; ``["moe_act", "norm"]`` is the cheap, memory-heavy choice.
+
+    ``attention_backend`` picks the single-rank attention kernel (``models/attention.py``):
+    ``auto``, ``sdpa``, ``flex`` or ``flash_varlen``.
     """
 
     vocab_size: int
@@ -47,6 +67,7 @@ class TransformerConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     recompute: list[RecomputeTarget] = field(default_factory=list)
+    attention_backend: AttentionBackend = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # from saved hyper-parameters or a plain mapping
@@ -68,6 +89,10 @@ class TransformerConfig:
         for name in ("qk_norm", "tie_embeddings"):
             check_bool(owner, name, getattr(self, name))
         RecomputePlan.from_targets(self.recompute)  # raises on a bad list
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"{owner}: attention_backend={self.attention_backend!r} is unknown; choose from {list(ATTENTION_BACKENDS)}."
+            )
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
                 raise ValueError(
@@ -103,16 +128,46 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device)
     return angles.cos(), angles.sin()
 
 
+def rope_at_positions(
+    position_ids_BS: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` ``[B, S, D/2]`` at the given positions: row ``position_ids_BS[b, s]`` of
+    ``rope_tables`` (the same fp32 products, computed without the table)."""
+    device = position_ids_BS.device
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles_BSD = position_ids_BS.to(torch.float32)[..., None] * inv_freq
+    return angles_BSD.cos(), angles_BSD.sin()
+
+
+def document_positions(document_ids_BS: torch.Tensor) -> torch.Tensor:
+    """Positions that restart at 0 where the document id changes along each row ``[B, S]``."""
+    B, S = document_ids_BS.shape
+    index_BS = torch.arange(S, device=document_ids_BS.device).expand(B, S)
+    starts_BS = torch.ones(B, S, dtype=torch.bool, device=document_ids_BS.device)
+    starts_BS[:, 1:] = document_ids_BS[:, 1:] != document_ids_BS[:, :-1]
+    start_index_BS = torch.where(starts_BS, index_BS, torch.zeros_like(index_BS)).cummax(dim=1).values
+    return index_BS - start_index_BS
+
+
 def apply_rope(x_BNSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (first half, second half) of the head dim."""
+    """Rotate pairs (first half, second half) of the head dim. ``cos``/``sin`` are ``[S, D/2]``
+    (one table for every row) or ``[B, S, D/2]`` (per-row positions)."""
+    if cos_SD.dim() == 3:
+        cos_SD, sin_SD = cos_SD[:, None], sin_SD[:, None]  # [B, 1, S, D/2]: broadcast over heads
     x1, x2 = x_BNSD.float().chunk(2, dim=-1)
     out = torch.cat([x1 * cos_SD - x2 * sin_SD, x2 * cos_SD + x1 * sin_SD], dim=-1)
     return out.to(x_BNSD.dtype)
 
 
 class Attention(nn.Module):
+    """Causal RoPE attention with grouped kv heads. ``cp_group`` (set by ``enable_context_parallel``)
+    makes it attend across the context-parallel group; otherwise ``attend`` runs on this rank with
+    ``TransformerConfig.attention_backend``."""
+
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
+        self.backend = cfg.attention_backend
+        self.cp_group = None
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads or cfg.num_heads
         self.head_dim = cfg.head_dim
@@ -124,14 +179,33 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x_BSH: torch.Tensor,
+        cos_SD: torch.Tensor,
+        sin_SD: torch.Tensor,
+        document_ids_BS: torch.Tensor | None = None,
+        position_ids_BS: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``position_ids_BS`` only matter under context parallelism (global positions, required
+        there); on one rank keys are ordered by sequence index, and RoPE comes in ``cos``/``sin``."""
         B, S, _ = x_BSH.shape
         q, k, v = (_heads(proj(x_BSH), self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos_SD, sin_SD), apply_rope(k, cos_SD, sin_SD)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        if self.cp_group is not None:
+            if position_ids_BS is None:
+                raise ValueError(
+                    "Attention: under context parallelism pass position_ids_BS, the global positions of this rank's "
+                    "shard (lightning_moe.parallel.context.cp_chunk_positions)."
+                )
+            from lightning_moe.parallel.context import context_parallel_attention
+
+            out = context_parallel_attention(q, k, v, position_ids_BS, self.cp_group, document_ids_BS)
+        else:
+            out = attend(q, k, v, document_ids=document_ids_BS, backend=self.backend)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, out.shape[1] * self.head_dim))
 
 
@@ -167,19 +241,29 @@ class Block(nn.Module):
             self.ffn = MoELayer(cfg.moe, layer_name=f"layers.{index}.ffn")
         self.recompute = RecomputePlan.from_targets(cfg.recompute)
 
-    def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x_BSH: torch.Tensor,
+        cos_SD: torch.Tensor,
+        sin_SD: torch.Tensor,
+        document_ids_BS: torch.Tensor | None = None,
+        position_ids_BS: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # attention gets the extra arguments only when there are any (its call signature is
+        # what CUDA-graph capture records)
+        extra = () if document_ids_BS is None and position_ids_BS is None else (document_ids_BS, position_ids_BS)
         if self.recompute.block and torch.is_grad_enabled():
-            return guarded_checkpoint(self, self._forward, x_BSH, cos_SD, sin_SD)
-        return self._forward(x_BSH, cos_SD, sin_SD)
+            return guarded_checkpoint(self, self._forward, x_BSH, cos_SD, sin_SD, *extra)
+        return self._forward(x_BSH, cos_SD, sin_SD, *extra)
 
-    def _forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
         with RecomputeScope(self.recompute) as rc:  # plain calls when recompute is empty
-            x_BSH = x_BSH + rc.attention(self.attn, rc.norm(self.attn_norm, x_BSH), cos_SD, sin_SD)
+            x_BSH = x_BSH + rc.attention(self.attn, rc.norm(self.attn_norm, x_BSH), cos_SD, sin_SD, *extra)
             return x_BSH + rc.ffn(self.ffn, rc.norm(self.ffn_norm, x_BSH))
 
 
 class MoETransformer(nn.Module):
-    """``forward(input_ids[B, S]) -> logits[B, S, V]``."""
+    """``forward(input_ids[B, S], position_ids[B, S]=None, document_ids[B, S]=None) -> logits[B, S, V]``."""
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
@@ -200,18 +284,104 @@ class MoETransformer(nn.Module):
             elif "norm" in name:
                 nn.init.ones_(p)
 
-    def forward(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
-        S = input_ids_BS.shape[1]
-        if S > self.config.max_seq_len:
+    def forward(
+        self,
+        input_ids_BS: torch.Tensor,
+        position_ids_BS: torch.Tensor | None = None,
+        document_ids_BS: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[B, S, V]``. ``position_ids_BS`` default to ``0..S-1`` (restarting at each
+        document when ``document_ids_BS`` are given); under context parallelism they are the
+        shard's global positions and must be given."""
+        cp_group = self._cp_group()
+        B, S = input_ids_BS.shape
+        if cp_group is None and S > self.config.max_seq_len:
             raise ValueError(
                 f"MoETransformer: sequence length {S} exceeds max_seq_len={self.config.max_seq_len}; "
                 "raise max_seq_len or shorten the batch."
             )
-        cos_SD, sin_SD = rope_tables(S, self.config.head_dim, self.config.rope_theta, input_ids_BS.device)
+        self._check_ids(input_ids_BS, position_ids_BS, "position_ids_BS")
+        self._check_ids(input_ids_BS, document_ids_BS, "document_ids_BS")
+        if cp_group is not None and position_ids_BS is None:
+            raise ValueError(
+                "MoETransformer: under context parallelism the input is this rank's shard; pass position_ids_BS, its "
+                "global positions (lightning_moe.parallel.context.cp_chunk_positions, or the documents' positions "
+                "sharded the same way)."
+            )
+        if document_ids_BS is not None or position_ids_BS is not None:
+            self._check_packing(position_ids_BS, document_ids_BS, cp_group)
+        if document_ids_BS is not None and position_ids_BS is None:
+            position_ids_BS = document_positions(document_ids_BS)
+        if position_ids_BS is None:
+            cos_SD, sin_SD = rope_tables(S, self.config.head_dim, self.config.rope_theta, input_ids_BS.device)
+        else:
+            cos_SD, sin_SD = rope_at_positions(position_ids_BS, self.config.head_dim, self.config.rope_theta)
+        extra = () if document_ids_BS is None and cp_group is None else (document_ids_BS, position_ids_BS)
         x_BSH = self.embed(input_ids_BS)
         for block in self.layers:
-            x_BSH = block(x_BSH, cos_SD, sin_SD)
+            x_BSH = block(x_BSH, cos_SD, sin_SD, *extra)
         return self.lm_head(self.norm(x_BSH))
+
+    def _cp_group(self):  # noqa: ANN202 - a ProcessGroup or None
+        groups = {id(m.cp_group): m.cp_group for m in self.modules() if isinstance(m, Attention)}
+        if len(groups) > 1:
+            raise ValueError(
+                "MoETransformer: its Attention modules have different context-parallel groups; set one group for "
+                "the whole model with enable_context_parallel(model, cp_group)."
+            )
+        return next(iter(groups.values()), None)
+
+    @staticmethod
+    def _check_ids(input_ids_BS: torch.Tensor, ids_BS: torch.Tensor | None, name: str) -> None:
+        if ids_BS is None:
+            return
+        if not isinstance(ids_BS, torch.Tensor) or ids_BS.dtype.is_floating_point or ids_BS.dtype == torch.bool:
+            raise TypeError(f"MoETransformer: {name} must be an integer tensor, not {getattr(ids_BS, 'dtype', type(ids_BS))}.")
+        if ids_BS.shape != input_ids_BS.shape:
+            raise ValueError(
+                f"MoETransformer: {name} has shape {tuple(ids_BS.shape)}, input_ids_BS {tuple(input_ids_BS.shape)}; "
+                "pass one id per token."
+            )
+
+    def _check_packing(
+        self, position_ids_BS: torch.Tensor | None, document_ids_BS: torch.Tensor | None, cp_group  # noqa: ANN001
+    ) -> None:
+        """Document ids must not decrease along a row (each document one contiguous run), and
+        positions must lie in ``[0, max_seq_len)``. Under context parallelism the checks run on the
+        whole gathered sequence, so every rank of the group raises together (none is left waiting
+        in a collective)."""
+        ids = [t for t in (position_ids_BS, document_ids_BS) if t is not None]
+        stacked_KBS = torch.stack([t.to(torch.long) for t in ids])
+        if cp_group is not None:
+            from lightning_moe.parallel.context import _all_gather_cat, unshard_sequence
+
+            world = torch.distributed.get_world_size(cp_group)
+            gathered = _all_gather_cat(stacked_KBS, cp_group, dim=2)
+            stacked_KBS = unshard_sequence(list(gathered.chunk(world, dim=2)), world, dim=2)
+        if stacked_KBS.numel() == 0:
+            return
+        max_len = self.config.max_seq_len
+        doc_BS = stacked_KBS[-1] if document_ids_BS is not None else None
+        pos_BS = stacked_KBS[0] if position_ids_BS is not None else None
+        flags = []
+        if doc_BS is not None:
+            flags.append((doc_BS[:, 1:] < doc_BS[:, :-1]).any())
+        if pos_BS is not None:
+            flags.append(((pos_BS < 0) | (pos_BS >= max_len)).any())
+        bad = torch.stack(flags).tolist()  # one host sync for every check
+        if doc_BS is not None and bad[0]:
+            row, col = (doc_BS[:, 1:] < doc_BS[:, :-1]).nonzero()[0].tolist()
+            raise ValueError(
+                f"MoETransformer: document_ids_BS decrease in row {row} at token {col + 1} "
+                f"({int(doc_BS[row, col])} -> {int(doc_BS[row, col + 1])}); packed documents must be contiguous, "
+                "with ids non-decreasing along each row."
+            )
+        if pos_BS is not None and bad[-1]:
+            low, high = int(pos_BS.min()), int(pos_BS.max())
+            raise ValueError(
+                f"MoETransformer: position_ids_BS span [{low}, {high}], outside [0, max_seq_len={max_len}); "
+                "raise max_seq_len or fix the positions."
+            )
 
     def num_active_params(self) -> int:
         """Parameters one token touches (top-k of the routed experts), excluding embeddings."""

@@ -1,0 +1,308 @@
+"""Context parallelism: a sequence sharded over the CP group, and causal attention across it.
+
+Legend: B batch, N query heads, Nk key/value heads, S global sequence length, s = S / cp local
+length, D head dim, Dv value head dim, c cp ranks, b a block of local queries.
+
+Sharding is load-balanced for a causal mask: the sequence is cut into ``2·cp`` equal chunks and
+rank ``r`` holds chunks ``r`` and ``2·cp - 1 - r`` (an early chunk, whose queries read few keys,
+with a late one, whose queries read many), so every rank does the same attention work.
+
+``context_parallel_attention`` is one autograd function. Forward all-gathers K/V (one collective)
+and the key positions / document ids (another) over the group, and computes the local queries'
+attention over all keys block by block in fp32 (no ``[s, S]`` score matrix is ever whole). It
+saves only local tensors: ``q``, ``k``, ``v``, the output and its per-query logsumexp. Backward
+all-gathers K/V again, recomputes the probabilities from the logsumexp, and sends each rank the sum
+of every rank's dK/dV for its own keys (``reduce_scatter`` where the backend has it, an
+``all_to_all`` and a local sum on gloo). The memory kept for backward per rank is therefore
+``1/cp`` of a single-rank run's.
+
+The mask is the one of ``models/attention.py``: key position ``<=`` query position and, with
+document ids, the same document. The group's ranks must hold the same batch rows (same ``B``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+__all__ = [
+    "context_parallel_attention",
+    "cp_chunk_positions",
+    "enable_context_parallel",
+    "shard_sequence",
+    "unshard_sequence",
+]
+
+_BLOCK_ELEMENTS = 1 << 22  # scores of one query block: [B, N, b, S] fp32, about 16 MiB
+
+
+def _check_cp(owner: str, cp_size: int, cp_rank: int) -> None:
+    for name, value in (("cp_size", cp_size), ("cp_rank", cp_rank)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{owner}: {name}={value!r} must be an int.")
+    if cp_size < 1:
+        raise ValueError(f"{owner}: cp_size={cp_size} must be >= 1.")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"{owner}: cp_rank={cp_rank} must be in [0, cp_size={cp_size}).")
+
+
+def cp_chunk_positions(seq_len: int, cp_size: int, cp_rank: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The ``S / cp`` global positions rank ``cp_rank`` holds, in order: chunks ``cp_rank`` and
+    ``2·cp - 1 - cp_rank`` of ``2·cp`` equal chunks. ``seq_len`` must be a multiple of ``2·cp``."""
+    _check_cp("cp_chunk_positions", cp_size, cp_rank)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise TypeError(f"cp_chunk_positions: seq_len={seq_len!r} must be an int >= 0.")
+    multiple = 2 * cp_size
+    if seq_len % multiple:
+        raise ValueError(
+            f"cp_chunk_positions: sequence length {seq_len} is not divisible by 2*cp={multiple}; pad or cut "
+            f"the sequence to a multiple of {multiple} (e.g. {math.ceil(seq_len / multiple) * multiple})."
+        )
+    chunk = seq_len // multiple
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
+    last = torch.arange((multiple - 1 - cp_rank) * chunk, (multiple - cp_rank) * chunk, device=device)
+    return torch.cat([first, last])
+
+
+def shard_sequence(x: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
+    """The part of ``x`` (sequence along ``dim``) that rank ``cp_rank`` holds (``cp_chunk_positions``)."""
+    positions = cp_chunk_positions(x.shape[dim], cp_size, cp_rank, device=x.device)
+    return x.index_select(dim, positions)
+
+
+def unshard_sequence(shards: list[torch.Tensor], cp_size: int, dim: int = 1) -> torch.Tensor:
+    """The full sequence from every rank's ``shard_sequence`` part, in rank order (the inverse)."""
+    if len(shards) != cp_size:
+        raise ValueError(f"unshard_sequence: got {len(shards)} shards for cp_size={cp_size}; pass one per rank.")
+    gathered = torch.cat(list(shards), dim=dim)
+    S = gathered.shape[dim]
+    order = torch.cat([cp_chunk_positions(S, cp_size, r, device=gathered.device) for r in range(cp_size)])
+    return gathered.index_select(dim, torch.argsort(order))
+
+
+# ----------------------------------------------------------------------------------------------
+# collectives (a group of one, or ``None``, needs none)
+
+
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _all_gather_cat(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in group-rank order."""
+    world = _group_size(group)
+    if world == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter_cat(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
+    """Inverse of ``_all_gather_cat`` for gradients: this rank's chunk along ``dim``, summed over ranks."""
+    world = _group_size(group)
+    if world == 1:
+        return x
+    send_c = torch.stack(x.chunk(world, dim=dim)).contiguous()  # [c, ...]: chunk j goes to rank j
+    if dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter
+        recv_c = torch.empty_like(send_c)
+        dist.all_to_all_single(recv_c, send_c, group=group)
+        return recv_c.sum(0)
+    out = torch.empty_like(send_c[0])
+    dist.reduce_scatter_tensor(out, send_c, group=group)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# blockwise attention math (fp32, or fp64 for fp64 inputs)
+
+
+def _block_size(B: int, N: int, s: int, S: int) -> int:
+    return max(1, min(s, _BLOCK_ELEMENTS // max(1, B * N * S)))
+
+
+def _block_mask(
+    pos_q_Bs: torch.Tensor,
+    pos_k_BS: torch.Tensor,
+    doc_q_Bs: torch.Tensor | None,
+    doc_k_BS: torch.Tensor | None,
+    lo: int,
+    hi: int,
+) -> torch.Tensor:
+    """``[B or 1, 1, 1, b, S]`` (broadcast over Nk and the query group): may query read key."""
+    keep = pos_k_BS[:, None, :] <= pos_q_Bs[:, lo:hi, None]
+    if doc_q_Bs is not None:
+        keep = keep & (doc_k_BS[:, None, :] == doc_q_Bs[:, lo:hi, None])
+    return keep[:, None, None]
+
+
+def _probabilities(
+    q_blk: torch.Tensor, k_all: torch.Tensor, mask: torch.Tensor, scale: float, lse: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(p [B, Nk, G, b, S], lse [B, Nk, G, b])``; ``lse`` is computed unless given."""
+    scores = torch.matmul(q_blk, k_all.unsqueeze(2).transpose(-1, -2)).mul_(scale)
+    scores.masked_fill_(~mask, float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # a query with no key gets zeros
+    return scores.sub_(safe.unsqueeze(-1)).exp_(), lse
+
+
+class _ContextParallelAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pos_Bs: torch.Tensor,
+        doc_Bs: torch.Tensor | None,
+        scale: float,
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
+        B, N, s, D = q.shape
+        Nk, Dv = k.shape[1], v.shape[-1]
+        G = N // Nk
+        cdt = torch.promote_types(q.dtype, torch.float32)
+        k_all, v_all, pos_k, doc_k = _gather_keys(k, v, pos_Bs, doc_Bs, group)
+        k_all, v_all = k_all.to(cdt), v_all.to(cdt)
+        q5 = q.to(cdt).view(B, Nk, G, s, D)
+        out5 = q.new_empty(B, Nk, G, s, Dv, dtype=cdt)
+        lse = q.new_empty(B, Nk, G, s, dtype=cdt)
+        step = _block_size(B, N, s, k_all.shape[2])
+        for lo in range(0, s, step):
+            hi = min(s, lo + step)
+            mask = _block_mask(pos_Bs, pos_k, doc_Bs, doc_k, lo, hi)
+            p, lse[..., lo:hi] = _probabilities(q5[..., lo:hi, :], k_all, mask, scale, None)
+            out5[..., lo:hi, :] = torch.matmul(p, v_all.unsqueeze(2))
+        out = out5.view(B, N, s, Dv).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, pos_Bs, doc_Bs)
+        ctx.scale, ctx.group = scale, group
+        return out
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, dout: torch.Tensor):  # type: ignore[override]  # noqa: ANN205
+        q, k, v, out, lse, pos_Bs, doc_Bs = ctx.saved_tensors
+        scale, group = ctx.scale, ctx.group
+        B, N, s, D = q.shape
+        Nk, Dv = k.shape[1], v.shape[-1]
+        G = N // Nk
+        cdt = lse.dtype
+        k_all, v_all, pos_k, doc_k = _gather_keys(k, v, pos_Bs, doc_Bs, group)
+        k_all, v_all = k_all.to(cdt), v_all.to(cdt)
+        q5 = q.to(cdt).view(B, Nk, G, s, D)
+        do5 = dout.to(cdt).reshape(B, Nk, G, s, Dv)
+        delta = (do5 * out.to(cdt).view(B, Nk, G, s, Dv)).sum(-1)  # [B, Nk, G, s]
+        dq5 = torch.empty_like(q5)
+        dk_all = torch.zeros_like(k_all)
+        dv_all = torch.zeros_like(v_all)
+        step = _block_size(B, N, s, k_all.shape[2])
+        for lo in range(0, s, step):
+            hi = min(s, lo + step)
+            mask = _block_mask(pos_Bs, pos_k, doc_Bs, doc_k, lo, hi)
+            p, _ = _probabilities(q5[..., lo:hi, :], k_all, mask, scale, lse[..., lo:hi])
+            do_blk = do5[..., lo:hi, :]
+            dv_all += torch.matmul(p.transpose(-1, -2), do_blk).sum(2)
+            dp = torch.matmul(do_blk, v_all.unsqueeze(2).transpose(-1, -2))
+            ds = p.mul_(dp.sub_(delta[..., lo:hi].unsqueeze(-1))).mul_(scale)
+            dq5[..., lo:hi, :] = torch.matmul(ds, k_all.unsqueeze(2))
+            dk_all += torch.matmul(ds.transpose(-1, -2), q5[..., lo:hi, :]).sum(2)
+        dkv = _reduce_scatter_cat(torch.cat([dk_all, dv_all], dim=-1), group, dim=2)
+        dk, dv = dkv.split([D, Dv], dim=-1)
+        return dq5.view(B, N, s, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def _gather_keys(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pos_Bs: torch.Tensor,
+    doc_Bs: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Every rank's keys, values, key positions and key document ids, concatenated along S."""
+    D = k.shape[-1]
+    kv_all = _all_gather_cat(torch.cat([k, v.to(k.dtype)], dim=-1), group, dim=2)
+    k_all, v_all = kv_all.split([D, v.shape[-1]], dim=-1)
+    if doc_Bs is None:
+        return k_all, v_all.to(v.dtype), _all_gather_cat(pos_Bs, group, dim=1), None
+    meta = _all_gather_cat(torch.stack([pos_Bs.expand_as(doc_Bs), doc_Bs.to(pos_Bs.dtype)]), group, dim=2)
+    return k_all, v_all.to(v.dtype), meta[0], meta[1]
+
+
+def context_parallel_attention(
+    q_BNsD: torch.Tensor,
+    k_BNsD: torch.Tensor,
+    v_BNsD: torch.Tensor,
+    positions_s: torch.Tensor,
+    cp_group: dist.ProcessGroup | None,
+    document_ids_Bs: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention ``[B, N, s, Dv]`` of this rank's queries over the keys of every rank of ``cp_group``.
+
+    ``q [B, N, s, D]``, ``k [B, Nk, s, D]``, ``v [B, Nk, s, Dv]`` are this rank's tokens;
+    ``positions_s`` (``[s]``, or ``[B, s]``) their global positions (``cp_chunk_positions``; with
+    documents, positions that restart at each document work too); ``document_ids_Bs [B, s]`` their
+    documents. ``cp_group=None`` (or a group of one) is single-rank attention by the same math.
+    ``scale`` defaults to ``1/sqrt(D)``.
+    """
+    q, k, v = q_BNsD, k_BNsD, v_BNsD
+    owner = "context_parallel_attention"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"{owner}: q, k, v must be [B, N, s, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}.")
+    B, N, s, D = q.shape
+    if k.shape[0] != B or k.shape[2] != s or k.shape[3] != D or v.shape[:3] != k.shape[:3]:
+        raise ValueError(
+            f"{owner}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit: batch and local length "
+            "must agree, k's head dim must equal q's, v must have k's heads."
+        )
+    if k.shape[1] == 0 or N % k.shape[1]:
+        raise ValueError(f"{owner}: {N} query heads are not a multiple of {k.shape[1]} key/value heads.")
+    if not isinstance(positions_s, torch.Tensor) or positions_s.dtype.is_floating_point or positions_s.shape not in ((s,), (B, s)):
+        got = f"{positions_s.dtype} {tuple(positions_s.shape)}" if isinstance(positions_s, torch.Tensor) else type(positions_s).__name__
+        raise ValueError(f"{owner}: positions_s must be an integer [{s}] or [{B}, {s}] tensor (cp_chunk_positions); got {got}.")
+    if document_ids_Bs is not None and (
+        not isinstance(document_ids_Bs, torch.Tensor) or document_ids_Bs.dtype.is_floating_point or document_ids_Bs.shape != (B, s)
+    ):
+        raise ValueError(f"{owner}: document_ids_Bs must be an integer [{B}, {s}] tensor.")
+    if cp_group is not None and not isinstance(cp_group, dist.ProcessGroup):
+        raise TypeError(f"{owner}: cp_group={cp_group!r} must be a torch.distributed ProcessGroup or None.")
+    pos_Bs = (positions_s if positions_s.dim() == 2 else positions_s[None]).to(torch.long)
+    doc_Bs = None if document_ids_Bs is None else document_ids_Bs.to(torch.long)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    return _ContextParallelAttention.apply(q, k, v, pos_Bs, doc_Bs, scale, cp_group)
+
+
+def enable_context_parallel(model: nn.Module, cp_group: dist.ProcessGroup | None) -> None:
+    """Make every ``Attention`` of ``model`` (our transformer) attend across ``cp_group``
+    (``None`` turns it off). The model's forward then takes this rank's shard of the sequence,
+    with ``position_ids_BS`` its global positions. Raises ``TypeError`` naming any other attention
+    module (one this cannot wrap), before changing anything."""
+    from lightning_moe.models.transformer import Attention
+
+    if cp_group is not None and not isinstance(cp_group, dist.ProcessGroup):
+        raise TypeError(f"enable_context_parallel: cp_group={cp_group!r} must be a torch.distributed ProcessGroup or None.")
+    ours: list[nn.Module] = []
+    prefixes = tuple(name + "." for name, m in model.named_modules() if isinstance(m, Attention) and name)
+    for name, module in model.named_modules():
+        if isinstance(module, Attention):
+            ours.append(module)
+        elif isinstance(module, nn.MultiheadAttention) or "attention" in type(module).__name__.lower():
+            if not name.startswith(prefixes):  # (an empty tuple matches nothing)
+                raise TypeError(
+                    f"enable_context_parallel: module {name or '<root>'!r} ({type(module).__name__}) is attention that "
+                    "context parallelism cannot wrap: only lightning_moe.models.transformer.Attention attends across "
+                    "the CP group. Use MoETransformer, or run this model with cp=1."
+                )
+    if not ours:
+        raise ValueError(
+            f"enable_context_parallel: {type(model).__name__} has no lightning_moe Attention module to make context "
+            "parallel; use MoETransformer, or run with cp=1."
+        )
+    for module in ours:
+        module.cp_group = cp_group
+
