@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from lightning_moe.config import MoEConfig, check_bool, check_float, check_int
 from lightning_moe.models.attention import ATTENTION_BACKENDS, AttentionBackend, attend
+from lightning_moe.models.fp8_dense import DENSE_FP8_CHOICES, DenseFp8, convert_linears_to_fp8
 from lightning_moe.models.recompute import RecomputePlan, RecomputeScope, RecomputeTarget, guarded_checkpoint
 from lightning_moe.moe.layer import MoELayer
 
@@ -49,6 +50,10 @@ class TransformerConfig:
 
     ``attention_backend`` picks the single-rank attention kernel (``models/attention.py``):
     ``auto``, ``sdpa``, ``flex`` or ``flash_varlen``.
+
+    ``fp8_dense`` runs the dense layers (attention projections, dense MLPs, shared experts) in FP8
+    with the experts' ``moe.fp8`` recipe: ``off``, ``on`` (lightning-moe's FP8 linear) or
+    ``torchao`` (torchao's float8 training, CUDA; ``models/fp8_dense.py``).
     """
 
     vocab_size: int
@@ -68,6 +73,7 @@ class TransformerConfig:
     init_std: float = 0.02
     recompute: list[RecomputeTarget] = field(default_factory=list)
     attention_backend: AttentionBackend = "auto"
+    fp8_dense: DenseFp8 = "off"
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # from saved hyper-parameters or a plain mapping
@@ -89,6 +95,15 @@ class TransformerConfig:
         for name in ("qk_norm", "tie_embeddings"):
             check_bool(owner, name, getattr(self, name))
         RecomputePlan.from_targets(self.recompute)  # raises on a bad list
+        if self.fp8_dense not in DENSE_FP8_CHOICES:
+            raise ValueError(
+                f"TransformerConfig: fp8_dense={self.fp8_dense!r} is unknown; choose one of {DENSE_FP8_CHOICES}."
+            )
+        if self.fp8_dense != "off" and self.moe.fp8 is None:
+            raise ValueError(
+                f"TransformerConfig: fp8_dense={self.fp8_dense!r} takes its recipe from moe.fp8, which is None; "
+                "set moe.fp8 (e.g. {'recipe': 'blockwise'}) or fp8_dense='off'."
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"{owner}: attention_backend={self.attention_backend!r} is unknown; choose from {list(ATTENTION_BACKENDS)}."
@@ -275,6 +290,7 @@ class MoETransformer(nn.Module):
         self.reset_parameters()
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        convert_linears_to_fp8(self, config.fp8_dense, config.moe.fp8)  # "off": nothing to do
 
     def reset_parameters(self) -> None:
         std = self.config.init_std
