@@ -16,9 +16,17 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from lightning_moe.config import ExpertsBackend, KernelConfig
-from lightning_moe.ops.deferred import Deferred
+from lightning_moe.config import ExpertsBackend, Fp8Config, KernelConfig
+from lightning_moe.ops.deferred import Deferred, resolved
 from lightning_moe.ops.expert_mlp import expert_swiglu_mlp
+from lightning_moe.ops.fp8.expert_mlp import (
+    Fp8Options,
+    dequantized_rows,
+    fp8_expert_swiglu_mlp,
+    fp8_local_experts,
+    fp8_options,
+)
+from lightning_moe.ops.fp8.quantize import Fp8Tensor
 from lightning_moe.ops.local_experts import local_experts
 from lightning_moe.ops.permute import Permutation
 from lightning_moe.ops.grouped_gemm import GemmBackend, offsets_from_counts, resolve_gemm_backend
@@ -36,6 +44,10 @@ class GroupedExperts(nn.Module):
     ``kernels`` (:class:`~lightning_moe.config.KernelConfig`, default: its defaults) is read here,
     once: its values are kept as plain attributes (``gemm_kernel``, ``gemm_tile``, ``wgrad_kernel``,
     ``wgrad_streams``) and passed to the ops on every call.
+
+    ``fp8`` (:class:`~lightning_moe.config.Fp8Config`, default ``None``: GEMMs in the activation
+    dtype) runs the expert GEMMs in FP8 (``ops/fp8/expert_mlp.py``), resolved once per device
+    (:meth:`fp8_options`); the parameters stay in their own dtype.
     """
 
     def __init__(
@@ -46,8 +58,13 @@ class GroupedExperts(nn.Module):
         backend: ExpertsBackend = "auto",
         init_std: float = 0.02,
         kernels: KernelConfig | None = None,
+        fp8: Fp8Config | None = None,
     ) -> None:
         super().__init__()
+        if fp8 is not None and not isinstance(fp8, Fp8Config):
+            raise TypeError(f"GroupedExperts: fp8={fp8!r} is not an Fp8Config; pass Fp8Config(...) or None.")
+        self.fp8 = fp8
+        self._fp8_resolved: dict[str, Fp8Options | None] = {}
         kernels = KernelConfig() if kernels is None else kernels
         if not isinstance(kernels, KernelConfig):
             raise TypeError(
@@ -88,6 +105,30 @@ class GroupedExperts(nn.Module):
             self._resolved[key] = backend
         return self._resolved[key]
 
+    def fp8_options(self, device: torch.device) -> Fp8Options | None:
+        """The FP8 settings on ``device`` (``None``: bf16 experts), resolved once per device type.
+
+        Raises a ``ValueError`` naming the fix when ``Fp8Config(enabled="on")`` cannot run here
+        (e.g. on CPU without ``backend="emulate"``); see ``ops.fp8.expert_mlp.fp8_options``."""
+        if self.fp8 is None:
+            return None
+        if device.type not in self._fp8_resolved:
+            self._fp8_resolved[device.type] = fp8_options(self.fp8, device, self.hidden_size, self.ffn_hidden_size)
+        return self._fp8_resolved[device.type]
+
+    def fp8_rows(self, device: torch.device) -> tuple[str, str, bool] | None:
+        """``(recipe, fmt, pow2_scales)`` of the FP8 rows the experts take from the token exchange on
+        ``device`` (a dispatcher's ``fp8_rows``), or ``None`` when they take none."""
+        opts = self.fp8_options(device)
+        if opts is None or self.fp8 is None or not self.fp8.dispatch:
+            return None
+        return (opts.recipe, "e4m3", opts.pow2_scales)
+
+    def _fp8_weights(self, device_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+        """The master weights (quantized from as they are) and the activation dtype."""
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else self.w13.dtype
+        return _local(self.w13), _local(self.w2), dtype
+
     def _compute_weights(self, device_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
@@ -98,9 +139,27 @@ class GroupedExperts(nn.Module):
         return _local(self.w13).to(dtype), _local(self.w2).to(dtype), dtype
 
     def forward(
-        self, x_RH: torch.Tensor, tokens_per_expert_e: torch.Tensor, weights_R: torch.Tensor | None = None
+        self,
+        x_RH: torch.Tensor,
+        tokens_per_expert_e: torch.Tensor,
+        weights_R: torch.Tensor | None = None,
+        x_fp8: Fp8Tensor | None = None,
     ) -> torch.Tensor:
-        """Rows already grouped by expert -> expert outputs, same row order."""
+        """Rows already grouped by expert -> expert outputs, same row order.
+
+        ``x_fp8``: the rows in FP8, quantized before the token exchange; ``x_RH`` is then the
+        dispatcher's differentiable stand-in for them (it receives the real input gradient). With
+        the FP8 experts off here, the rows are dequantized (and the gradient still reaches ``x_RH``)."""
+        opts = self.fp8_options(x_RH.device)
+        if opts is not None:
+            w13, w2, dtype = self._fp8_weights(x_RH.device.type)
+            offs_e = offsets_from_counts(tokens_per_expert_e)
+            with torch.autocast(device_type=x_RH.device.type, enabled=False):
+                return fp8_expert_swiglu_mlp(
+                    x_RH, w13, w2, offs_e, weights_R, opts, dtype, x_fp8, self.fuse_wgrad_accumulation
+                )
+        if x_fp8 is not None:
+            x_RH = dequantized_rows(x_RH, x_fp8)
         device_type = x_RH.device.type
         w13, w2, dtype = self._compute_weights(device_type)
         offs_e = offsets_from_counts(tokens_per_expert_e)
@@ -118,6 +177,9 @@ class GroupedExperts(nn.Module):
         ``weights_R`` may be a function: it is called once the first expert GEMM is launched.
         ``x_RH``: ``x_TH``'s rows in ``perm``'s order when the caller already moved them (or a
         ``TakeOnce`` of them, so that they are freed after the first GEMM when not kept)."""
+        opts = self.fp8_options(x_TH.device)
+        if opts is not None:
+            return self._fp8_local(x_TH, perm, weights_R, x_RH, opts)
         device_type = x_TH.device.type
         w13, w2, dtype = self._compute_weights(device_type)
         offs_e = perm.offsets_E if perm.offsets_E is not None else offsets_from_counts(perm.tokens_per_expert_E)
@@ -129,9 +191,21 @@ class GroupedExperts(nn.Module):
         with torch.autocast(device_type=device_type, enabled=False):
             return local_experts(*args, *kernels)
 
+    def _fp8_local(
+        self, x_TH: torch.Tensor, perm: Permutation, weights_R: Deferred, x_RH: Deferred | None, opts: Fp8Options
+    ) -> torch.Tensor:
+        w13, w2, dtype = self._fp8_weights(x_TH.device.type)
+        offs_e = perm.offsets_E if perm.offsets_E is not None else offsets_from_counts(perm.tokens_per_expert_E)
+        x_RH = None if x_RH is None else resolved(x_RH)
+        with torch.autocast(device_type=x_TH.device.type, enabled=False):
+            return fp8_local_experts(
+                x_TH, w13, w2, weights_R, perm, offs_e, opts, dtype, x_RH, self.fuse_wgrad_accumulation
+            )
+
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
             f"ffn_hidden_size={self.ffn_hidden_size}, backend={self.requested_backend!r}, "
             f"gemm={self.gemm_kernel!r}, wgrad={self.wgrad_kernel!r}"
+            + ("" if self.fp8 is None else f", fp8={self.fp8.recipe!r}")
         )

@@ -105,7 +105,7 @@ class MoELayer(nn.Module):
         self.router = TopKRouter(config)
         self.experts = GroupedExperts(
             config.num_experts, config.hidden_size, config.ffn_hidden_size, config.experts_backend, config.init_std,
-            kernels=config.kernels,
+            kernels=config.kernels, fp8=config.fp8,
         )
         self.experts.fuse_wgrad_accumulation = config.fuse_wgrad_accumulation
         self.shared_expert = (
@@ -170,7 +170,10 @@ class MoELayer(nn.Module):
             dispatched, handle = self.dispatcher.dispatch(
                 x_TH, routing.topk_ids_TK, routing.topk_weights_TK, capacity
             )
-            y_RH = self.experts(dispatched.x_RH, dispatched.tokens_per_expert_e, dispatched.weights_R if me else None)
+            y_RH = self.experts(
+                dispatched.x_RH, dispatched.tokens_per_expert_e, dispatched.weights_R if me else None,
+                x_fp8=getattr(dispatched, "x_fp8", None),  # FP8 rows of an FP8-capable dispatcher
+            )
             y_TH = self.dispatcher.combine(y_RH, handle, weighted=not me)
         y_TH = y_TH.to(x.dtype)
         if shared is not None:
