@@ -8,7 +8,10 @@ logging, aux-loss scaling, expert-bias updates, AdamW with warm-up + cosine — 
 :class:`~lightning_moe.lit.MoELanguageModelBase`, the base ``lightning-moe fit`` accepts models of.
 
 Batches are ``{"input_ids", "labels"}`` with labels already shifted (``MoEDataModule``), so the
-loss is computed here from the logits and HF's own label shifting is not used.
+loss is computed here from the logits and HF's own label shifting is not used. Packed batches
+(``packing="pack"``) add ``position_ids`` and ``document_ids``; ``forward`` then gives the model
+a 4-D mask that keeps attention within each document
+(:func:`~lightning_moe.models.hf.packed_forward_kwargs`).
 """
 
 from __future__ import annotations
@@ -147,8 +150,19 @@ class HFMoELanguageModel(MoELanguageModelBase):
         self.config = self.model.config
 
     @override
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, use_cache=False).logits
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits ``[B, S, V]``. With ``document_ids`` ``[B, S]`` (packed rows) attention stays within each
+        document and ``position_ids`` default to the position within it; ``position_ids`` alone are
+        passed on as they are."""
+        if document_ids is not None:
+            from lightning_moe.models.hf import packed_forward_kwargs
+
+            kwargs = packed_forward_kwargs(self.model, input_ids, document_ids, position_ids)
+        else:
+            kwargs = {} if position_ids is None else {"position_ids": position_ids}
+        return self.model(input_ids=input_ids, use_cache=False, **kwargs).logits
 
     def num_active_params(self) -> int:
         """Parameters one token touches (top-k of each layer's routed experts), excluding embeddings."""
