@@ -140,16 +140,13 @@ def _block_mask(
     return keep[:, None, None]
 
 
-def _probabilities(
-    q_blk: torch.Tensor, k_all: torch.Tensor, mask: torch.Tensor, scale: float, lse: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(p [B, Nk, G, b, S], lse [B, Nk, G, b])``; ``lse`` is computed unless given."""
-    scores = torch.matmul(q_blk, k_all.unsqueeze(2).transpose(-1, -2)).mul_(scale)
-    scores.masked_fill_(~mask, float("-inf"))
-    if lse is None:
-        lse = torch.logsumexp(scores, dim=-1)
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # a query with no key gets zeros
-    return scores.sub_(safe.unsqueeze(-1)).exp_(), lse
+def _scores(q_blk: torch.Tensor, k_all: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked scores ``[B, Nk, G, b, S]`` of pre-scaled queries (``-inf`` where masked)."""
+    return torch.matmul(q_blk, k_all.unsqueeze(2).transpose(-1, -2)).masked_fill_(~mask, float("-inf"))
+
+
+def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))  # a query with no key reads zeros
 
 
 class _ContextParallelAttention(torch.autograd.Function):
@@ -170,15 +167,18 @@ class _ContextParallelAttention(torch.autograd.Function):
         cdt = torch.promote_types(q.dtype, torch.float32)
         k_all, v_all, pos_k, doc_k = _gather_keys(k, v, pos_Bs, doc_Bs, group)
         k_all, v_all = k_all.to(cdt), v_all.to(cdt)
-        q5 = q.to(cdt).view(B, Nk, G, s, D)
+        q5 = q.to(cdt).view(B, Nk, G, s, D) * scale
         out5 = q.new_empty(B, Nk, G, s, Dv, dtype=cdt)
         lse = q.new_empty(B, Nk, G, s, dtype=cdt)
         step = _block_size(B, N, s, k_all.shape[2])
         for lo in range(0, s, step):
             hi = min(s, lo + step)
-            mask = _block_mask(pos_Bs, pos_k, doc_Bs, doc_k, lo, hi)
-            p, lse[..., lo:hi] = _probabilities(q5[..., lo:hi, :], k_all, mask, scale, None)
-            out5[..., lo:hi, :] = torch.matmul(p, v_all.unsqueeze(2))
+            scores = _scores(q5[..., lo:hi, :], k_all, _block_mask(pos_Bs, pos_k, doc_Bs, doc_k, lo, hi))
+            row_max = _finite_or_zero(scores.amax(-1, keepdim=True))
+            p = scores.sub_(row_max).exp_()  # unnormalised probabilities
+            total = p.sum(-1, keepdim=True)
+            out5[..., lo:hi, :] = torch.matmul(p, v_all.unsqueeze(2)).div_(total.clamp_min(torch.finfo(cdt).tiny))
+            lse[..., lo:hi] = (row_max + total.log()).squeeze(-1)
         out = out5.view(B, N, s, Dv).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, pos_Bs, doc_Bs)
         ctx.scale, ctx.group = scale, group
@@ -194,7 +194,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         cdt = lse.dtype
         k_all, v_all, pos_k, doc_k = _gather_keys(k, v, pos_Bs, doc_Bs, group)
         k_all, v_all = k_all.to(cdt), v_all.to(cdt)
-        q5 = q.to(cdt).view(B, Nk, G, s, D)
+        q5 = q.to(cdt).view(B, Nk, G, s, D) * scale
         do5 = dout.to(cdt).reshape(B, Nk, G, s, Dv)
         delta = (do5 * out.to(cdt).view(B, Nk, G, s, Dv)).sum(-1)  # [B, Nk, G, s]
         dq5 = torch.empty_like(q5)
@@ -204,12 +204,12 @@ class _ContextParallelAttention(torch.autograd.Function):
         for lo in range(0, s, step):
             hi = min(s, lo + step)
             mask = _block_mask(pos_Bs, pos_k, doc_Bs, doc_k, lo, hi)
-            p, _ = _probabilities(q5[..., lo:hi, :], k_all, mask, scale, lse[..., lo:hi])
+            p = _scores(q5[..., lo:hi, :], k_all, mask).sub_(_finite_or_zero(lse[..., lo:hi]).unsqueeze(-1)).exp_()
             do_blk = do5[..., lo:hi, :]
             dv_all += torch.matmul(p.transpose(-1, -2), do_blk).sum(2)
             dp = torch.matmul(do_blk, v_all.unsqueeze(2).transpose(-1, -2))
-            ds = p.mul_(dp.sub_(delta[..., lo:hi].unsqueeze(-1))).mul_(scale)
-            dq5[..., lo:hi, :] = torch.matmul(ds, k_all.unsqueeze(2))
+            ds = p.mul_(dp.sub_(delta[..., lo:hi].unsqueeze(-1)))  # d(scores), scores = (q * scale) k^T
+            dq5[..., lo:hi, :] = torch.matmul(ds, k_all.unsqueeze(2)).mul_(scale)
             dk_all += torch.matmul(ds.transpose(-1, -2), q5[..., lo:hi, :]).sum(2)
         dkv = _reduce_scatter_cat(torch.cat([dk_all, dv_all], dim=-1), group, dim=2)
         dk, dv = dkv.split([D, Dv], dim=-1)
