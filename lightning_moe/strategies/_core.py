@@ -71,7 +71,9 @@ __all__ = [
     "Degree",
     "FoldedMoECore",
     "check_args",
+    "check_model_for_context_parallel",
     "check_namespace",
+    "check_parallel_options",
     "folded_layout",
     "mesh_aware_clip_norm",
     "mesh_aware_clip_value",
@@ -393,10 +395,10 @@ class FoldedMoECore:
             )
         mesh = self.folded_mesh
         had_meta = any(p.is_meta for p in module.parameters())
+        check_model_for_context_parallel(owner, module, mesh.layout.cp)
+        self._enable_context_parallel(module)  # also for a module configure_model sharded already
         if not _is_sharded(module):
             check_model_for_layout(module, mesh.layout)
-            check_model_for_context_parallel(owner, module, mesh.layout.cp)
-            self._enable_context_parallel(module)
             parallelize_moe_model(
                 module, mesh=mesh, dispatcher=self.dispatcher, shard_root=shard_root, **self._parallel_options()
             )
