@@ -10,9 +10,6 @@ tokens). FSDP then averages over EDP. So the expert gradient is
     scale = EDP * ETP / (TP * CP * DP)          (= 1/EP when PP = 1)
 
 to end at the same data-parallel average. With TP = ETP = 1 this is DESIGN's ``EDP/(DP*CP)``.
-With sequence parallel each token lives on one TP rank only and reaches every ETP slice once
-(the dispatcher gathers the rows over the ETP group), so the expert gradient is
-``1/EDP * sum_s g_s`` and the factor is ``EDP / (CP * DP)``.
 It is applied once, to the reduce-scatter output, by an FSDP2 all-reduce hook (no extra pass,
 and it only runs on the synchronising micro-batch).
 
@@ -45,11 +42,8 @@ __all__ = [
 ]
 
 
-def expert_grad_scale(layout: FoldedLayout, sequence_parallel: bool = False) -> float:
-    """``EDP*ETP / (TP*CP*DP)`` (``EDP / (CP*DP)`` with sequence parallel): the factor that makes
-    expert gradients a data-parallel average."""
-    if sequence_parallel and layout.tp > 1:
-        return layout.edp / (layout.cp * layout.dp)
+def expert_grad_scale(layout: FoldedLayout) -> float:
+    """``EDP*ETP / (TP*CP*DP)``: the factor that makes expert gradients a data-parallel average."""
     return layout.edp * layout.etp / (layout.tp * layout.cp * layout.dp)
 
 
