@@ -244,3 +244,20 @@ def test_router_ops_arm_turns_the_one_call_router_off_until_restored() -> None:
         assert TopKRouter.route_and_permute is not one_call  # on CPU the real one answers None too
         assert TopKRouter.route_and_permute(object(), torch.zeros(2, 4)) is None
     assert TopKRouter.route_and_permute is one_call
+
+
+def test_fp8_layer_benchmark_quick_runs_and_compares_to_bf16(tmp_path: Path) -> None:
+    """benchmarks/fp8_layer.py on a tiny CPU shape with emulated FP8: the arms run and are compared to bf16."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_layer.py"
+    out = tmp_path / "fp8.json"
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--recipes", "blockwise,rowwise", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = {r["peer"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(results) == {"bf16", "fp8[blockwise]", "fp8[rowwise]", "fp8[auto]"}
+    assert all("error" not in r for r in results.values()), results
+    for recipe in ("blockwise", "rowwise"):  # quantized: close to bf16, never equal to it
+        r = results[f"fp8[{recipe}]"]
+        assert 0 < r["output_rel_err_vs_bf16"] < 0.1 and 0 < r["output_cos_dist_vs_bf16"] < 0.01, r
+    assert results["fp8[auto]"]["output_rel_err_vs_bf16"] == 0.0  # auto keeps the tiny shape in bf16
