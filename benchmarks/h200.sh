@@ -2,6 +2,7 @@
 # The benchmarks of benchmarks/README.md on an H200 machine, from the repository root:
 #   bash benchmarks/h200.sh tests      # build the kernels, then every GPU test
 #   bash benchmarks/h200.sh layer      # one MoE layer beside every peer, all three shapes
+#   bash benchmarks/h200.sh fp8        # the FP8 layer (every recipe, and auto) beside our bf16 layer
 #   bash benchmarks/h200.sh e2e        # the 4-layer Qwen3-30B-A3B-shaped model vs HF transformers
 #   bash benchmarks/h200.sh callbacks  # recompute, CPU offload, CUDA graphs
 #   bash benchmarks/h200.sh multi      # 2+ GPUs: NCCL parity tests, EP scaling, the token exchange
@@ -25,6 +26,9 @@ case "${1:-layer}" in
       --json "$RESULTS/moe_layer.json" | tee "$RESULTS/moe_layer.log"
     python3 benchmarks/moe_layer.py --shapes mixtral-8x7b --fuse-wgrad --no-breakdown --peers "$PEERS" \
       --json "$RESULTS/moe_layer_mixtral.json" | tee "$RESULTS/moe_layer_mixtral.log"
+    ;;
+  fp8)
+    python3 benchmarks/fp8_layer.py --json "$RESULTS/fp8_layer.json" | tee "$RESULTS/fp8_layer.log"
     ;;
   e2e)
     python3 benchmarks/e2e.py --out "$RESULTS/e2e.json" | tee "$RESULTS/e2e.log"
@@ -51,7 +55,7 @@ case "${1:-layer}" in
     done
     ;;
   *)
-    echo "h200.sh: mode='$1' is not one of tests, layer, e2e, callbacks, multi; fix." >&2
+    echo "h200.sh: mode='$1' is not one of tests, layer, fp8, e2e, callbacks, multi; fix." >&2
     exit 2
     ;;
 esac
