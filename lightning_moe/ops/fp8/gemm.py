@@ -48,6 +48,7 @@ __all__ = [
 
 Fp8GemmBackend = Literal["emulate", "torch", "cutlass"]
 _REQUESTS = ("auto", "emulate", "torch", "cutlass")
+BLOCKWISE_ROWS = 4  # cuBLAS's blockwise FP8 GEMM refuses row counts off this multiple (measured on H200)
 CPU_MESSAGE = "FP8 on CPU runs only as emulation; set Fp8Config(backend='emulate')"
 
 
@@ -177,6 +178,17 @@ def _col_major(data: torch.Tensor) -> torch.Tensor:
     return data.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous at a 16-byte aligned address (cuBLAS refuses scale pointers off it)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _aligned_col(t: torch.Tensor) -> torch.Tensor:
+    """A column-major ``t`` at a 16-byte aligned address."""
+    return t if t.data_ptr() % 16 == 0 else t.transpose(-1, -2).clone().transpose(-1, -2)
+
+
 def _pad_scale(scale: torch.Tensor, last: int, second: int = 0) -> torch.Tensor:
     """Pad a scale grid with ones (the units it adds cover zero data)."""
     if last == 0 and second == 0:
@@ -192,6 +204,11 @@ def _pair(a: Fp8Tensor, b: Fp8Tensor) -> str:
         raise ValueError("backend='torch': torch's FP8 GEMMs take at most one e5m2 operand; quantize one side as e4m3")
     if a.recipe != "blockwise":
         return a.recipe
+    if a.fmt != "e4m3" or b.fmt != "e4m3":
+        raise ValueError(
+            f"backend='torch' runs the blockwise recipe with e4m3 operands only (got {a.fmt} x {b.fmt}); "
+            "use Fp8Config(grad_format='e4m3') (the DeepSeek-V3 recipe) or backend='emulate'"
+        )
     ta, tb = a.tile, b.tile
     if ta == (1, BLOCK) and tb == (BLOCK, BLOCK):
         return "1x128,128x128"
@@ -210,31 +227,43 @@ def _blockwise_probe(device_index: int, pair: str) -> str | None:
     a = torch.zeros(128, 128, device=dev).to(torch.float8_e4m3fn)
     b = torch.zeros(128, 128, device=dev).to(torch.float8_e4m3fn)
     sa = torch.ones(128, 1, device=dev)
-    sb = torch.ones(1, 1, device=dev) if pair == "1x128,128x128" else torch.ones(128, 1, device=dev)
+    sb = torch.ones(1, 1, device=dev) if pair == "1x128,128x128" else torch.ones(1, 128, device=dev)
     try:
         _scaled_mm_blockwise(a, _col_major(b), sa, sb, pair, torch.bfloat16)
-    except (RuntimeError, NotImplementedError) as err:
-        return str(err).splitlines()[0]
+    except Exception as err:  # noqa: BLE001 - any refusal of torch's kernel means "not here"
+        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     return None
+
+
+def _outer_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [A, B] copied to strides ``(1, A)`` (torch wants them exactly, also where B is 1)."""
+    out = torch.empty_strided(tuple(t.shape), (1, max(t.shape[0], 1)), dtype=torch.float32, device=t.device)
+    return out.copy_(t)  # a fresh allocation: aligned
 
 
 def _scaled_mm_blockwise(
     a_MK: torch.Tensor, b_KN: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, pair: str, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """``F.scaled_mm`` with blockwise scales in our grid layout (``sa`` [M, K/128]; ``sb`` [K/128, N/128]
-    for 128x128 tiles or [K/128, N] for 1x128 tiles), laid out as torch wants them (outer-dim major)."""
-    ST = F.ScalingType
+    for 128x128 tiles or [K/128, N] for 1x128 tiles), laid out as torch wants them (outer-dim major;
+    the 128x128 grid with its K blocks padded to a multiple of 4)."""
+    ST = _scaling_types()
+    if ST is None or not hasattr(F, "scaled_mm"):
+        raise NotImplementedError(f"torch {torch.__version__} has no F.scaled_mm with ScalingType")
     K = a_MK.shape[1]
-    sa_t = sa.t().contiguous().t()  # [M, K/128], stride [1, M]
+    sa_t = _outer_major(sa)  # [M, K/128], stride [1, M]
     if pair == "1x128,128x128":
         l4 = _round_up(K // BLOCK, 4)
-        sb_t = _pad_scale(sb, 0, l4 - sb.shape[0]).t().contiguous().t()  # [L4, N/128], stride [1, L4]
+        sb_t = _outer_major(_pad_scale(sb, 0, l4 - sb.shape[0]))  # [L4, N/128], stride [1, L4]
         recipe_b = ST.BlockWise128x128
     else:
-        sb_t = sb.contiguous()  # [K/128, N] row-major == [N, K/128] with stride [1, N]
-        sb_t = sb_t.t()
+        sb_t = _outer_major(sb.t())  # [N, K/128], stride [1, N]
         recipe_b = ST.BlockWise1x128
     return F.scaled_mm(a_MK, b_KN, sa_t, ST.BlockWise1x128, sb_t, recipe_b, output_dtype=out_dtype)
+
+
+def _scaling_types():
+    return getattr(F, "ScalingType", None)
 
 
 def _torch_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -251,11 +280,11 @@ def _torch_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tenso
         a_d = _pad_fp8(a.data, Kp - K).contiguous()
         b_d = _col_major(_pad_fp8(b.data, Np - N, Kp - K))
         if pair == "tensorwise":
-            sa, sb = a.scale.reshape(1, 1).float(), b.scale.reshape(1, 1).float()
+            sa, sb = a.scale.reshape(1, 1), b.scale.reshape(1, 1)
         else:
-            sa = a.scale.reshape(M, 1).contiguous()
-            sb = _pad_scale(b.scale.reshape(1, N), Np - N).contiguous()
-        y = torch._scaled_mm(a_d, b_d, sa, sb, out_dtype=out_dtype)
+            sa = a.scale.reshape(M, 1)
+            sb = _pad_scale(b.scale.reshape(1, N), Np - N)
+        y = torch._scaled_mm(_aligned(a_d), _aligned_col(b_d), _aligned(sa), _aligned(sb), out_dtype=out_dtype)
         return y[:, :N]
     reason = _blockwise_probe(a.device.index or 0, pair)
     if reason is not None:
@@ -265,14 +294,16 @@ def _torch_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tenso
         )
     Kp = _round_up(K, BLOCK)
     Np = _round_up(N, BLOCK) if pair == "1x128,128x128" else _round_up(N, 16)
-    a_d = _pad_fp8(a.data, Kp - K).contiguous()
+    Mp = _round_up(M, BLOCKWISE_ROWS)
+    a_d = _pad_fp8(a.data, Kp - K, Mp - M).contiguous()
+    sa = _pad_scale(a.scale, 0, Mp - M)
     b_d = _col_major(_pad_fp8(b.data, Np - N, Kp - K))
     sb = b.scale
     if pair == "1x128,1x128":
         sb = _pad_scale(sb, Np - N)
     else:
         sb = _pad_scale(sb, Np // BLOCK - sb.shape[1])
-    return _scaled_mm_blockwise(a_d, b_d, a.scale, sb, pair, out_dtype)[:, :N]
+    return _scaled_mm_blockwise(_aligned(a_d), _aligned_col(b_d), sa, sb, pair, out_dtype)[:M, :N]
 
 
 def _grouped_kernel_takes(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> bool:
@@ -303,10 +334,10 @@ def _torch_grouped_mm(a: Fp8Tensor, b: Fp8Tensor, offs_E: torch.Tensor, out_dtyp
     Kp, Np = _round_up(K, 16), _round_up(N, 16)
     a_d = _pad_fp8(a.data, Kp - K).contiguous()
     b_d = _col_major(_pad_fp8(b.data, Np - N, Kp - K))
-    sa = _row_scales(a, R).contiguous()
+    sa = _aligned(_row_scales(a, R))
     sb = b.scale.reshape(E, -1).expand(E, N) if b.recipe == "tensorwise" else b.scale.reshape(E, N)
-    sb = _pad_scale(sb, Np - N).contiguous()
-    y = torch._scaled_grouped_mm(a_d, b_d, sa, sb, offs=offs_E, out_dtype=torch.bfloat16)
+    sb = _aligned(_pad_scale(sb, Np - N))
+    y = torch._scaled_grouped_mm(_aligned(a_d), _aligned_col(b_d), sa, sb, offs=offs_E, out_dtype=torch.bfloat16)
     return _zero_tail(y[:, :N], offs_E)
 
 
@@ -357,17 +388,20 @@ def _torch_wgrad(x: Fp8Tensor, dy: Fp8Tensor, offs_E: torch.Tensor, out_dtype: t
     e_c = e_R.clamp_max(E - 1)
     dest_R = r_R - (offs_E[e_c] - counts_E[e_c]) + (padded_offs_E[e_c] - torch.div(counts_E[e_c] + 15, 16, rounding_mode="floor") * 16)
     dest_R = torch.where(keep_R, dest_R, torch.full_like(dest_R, Rp))  # rows of no expert land in a dropped slot
-    xt = torch.zeros(K, Rp + 1, dtype=torch.uint8, device=x.device)
-    xt.index_copy_(1, dest_R.long(), x.data.view(torch.uint8).t())
-    dyt = torch.zeros(N, Rp + 1, dtype=torch.uint8, device=x.device)
-    dyt.index_copy_(1, dest_R.long(), dy.data.view(torch.uint8).t())
-    a_KR = xt[:, :Rp].view(x.data.dtype)  # row-major [K, Rp], row stride Rp + 1: made contiguous below
-    b_RN = dyt[:, :Rp].view(dy.data.dtype).t()  # column-major [Rp, N]
-    a_KR = a_KR.contiguous()
-    b_RN = b_RN.t().contiguous().t()
-    sa = _grouped_row_scale_matrix(x, K).contiguous().reshape(-1)
-    sb = _grouped_row_scale_matrix(dy, N).contiguous().reshape(-1)
-    return torch._scaled_grouped_mm(a_KR, b_RN, sa, sb, offs=padded_offs_E, out_dtype=torch.bfloat16)
+    # [K, R] row-major and [R, N] column-major with each expert's rows at its padded offset; K and N
+    # padded to multiples of 16 (torch's shape rule); one spare 16-column block takes the rows of no
+    # expert and keeps the row stride 16-byte aligned
+    Kp, Np = _round_up(K, 16), _round_up(N, 16)
+    xt = torch.zeros(Kp, Rp + 16, dtype=torch.uint8, device=x.device)
+    xt[:K].index_copy_(1, dest_R.long(), x.data.view(torch.uint8).t())
+    dyt = torch.zeros(Np, Rp + 16, dtype=torch.uint8, device=x.device)
+    dyt[:N].index_copy_(1, dest_R.long(), dy.data.view(torch.uint8).t())
+    a_KR = xt[:, :Rp].view(x.data.dtype)
+    b_RN = dyt[:, :Rp].view(dy.data.dtype).t()
+    sa = _pad_scale(_grouped_row_scale_matrix(x, K), Kp - K).contiguous().reshape(-1)
+    sb = _pad_scale(_grouped_row_scale_matrix(dy, N), Np - N).contiguous().reshape(-1)
+    dw = torch._scaled_grouped_mm(a_KR, b_RN, sa, sb, offs=padded_offs_E, out_dtype=torch.bfloat16)
+    return dw[:, :K, :N]
 
 
 def _per_expert_wgrad(x: Fp8Tensor, dy: Fp8Tensor, offs_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -394,10 +428,10 @@ def _per_expert_wgrad(x: Fp8Tensor, dy: Fp8Tensor, offs_E: torch.Tensor, out_dty
             a = Fp8Tensor(xe.contiguous(), sa, "blockwise", x.fmt, -1, (1, BLOCK))
             b = Fp8Tensor(dye, sb, "blockwise", dy.fmt, -2, (1, BLOCK))
         else:
-            sa = x.scale[e].reshape(-1, 1).expand(K, 1) if x.recipe == "tensorwise" else x.scale[e].reshape(K, 1)
-            sb = dy.scale[e].reshape(1, -1).expand(1, N) if dy.recipe == "tensorwise" else dy.scale[e].reshape(1, N)
             if x.recipe == "tensorwise":
                 sa, sb = x.scale[e].reshape(1, 1), dy.scale[e].reshape(1, 1)
+            else:
+                sa, sb = x.scale[e].reshape(K, 1), dy.scale[e].reshape(1, N)
             a = Fp8Tensor(xe.contiguous(), sa, x.recipe, x.fmt, -1, None)
             b = Fp8Tensor(dye, sb, dy.recipe, dy.fmt, -2, None)
         dw[e] = _torch_mm(a, b, out_dtype)

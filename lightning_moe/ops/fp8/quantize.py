@@ -4,8 +4,8 @@ Legend: M rows, K the contracted width (``reduce_dim``), N output width, E exper
 expert, G0/G1 the unit grid over the last two dims, T row tiles of a grouped-rows tensor.
 
 Units, the scale convention and the non-finite rule are those of ``recipe.py``: each unit gets one
-fp32 dequantization scale ``amax / FP8_MAX[fmt]`` (1 for a unit of zeros, optionally rounded up to
-a power of two), ``data = clamp(x / scale, +-FP8_MAX)`` cast to the format (round to nearest even),
+fp32 dequantization scale ``amax / FP8_MAX[fmt]`` (an IEEE division, correctly rounded; 1 for a
+unit of zeros; optionally rounded up to a power of two), ``data = clamp(x / scale, +-FP8_MAX)`` cast to the format (round to nearest even),
 and ``x ~= data.float() * scale``. A unit holding NaN or +-inf gets a NaN scale and NaN data.
 Scales are floored at the smallest normal fp32 (``torch.finfo(torch.float32).tiny``), so a unit
 whose amax is below ``FP8_MAX * tiny`` keeps only what that scale can represent (values that small
@@ -156,7 +156,9 @@ def _per_unit(x: torch.Tensor, scale: torch.Tensor, dim_tile, op: str) -> torch.
 
 def scales_from_amax(amax: torch.Tensor, fmt: str, pow2_scales: bool) -> torch.Tensor:
     """Dequantization scales for units of absolute maximum ``amax`` (fp32, device-side)."""
-    s = (amax / FP8_MAX[fmt]).clamp_min(_TINY)
+    # a true division (CUDA turns a division by a Python number into a multiplication by its
+    # reciprocal, which differs in the last bit): the scale is amax / FP8_MAX correctly rounded
+    s = (amax / torch.full_like(amax, FP8_MAX[fmt])).clamp_min(_TINY)
     s = torch.where(amax == 0, torch.ones_like(s), s)
     if pow2_scales:
         mantissa, exponent = torch.frexp(s)  # s = mantissa * 2**exponent, mantissa in [0.5, 1)
