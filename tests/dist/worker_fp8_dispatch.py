@@ -1,0 +1,208 @@
+"""Worker: FP8 token dispatch (all-to-all, flex over alltoall_dedup and the DeepEP stand-in) against the
+local FP8 dispatch of one process, and the bytes its row exchange moves.
+
+Run by ``test_dist_fp8_dispatch.py`` under torchrun (gloo, 4 ranks): ``worker_fp8_dispatch.py
+kind:tp:ep:etp ...``. Every rank builds the same global inputs from one seed, dispatches its own
+tokens with ``fp8_rows`` set, runs its local experts on the FP8 rows (``x_fp8``; the placeholder
+``x_RH`` carries the gradient) and checks the output and the gradients of x, the routing weights,
+w13 and w2 against a single-process run of the same tokens through ``LocalDispatcher`` with the
+same ``fp8_rows`` and all experts (fp32: the same quantized rows reach the same experts, so only
+summation order differs). The skewed routing leaves experts 0, 3 and 5 without a token, drops a
+slot, and gives data shard 1 no tokens at all (it sends nothing).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from _fake_deep_ep import FakeDeepEPBuffer
+
+from lightning_moe.moe.dispatch import LocalDispatcher
+from lightning_moe.moe.dispatch.alltoall import AllToAllDispatcher
+from lightning_moe.moe.dispatch.exchange_alltoall_dedup import AllToAllTokenExchange
+from lightning_moe.moe.dispatch.exchange_deepep import DeepEPExchange
+from lightning_moe.moe.dispatch.flex import FlexDispatcher
+from lightning_moe.moe.dispatch.fp8_rows import row_bytes
+from lightning_moe.moe.experts import GroupedExperts
+from lightning_moe.parallel.layout import FoldedLayout
+from lightning_moe.parallel.mesh import FoldedMesh
+from lightning_moe.parallel.parallelize import shard_expert_weights
+
+T, F, E, K = 12, 8, 8, 2
+# of the largest entry: the same FP8 rows reach the same experts, so results differ only in the
+# order of the sums, a few fp32 ulps of the largest term (the SwiGLU runs in fp32 for fp64 rows too,
+# and ETP splits its sums over F); a wrong row or scale would be off by the FP8 error, ~1e-2
+TOL = 2e-6
+
+
+def routed_inputs(seed: int, skew: bool, H: int, empty: bool):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g) * torch.logspace(-2, 2, T).unsqueeze(1)  # per-row scales differ widely
+    if skew:  # experts 0, 3 and 5 get no token; uneven splits across ranks; a dropped slot
+        choices = torch.tensor([1, 2, 4, 6, 7, 7, 7])
+        ids = choices[torch.randint(0, len(choices), (T, K), generator=g)]
+        ids[:, 1] = torch.where(ids[:, 1] == ids[:, 0], -1, ids[:, 1])
+    else:
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g) * (ids >= 0)
+    c = torch.randn(T, H, generator=g)
+    if empty:  # this data shard has no tokens: it sends nothing and receives its share of nothing
+        x, ids, w, c = x[:0], ids[:0], w[:0], c[:0]
+    return x, ids, w, c
+
+
+def experts_on_fp8_rows(experts: GroupedExperts, d, weighted: bool) -> torch.Tensor:
+    """The experts on the FP8 rows: dequantized, plus the placeholder (zeros) that carries the gradient."""
+    if d.x_fp8 is None:
+        raise AssertionError("the dispatcher returned no FP8 rows although fp8_rows was set")
+    if d.x_RH.stride() != (0, 0) or d.x_RH.shape != d.x_fp8.data.shape:
+        raise AssertionError(f"placeholder {tuple(d.x_RH.shape)} strides {d.x_RH.stride()} for {tuple(d.x_fp8.shape)} rows")
+    rows = d.x_fp8.dequantize(d.x_RH.dtype) + d.x_RH
+    return experts(rows, d.tokens_per_expert_e, None if weighted else d.weights_R)
+
+
+def run(dispatcher, experts, x, ids, w, c, weighted: bool):
+    x = x.clone().requires_grad_(True)
+    w = w.clone().requires_grad_(True)
+    d, handle = dispatcher.dispatch(x, ids, w, None)
+    rows = int(d.tokens_per_expert_e.sum())
+    if d.x_RH.shape[0] != rows or d.weights_R.shape[0] != rows:
+        raise AssertionError(f"{dispatcher!r}: {d.x_RH.shape[0]} rows, {d.weights_R.shape[0]} weights, {rows} counted")
+    y_R = experts_on_fp8_rows(experts, d, weighted)
+    y = dispatcher.combine(y_R, handle, weighted=weighted)
+    (y * c).sum().backward()
+    return y.detach(), x.grad, w.grad
+
+
+def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        raise AssertionError(f"{name}: {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} {want.dtype}")
+    if got.numel() == 0:
+        return
+    diff, scale = (got - want).abs().max().item(), want.abs().max().item()
+    if not diff <= TOL * scale:
+        raise AssertionError(f"{name}: max abs diff {diff:.3e} > {TOL:g} of the largest entry {scale:.3e}")
+
+
+def make_dispatcher(kind: str, groups: dict, ep_group):
+    if kind == "alltoall":
+        return AllToAllDispatcher(E, **groups)
+    if kind == "dedup":
+        return FlexDispatcher(E, **groups, exchange=AllToAllTokenExchange(ep_group))
+    if kind == "deepep":
+        return FlexDispatcher(E, **groups, exchange=DeepEPExchange(FakeDeepEPBuffer(ep_group)))
+    raise ValueError(f"worker_fp8_dispatch: kind={kind!r} is unknown; use alltoall, dedup or deepep.")
+
+
+def main(kind: str, tp: int, ep: int, etp: int) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    layout = FoldedLayout(world, tp=tp, ep=ep, etp=etp)
+    mesh = FoldedMesh.build(layout, "cpu")
+    coords = layout.coords(rank)
+    data_rank, dp = coords["dp"], layout.dp  # tensor-parallel replicas hold the same tokens
+    groups = dict(ep_group=mesh.group("ep"), etp_group=mesh.group("etp"))
+    # DeepEP moves (e4m3 data, one scale per 128 columns) pairs only: blockwise, H a multiple of 128
+    if kind == "deepep":
+        cases = [(("blockwise", "e4m3", False), 256, torch.float32), (("blockwise", "e4m3", True), 256, torch.float64)]
+    else:
+        cases = [(("rowwise", "e4m3", False), 200, torch.float32), (("blockwise", "e5m2", True), 200, torch.float64)]
+    for spec, H, dtype in cases:
+        torch.manual_seed(0)
+        full = GroupedExperts(E, H, F, backend="loop").to(dtype)
+        for skew in (False, True):
+            weighted = skew  # both ways of applying the routing weight, one per routing
+            inputs = [routed_inputs(100 * int(skew) + s, skew, H, empty=skew and s == 1) for s in range(dp)]
+            inputs = [tuple(t.to(dtype) if t.is_floating_point() else t for t in inp) for inp in inputs]
+            outs, grads = [], []  # one process: each data shard through all experts
+            for inp in inputs:
+                ref = GroupedExperts(E, H, F, backend="loop").to(dtype)
+                ref.load_state_dict(full.state_dict())
+                local = LocalDispatcher(E)
+                local.fp8_rows = spec
+                outs.append(run(local, ref, *inp, weighted=weighted))
+                grads.append(shard_expert_weights(
+                    ref.w13.grad, ref.w2.grad, ep_rank=coords["ep"], ep=ep, etp_rank=coords["etp"], etp=etp
+                ))  # fmt: skip
+            part = GroupedExperts(E // ep, H, F // etp, backend="loop").to(dtype)
+            w13, w2 = shard_expert_weights(
+                full.w13.detach(), full.w2.detach(), ep_rank=coords["ep"], ep=ep, etp_rank=coords["etp"], etp=etp
+            )
+            with torch.no_grad():
+                part.w13.copy_(w13)
+                part.w2.copy_(w2)
+            disp = make_dispatcher(kind, groups, mesh.group("ep"))
+            disp.fp8_rows = spec
+            y, gx, gw = run(disp, part, *inputs[data_rank], weighted=weighted)
+            tag = f"{kind} tp={tp} ep={ep} etp={etp} {spec} {dtype} H={H} skew={skew} rank={rank}"
+            check(f"{tag} output", y, outs[data_rank][0])
+            check(f"{tag} grad x", gx, outs[data_rank][1])
+            check(f"{tag} grad weights", gw, outs[data_rank][2])
+            # this expert shard saw the tokens of every rank of its EP group
+            shards = [layout.coords(m)["dp"] for m in dist.get_process_group_ranks(mesh.group("ep"))]
+            check(f"{tag} grad w13", part.w13.grad, sum(grads[d][0] for d in shards))
+            check(f"{tag} grad w2", part.w2.grad, sum(grads[d][1] for d in shards))
+            if kind == "deepep" and disp.exchange.buffer.calls["fp8_dispatch"] != 1:
+                raise AssertionError(f"{tag}: the DeepEP stand-in got no (data, scales) pair")
+    dist.barrier()
+    if rank == 0:
+        print(f"OK {kind} tp={tp} ep={ep} etp={etp}", flush=True)
+
+
+def wire_bytes(kind: str) -> None:
+    """The bytes the row exchange moves: FP8 rows (data + scales, one uint8 row each) against bf16 rows."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    layout = FoldedLayout(world, ep=world)
+    mesh = FoldedMesh.build(layout, "cpu")
+    H = 2048
+    x, ids, w, _ = routed_inputs(7 + rank, skew=False, H=H, empty=False)
+    moved: list[tuple[tuple[int, ...], torch.dtype, int]] = []
+    original = dist.all_to_all_single
+
+    def counting(output, input, *args, **kwargs):  # noqa: A002 (torch's own argument names)
+        moved.append((tuple(input.shape), input.dtype, input.numel() * input.element_size()))
+        return original(output, input, *args, **kwargs)
+
+    results = {}
+    for name, spec, dtype in (("bf16", None, torch.bfloat16), ("rowwise", ("rowwise", "e4m3", False), torch.float32),
+                              ("blockwise", ("blockwise", "e4m3", False), torch.float32)):  # fmt: skip
+        disp = make_dispatcher(kind, dict(ep_group=mesh.group("ep")), mesh.group("ep"))
+        disp.fp8_rows = spec
+        moved.clear()
+        dist.all_to_all_single = counting
+        try:
+            _, handle = disp.dispatch(x.to(dtype), ids, w, None)
+        finally:
+            dist.all_to_all_single = original
+        row_moves = [m for m in moved if len(m[0]) == 2 and m[0][1] >= H]  # the rows (not counts or weights)
+        if len(row_moves) != 1:
+            raise AssertionError(f"{kind} {name}: {len(row_moves)} row exchanges ({moved}); one carries data and scales")
+        sent = sum(handle.send_splits if kind == "alltoall" else handle.layout.send_splits)
+        per_row = 2 * H if spec is None else row_bytes(H, spec)
+        if row_moves[0][2] != sent * per_row:
+            raise AssertionError(f"{kind} {name}: {row_moves[0][2]} bytes moved, splits say {sent} rows * {per_row}")
+        results[name] = (row_moves[0][2], sent)
+    for name in ("rowwise", "blockwise"):
+        ratio = results[name][0] / results["bf16"][0]
+        if not 0.5 < ratio <= 0.516:
+            raise AssertionError(f"{kind}: FP8 {name} rows move {ratio:.4f} of the bf16 bytes; expected about half")
+    totals = torch.tensor([results[n][0] for n in ("bf16", "rowwise", "blockwise")], dtype=torch.float64)
+    dist.all_reduce(totals)
+    if rank == 0:
+        bf16, row, block = totals.tolist()
+        print(f"BYTES {kind} H={H} bf16={bf16:.0f} rowwise={row:.0f} ({row / bf16:.4f}) "
+              f"blockwise={block:.0f} ({block / bf16:.4f})", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    for spec_text in sys.argv[1:]:  # kind:tp:ep:etp, or bytes:kind
+        head, _, rest = spec_text.partition(":")
+        if head == "bytes":
+            wire_bytes(rest)
+        else:
+            kind, tp, ep, etp = spec_text.split(":")
+            main(kind, int(tp), int(ep), int(etp))
+    dist.destroy_process_group()
