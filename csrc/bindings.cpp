@@ -386,6 +386,82 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {logits, ids, src_idx, slot_row, counts, offsets, rows};
 }
 
+// ---- FP8 quantization (fp8_quant.cu) ---------------------------------------------------------
+
+// "e4m3" / "e5m2" -> (format, torch dtype of the data).
+std::tuple<Fp8Format, at::ScalarType> fp8_format(c10::string_view fmt, const char* op) {
+  if (fmt == "e4m3") return {Fp8Format::kE4M3, at::kFloat8_e4m3fn};
+  TORCH_CHECK(fmt == "e5m2", "lightning_moe_C.", op, ": fmt='", std::string(fmt),
+              "' is not an FP8 format; use 'e4m3' or 'e5m2'.");
+  return {Fp8Format::kE5M2, at::kFloat8_e5m2};
+}
+
+// (data [R, W] fp8, scale [R, U] fp32) for rows of width W: U = ceil(W / 128) blockwise, else 1.
+// A row of width 0 has no blockwise units and one rowwise unit of scale 1 (an amax of 0).
+std::tuple<at::Tensor, at::Tensor> fp8_outputs(const at::Tensor& like, int64_t rows, int64_t width,
+                                               at::ScalarType fp8, bool blockwise) {
+  at::Tensor data = at::empty({rows, width}, like.options().dtype(fp8));
+  const int64_t units = blockwise ? (width + 127) / 128 : 1;
+  at::Tensor scale = width == 0 ? at::ones({rows, units}, like.options().dtype(at::kFloat))
+                                : at::empty({rows, units}, like.options().dtype(at::kFloat));
+  return {data, scale};
+}
+
+// (data, scale) of x's rows (gathered by src_idx when given: row r = x[src_idx[r]], -1 a zero row).
+std::tuple<at::Tensor, at::Tensor> quantize_rows_fp8_op(const at::Tensor& x,
+                                                        const std::optional<at::Tensor>& src_idx,
+                                                        c10::string_view fmt, bool blockwise, bool pow2_scales) {
+  constexpr const char* op = "quantize_rows_fp8";
+  const at::Device dev = x.device();
+  check_tensor(x, op, "x", dev);
+  check_dim(x, op, "x", 2, "[S, H]");
+  const DType dt = activation_dtype(x, op, "x");
+  const auto [format, fp8] = fp8_format(fmt, op);
+  int64_t rows = x.size(0);
+  if (src_idx.has_value()) {
+    check_tensor(*src_idx, op, "src_idx", dev);
+    check_dim(*src_idx, op, "src_idx", 1, "[R]");
+    check_dtype(*src_idx, op, "src_idx", at::kInt);
+    rows = src_idx->size(0);
+    TORCH_CHECK(x.size(0) <= kInt32Max, "lightning_moe_C.", op, ": x has ", num(x.size(0)),
+                " rows; int32 row indices address at most ", num(kInt32Max), ".");
+  }
+  const c10::cuda::CUDAGuard guard(dev);
+  auto [data, scale] = fp8_outputs(x, rows, x.size(1), fp8, blockwise);
+  check_launch(quantize_rows_fp8(x.data_ptr(), src_idx.has_value() ? src_idx->data_ptr<int32_t>() : nullptr,
+                                 data.data_ptr(), scale.data_ptr<float>(), rows, x.size(0), x.size(1), format,
+                                 blockwise, pow2_scales, dt, current_stream()),
+               op);
+  return {data, scale};
+}
+
+// (data, scale) of a = silu(h[:, :F]) * h[:, F:] * w[:, None] (weighted_swiglu_fwd's values).
+std::tuple<at::Tensor, at::Tensor> swiglu_quantize_fp8_op(const at::Tensor& h, const std::optional<at::Tensor>& w,
+                                                          c10::string_view fmt, bool blockwise, bool pow2_scales) {
+  constexpr const char* op = "swiglu_quantize_fp8";
+  const at::Device dev = h.device();
+  check_tensor(h, op, "h", dev);
+  check_dim(h, op, "h", 2, "[R, 2F]");
+  TORCH_CHECK(h.size(1) % 2 == 0, "lightning_moe_C.", op, ": h has ", num(h.size(1)),
+              " columns; expected an even 2F = [gate | up].");
+  const DType dt = activation_dtype(h, op, "h");
+  const auto [format, fp8] = fp8_format(fmt, op);
+  const int64_t R = h.size(0), F = h.size(1) / 2;
+  if (w.has_value()) {
+    check_tensor(*w, op, "w", dev);
+    check_dtype(*w, op, "w", at::kFloat);
+    TORCH_CHECK(w->dim() == 1 && w->size(0) == R, "lightning_moe_C.", op, ": w has shape ",
+                dims(w->sizes()), "; expected [R] = [", num(R), "].");
+  }
+  const c10::cuda::CUDAGuard guard(dev);
+  auto [data, scale] = fp8_outputs(h, R, F, fp8, blockwise);
+  check_launch(swiglu_quantize_fp8(h.data_ptr(), w.has_value() ? w->data_ptr<float>() : nullptr, data.data_ptr(),
+                                   scale.data_ptr<float>(), R, F, format, blockwise, pow2_scales, dt,
+                                   current_stream()),
+               op);
+  return {data, scale};
+}
+
 }  // namespace
 }  // namespace lightning_moe
 
@@ -412,6 +488,12 @@ TORCH_LIBRARY(lightning_moe_C, m) {
       "route(Tensor x, Tensor w, Tensor? bias, int top_k, str score_func, bool pre_softmax, "
       "bool norm_topk_prob, float scaling_factor, int num_groups, int group_topk) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "quantize_rows_fp8(Tensor x, Tensor? src_idx, str fmt, bool blockwise, bool pow2_scales) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "swiglu_quantize_fp8(Tensor h, Tensor? w, str fmt, bool blockwise, bool pow2_scales) "
+      "-> (Tensor, Tensor)");
 }
 
 // The CUDA kernels. The same functions are registered for CPU only so that a call with CPU
@@ -427,7 +509,9 @@ TORCH_LIBRARY(lightning_moe_C, m) {
   m.impl("build_permutation", &lightning_moe::build_permutation_op);            \
   m.impl("router_topk", &lightning_moe::router_topk_op);                        \
   m.impl("router_logits", &lightning_moe::router_logits_op);                    \
-  m.impl("route", &lightning_moe::route_op)
+  m.impl("route", &lightning_moe::route_op);                                    \
+  m.impl("quantize_rows_fp8", &lightning_moe::quantize_rows_fp8_op);            \
+  m.impl("swiglu_quantize_fp8", &lightning_moe::swiglu_quantize_fp8_op)
 
 TORCH_LIBRARY_IMPL(lightning_moe_C, CUDA, m) { LMOE_REGISTER_OPS(m); }
 TORCH_LIBRARY_IMPL(lightning_moe_C, CPU, m) { LMOE_REGISTER_OPS(m); }

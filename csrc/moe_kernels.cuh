@@ -124,6 +124,30 @@ cudaError_t router_topk(const float* logits, const float* bias, int64_t num_toke
 cudaError_t router_logits(const void* x, const void* w, float* logits, int64_t num_tokens, int64_t hidden,
                           int64_t num_experts, DType dtype, int tile_tokens, cudaStream_t stream);
 
+// ---------------------------------------------------------------------------------------------
+// fp8_quant.cu
+
+// FP8 format of quantized rows: float8_e4m3fn or float8_e5m2 (one byte a value).
+enum class Fp8Format : int { kE4M3 = 0, kE5M2 = 1 };
+
+// Quantizes rows to FP8 with fp32 dequantization scales (x ~= data * scale), exactly as
+// lightning_moe/ops/fp8/quantize.py does: per unit amax, scale = max(amax / FP8_MAX, FLT_MIN) (1 for
+// amax == 0; rounded up to a power of two when pow2_scales), data = fp8(clamp(x / scale, +-FP8_MAX))
+// with round to nearest even; a unit holding NaN or +-inf gets a NaN scale (and NaN data).
+// Units: blockwise: 1 x 128 tiles along the row (the last one partial), scale [R, ceil(H / 128)];
+// else one per row, scale [R, 1]. Row r reads x[src_idx[r]] (src_idx null: x[r]; negative: a row of
+// zeros, scale 1). x: [S, H] (dtype), data: [R, H] fp8 bytes, scale row-major fp32. Requires
+// src_idx[r] < S (S = num_src_rows; R when src_idx is null).
+cudaError_t quantize_rows_fp8(const void* x, const int32_t* src_idx, void* data, float* scale, int64_t num_rows,
+                              int64_t num_src_rows, int64_t hidden, Fp8Format fmt, bool blockwise, bool pow2_scales, DType dtype,
+                              cudaStream_t stream);
+
+// The weighted SwiGLU of h = [gate | up] (weighted_swiglu_fwd's values, rounded to h's dtype as it
+// stores them) quantized like quantize_rows_fp8: data [R, F] fp8 bytes and scale [R, U] fp32 from
+// h: [R, 2F] (dtype) and w: [R] fp32 or null.
+cudaError_t swiglu_quantize_fp8(const void* h, const float* w, void* data, float* scale, int64_t num_rows, int64_t ffn,
+                                Fp8Format fmt, bool blockwise, bool pow2_scales, DType dtype, cudaStream_t stream);
+
 }  // namespace lightning_moe
 
 // =============================================================================================

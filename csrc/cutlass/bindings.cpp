@@ -11,6 +11,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include "fp8_blockwise_grouped.h"
 #include "grouped_gemm.h"
 #include "grouped_wgrad.h"
 
@@ -20,6 +21,7 @@ namespace {
 constexpr const char* kOp = "lightning_moe_cutlass_C.grouped_wgrad_accumulate_";
 constexpr const char* kFreshOp = "lightning_moe_cutlass_C.grouped_wgrad";
 constexpr const char* kGemmOp = "lightning_moe_cutlass_C.grouped_mm";
+constexpr const char* kFp8Op = "lightning_moe_cutlass_C.fp8_blockwise_grouped_mm";
 
 // Numbers go into messages through std::to_string: streaming an int64 into TORCH_CHECK's message
 // from an extension crashed (SIGSEGV) on the GPU machine, as csrc/bindings.cpp notes.
@@ -153,6 +155,67 @@ at::Tensor grouped_mm_op(const at::Tensor& a, const at::Tensor& w, const at::Ten
   return out;
 }
 
+// out[lo_e:hi_e] = (a_data * a_scale)[lo_e:hi_e] @ (b_data[e] * b_scale[e]) with 1 x 128 scales on a
+// and 128 x 128 scales on b (fp8_blockwise_grouped.h); rows from offsets[E - 1] on are set to zero.
+// b_data is the [E, K, N] weight read K-major: strides (K*N, 1, K), i.e. w.transpose(1, 2) of a
+// contiguous [E, N, K].
+void fp8_blockwise_grouped_mm_op(const at::Tensor& a_data, const at::Tensor& a_scale, const at::Tensor& b_data,
+                                 const at::Tensor& b_scale, const at::Tensor& offsets, at::Tensor out, int64_t tile) {
+  const at::Device device = a_data.device();
+  check(a_data, kFp8Op, "a_data", device, at::kFloat8_e4m3fn);
+  check(a_scale, kFp8Op, "a_scale", device, at::kFloat);
+  check_placed(b_data, kFp8Op, "b_data", device, at::kFloat8_e4m3fn);
+  check(b_scale, kFp8Op, "b_scale", device, at::kFloat);
+  check(offsets, kFp8Op, "offsets", device, at::kInt);
+  check(out, kFp8Op, "out", device, at::kBFloat16);
+  TORCH_CHECK(a_data.dim() == 2 && a_scale.dim() == 2 && b_data.dim() == 3 && b_scale.dim() == 3 &&
+                  offsets.dim() == 1 && out.dim() == 2,
+              kFp8Op, ": expected a_data [R, K], a_scale [R, Kb], b_data [E, K, N], b_scale [E, Kb, Nb], offsets [E], ",
+              "out [R, N]; got ", num(a_data.dim()), "-d, ", num(a_scale.dim()), "-d, ", num(b_data.dim()), "-d, ",
+              num(b_scale.dim()), "-d, ", num(offsets.dim()), "-d, ", num(out.dim()), "-d.");
+  const int64_t rows = a_data.size(0), experts = b_data.size(0), k = b_data.size(1), n = b_data.size(2);
+  const int64_t kb = (k + 127) / 128, nb = (n + 127) / 128;
+  TORCH_CHECK(a_data.size(1) == k && offsets.size(0) == experts && out.size(0) == rows && out.size(1) == n, kFp8Op,
+              ": shapes disagree: a_data [", num(rows), ", ", num(a_data.size(1)), "], b_data [", num(experts), ", ",
+              num(k), ", ", num(n), "], offsets [", num(offsets.size(0)), "], out [", num(out.size(0)), ", ",
+              num(out.size(1)), "].");
+  TORCH_CHECK(a_scale.size(0) == rows && a_scale.size(1) == kb, kFp8Op, ": a_scale has shape [", num(a_scale.size(0)),
+              ", ", num(a_scale.size(1)), "]; expected one scale per 1 x 128 tile of a: [", num(rows), ", ", num(kb), "].");
+  TORCH_CHECK(b_scale.size(0) == experts && b_scale.size(1) == kb && b_scale.size(2) == nb, kFp8Op,
+              ": b_scale has shape [", num(b_scale.size(0)), ", ", num(b_scale.size(1)), ", ", num(b_scale.size(2)),
+              "]; expected one scale per 128 x 128 tile of each [K, N] weight: [", num(experts), ", ", num(kb), ", ",
+              num(nb), "].");
+  TORCH_CHECK(k > 0 && n > 0 && k % 16 == 0 && n % 16 == 0, kFp8Op, ": K=", num(k), " and N=", num(n),
+              " must be positive multiples of 16 (16-byte rows of FP8 for TMA); pad them with zeros.");
+  TORCH_CHECK(k <= INT32_MAX && n <= INT32_MAX && rows <= INT32_MAX, kFp8Op, ": R=", num(rows), ", K=", num(k),
+              " and N=", num(n), " must each fit in int32 (the kernel's problem sizes).");
+  const bool packed = experts <= 1 || b_data.stride(0) == k * n;
+  TORCH_CHECK(packed && b_data.stride(1) == 1 && b_data.stride(2) == k, kFp8Op, ": b_data has strides (",
+              num(b_data.stride(0)), ", ", num(b_data.stride(1)), ", ", num(b_data.stride(2)), ") for shape [",
+              num(experts), ", ", num(k), ", ", num(n), "]; the FP8 tensor cores read it K-major only: strides (K*N, 1, K), ",
+              "i.e. pass b_data.transpose(1, 2).contiguous().transpose(1, 2).");
+  TORCH_CHECK(aligned16(a_data) && aligned16(b_data) && aligned16(out), kFp8Op,
+              ": a_data's, b_data's or out's data is not 16-byte aligned (a view at an odd offset); pass a fresh copy.");
+  TORCH_CHECK(tile >= 0 && tile < cutlass_kernels::kFp8Tilings, kFp8Op, ": tile=", num(tile), " is not a tiling (0 to ",
+              num(cutlass_kernels::kFp8Tilings - 1), "; see Fp8Tile in fp8_blockwise_grouped.h).");
+  if (rows == 0) return;
+  if (experts == 0) {
+    out.zero_();
+    return;
+  }
+  const c10::cuda::CUDAGuard guard(device);
+  const int index = device.index();
+  const int sms = sm_count(index);
+  const auto tiling = static_cast<cutlass_kernels::Fp8Tile>(tile);
+  const size_t bytes = cutlass_kernels::fp8_blockwise_grouped_workspace_bytes(experts, sms, tiling);
+  at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, a_data.options().dtype(at::kByte));
+  const char* failed = cutlass_kernels::fp8_blockwise_grouped(
+      out.data_ptr(), a_data.data_ptr(), a_scale.data_ptr<float>(), b_data.data_ptr(), b_scale.data_ptr<float>(),
+      offsets.data_ptr<int32_t>(), experts, rows, k, n, workspace.data_ptr(), bytes, index, sms, tiling,
+      at::cuda::getCurrentCUDAStream(index).stream());
+  TORCH_CHECK(failed == nullptr, kFp8Op, ": the CUTLASS kernel failed: ", failed == nullptr ? "" : failed, ".");
+}
+
 }  // namespace
 }  // namespace lightning_moe
 
@@ -160,10 +223,14 @@ TORCH_LIBRARY(lightning_moe_cutlass_C, m) {
   m.def("grouped_wgrad_accumulate_(Tensor(a!) grad, Tensor x, Tensor dy, Tensor offsets, int tile=0) -> ()");
   m.def("grouped_wgrad(Tensor x, Tensor dy, Tensor offsets, int tile=0) -> Tensor");
   m.def("grouped_mm(Tensor a, Tensor w, Tensor offsets, int tile=0) -> Tensor");
+  m.def(
+      "fp8_blockwise_grouped_mm(Tensor a_data, Tensor a_scale, Tensor b_data, Tensor b_scale, Tensor offsets, "
+      "Tensor(a!) out, int tile=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lightning_moe_cutlass_C, CUDA, m) {
   m.impl("grouped_wgrad_accumulate_", &lightning_moe::grouped_wgrad_accumulate_op);
   m.impl("grouped_wgrad", &lightning_moe::grouped_wgrad_op);
   m.impl("grouped_mm", &lightning_moe::grouped_mm_op);
+  m.impl("fp8_blockwise_grouped_mm", &lightning_moe::fp8_blockwise_grouped_mm_op);
 }

@@ -23,7 +23,7 @@ KERNEL_FILES = sorted(p.name for p in SOURCE.glob("*.cu"))
 INCLUDES = cutlass_include_dirs()
 # Each kernel family: its dispatch file (<family>.cu, CUTLASS-free), header (<family>.h) and the
 # prefix of its per-tiling entry points in the dispatch table (&<prefix>_<tiling>}).
-FAMILIES = {"grouped_wgrad": "wgrad", "grouped_gemm": "gemm"}
+FAMILIES = {"grouped_wgrad": "wgrad", "grouped_gemm": "gemm", "fp8_blockwise_grouped": "fp8"}
 DISPATCH_FILES = tuple(f"{family}.cu" for family in FAMILIES)
 
 pytestmark = [
@@ -95,11 +95,13 @@ def test_the_launchers_link(objects: dict, tmp_path: Path) -> None:
     main.write_text(
         '#include "grouped_gemm.h"\n'
         '#include "grouped_wgrad.h"\n'
+        '#include "fp8_blockwise_grouped.h"\n'
         "using namespace lightning_moe::cutlass_kernels;\n"
         "int main() {\n"
         "  auto* a = &grouped_wgrad; auto* b = &grouped_wgrad_workspace_bytes;\n"
         "  auto* c = &grouped_gemm; auto* d = &grouped_gemm_workspace_bytes;\n"
-        "  return (a != nullptr && b != nullptr && c != nullptr && d != nullptr) ? 0 : 1;\n"
+        "  auto* e = &fp8_blockwise_grouped; auto* f = &fp8_blockwise_grouped_workspace_bytes;\n"
+        "  return (a && b && c && d && e && f) ? 0 : 1;\n"
         "}\n"
     )
     objs = [str(obj) for _, obj in objects.values()]
