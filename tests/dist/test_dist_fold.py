@@ -9,7 +9,8 @@ sequences and their mean is the DP replica's loss.
 
 W=4: CP2·DP2 with EP4; CP4 with EP2·EDP2; TP2+SP·DP2 with EP4; TP2+SP (vocab-parallel head) with
 ETP2·EP2; packed rows at CP2·DP2 with EP2 and at TP2+SP·DP2 with EP2; DCP checkpoints saved at
-TP2·CP2 (SP on) load at TP1·CP1 and back, bit for bit. W=8 (slow): TP2·CP2·DP2 with EP8;
+TP2·CP2 (SP on) load at TP1·CP1 and back, bit for bit; a bad sequence length and attention that
+context parallel cannot wrap are refused on every rank. W=8 (slow): TP2·CP2·DP2 with EP8;
 TP2+SP·CP2 with ETP2·EP4. One torchrun job per world size runs the parts of the selected tests.
 """
 
@@ -94,3 +95,12 @@ def test_checkpoint_saved_at_tp2_cp2_sp_loads_bitwise_at_tp1_cp1_and_back(fold4:
     fold4.check(part)
     result = torch.load(fold4.out / "ckpt.pt")
     assert all(torch.isfinite(torch.tensor(v)) for v in result["losses"].values()), result["losses"]
+
+
+@pytest.mark.parametrize("part", ["bad"])
+def test_context_parallel_refuses_a_bad_length_and_unwrappable_attention_on_every_rank(fold4: Suite, part: str) -> None:
+    fold4.check(part)
+    messages = torch.load(fold4.out / "bad.pt")
+    assert "sequence length 6 is not a multiple of 2*cp=4" in messages["length"], messages["length"]
+    assert "FoldedMoEStrategy" in messages["length"], messages["length"]
+    assert "'model.layers.0.extra' (MultiheadAttention)" in messages["attention"], messages["attention"]

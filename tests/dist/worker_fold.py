@@ -17,6 +17,10 @@ under the Trainer and under Fabric, one torchrun job for all parts of a world si
 * ``ckpt`` — DCP checkpoints stay layout-independent: 2 steps at tp2·cp2 (SP on) with EP4, the
   folder loaded at tp1·cp1 (EP2) and saved there, that folder loaded back at tp2·cp2 (SP on):
   bitwise the parameters each time, and the validation loss at both layouts equal (1e-6).
+* ``bad`` — at cp2 a batch of length 6 raises the length error (naming 6 and the multiple 4) at
+  the first batch on every rank, and a model holding attention that context parallel cannot wrap
+  is refused when the strategy shards it, naming the module; rank 0 writes ``OUT_DIR/bad.pt``
+  with both messages. No rank hangs: the part ends with the job's barrier.
 """
 
 from __future__ import annotations
@@ -232,6 +236,43 @@ def run_ckpt(out: Path) -> None:
         torch.save({"losses": losses, "params": saved}, out / "ckpt.pt")
 
 
+# ---- bad input under context parallel ----------------------------------------------------------
+
+
+class _ShortRows(FoldLM):
+    def train_data(self) -> Dataset:
+        return TokenData(seq=6)
+
+
+class _ExtraMHA(FoldLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model.layers[0].extra = torch.nn.MultiheadAttention(32, 2, batch_first=True)
+
+
+def _fit_error(model: FoldLM, expected: type[Exception]) -> str:
+    strategy = FoldedMoEStrategy(cp=2, ep=2, timeout=timedelta(seconds=60))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )  # fmt: skip
+    try:
+        trainer.fit(model)
+    except expected as err:
+        return str(err)
+    raise AssertionError(f"rank {dist.get_rank()}: {type(model).__name__} trained at cp=2 without {expected.__name__}")
+
+
+def run_bad(out: Path) -> None:
+    messages = {
+        "length": _fit_error(_ShortRows(), ValueError),
+        "attention": _fit_error(_ExtraMHA(), TypeError),
+    }
+    if dist.get_rank() == 0:
+        torch.save(messages, out / "bad.pt")
+
+
 # ---- the one-process reference of packed rows ----------------------------------------------------
 
 
@@ -286,8 +327,10 @@ def run_part(part: str, out: Path) -> None:
         run_fabric(out, part, spec)
     elif kind == "ckpt":
         run_ckpt(out)
+    elif kind == "bad":
+        run_bad(out)
     else:
-        raise ValueError(f"worker_fold: part={part!r} is not known; use trainer:<layout>, fabric:<layout> or ckpt.")
+        raise ValueError(f"worker_fold: part={part!r} is not known; use trainer:<layout>, fabric:<layout>, ckpt or bad.")
 
 
 def main(out: Path, parts: list[str]) -> None:
