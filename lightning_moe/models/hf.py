@@ -520,6 +520,8 @@ def packed_forward_kwargs(
     :func:`packed_attention_mask`: boolean for ``attn_implementation="sdpa"``, additive in the
     model's dtype for ``"eager"``; a model mixing full and sliding-window layers (``layer_types``)
     gets one mask per kind, as its forward accepts. Other attention backends raise ``ValueError``.
+    (Given restarting position ids and no mask, transformers finds the boundaries from the position
+    ids itself; the explicit mask follows the document ids, which are checked, instead.)
     """
     from lightning_moe.data.packing import check_packed_batch, position_ids_from_document_ids
 

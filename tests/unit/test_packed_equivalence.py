@@ -109,7 +109,7 @@ def _transformer_takes_documents() -> bool:
 
     params = inspect.signature(MoETransformer.forward).parameters
     fields = getattr(TransformerConfig, "__dataclass_fields__", {})
-    return "document_ids" in params and "attention_backend" in fields
+    return any(name.startswith("document_ids") for name in params) and "attention_backend" in fields
 
 
 @pytest.mark.skipif(not _transformer_takes_documents(), reason="MoETransformer.forward takes no document_ids")
@@ -124,11 +124,11 @@ def test_moe_transformer_packed_row_equals_documents_alone() -> None:
     docs = _documents(1)
     packed, alone = _packed_and_alone(docs)
     with torch.no_grad():
-        logits = model(packed["input_ids"], position_ids=packed["position_ids"], document_ids=packed["document_ids"])
+        logits = model(packed["input_ids"], packed["position_ids"], packed["document_ids"])
         losses = _token_losses(logits, packed["labels"])
         leaky = _token_losses(model(packed["input_ids"]), packed["labels"])
         for seg, one in zip(_segments(packed, docs), alone):
-            out = model(one["input_ids"], position_ids=one["position_ids"], document_ids=one["document_ids"])
+            out = model(one["input_ids"], one["position_ids"], one["document_ids"])
             torch.testing.assert_close(losses[seg], _token_losses(out, one["labels"]), rtol=1e-5, atol=1e-5)
         later = _segments(packed, docs)[2]
         assert not torch.allclose(leaky[later], losses[later], atol=1e-4)
@@ -164,6 +164,10 @@ def _check_hf_packed_equals_alone(module: HFMoELanguageModel, seed: int = 2) -> 
     packed, alone = _packed_and_alone(docs)
     with torch.no_grad():
         logits = module(packed["input_ids"], position_ids=packed["position_ids"], document_ids=packed["document_ids"])
+        # Position ids derived from the document ids: the mask alone must keep documents apart
+        # (with restarting position ids and no mask transformers would also find the boundaries).
+        derived = module(packed["input_ids"], document_ids=packed["document_ids"])
+        torch.testing.assert_close(derived, logits, rtol=1e-5, atol=1e-5)
         leaky = module(packed["input_ids"])
         for seg, one in zip(_segments(packed, docs), alone):
             want = module(one["input_ids"], document_ids=one["document_ids"])  # position ids derived
@@ -219,3 +223,14 @@ def test_hf_packed_input_rejects_bad_batches_and_unmasked_backends() -> None:
 
     with pytest.raises(ValueError, match="attn_implementation='flash_attention_2' does not take the 4-D mask"):
         packed_forward_kwargs(_Flash(), ids, torch.zeros_like(ids))
+
+
+def test_hf_module_loss_on_a_packed_batch_is_the_token_mean_of_the_documents_alone() -> None:
+    module = _hf_module(QWEN3, "sdpa", swap=True)
+    docs = _documents(5)
+    packed, alone = _packed_and_alone(docs)
+    with torch.no_grad():
+        loss = module._lm_loss(packed)  # no Trainer: one process, the batch's keys reach forward
+        per_doc = [_token_losses(module(one["input_ids"]), one["labels"]) for one in alone]
+    want = torch.cat(per_doc).mean()  # every labelled token once, each as in its document alone
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
