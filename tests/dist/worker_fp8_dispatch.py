@@ -6,9 +6,15 @@ kind:tp:ep:etp ...``. Every rank builds the same global inputs from one seed, di
 tokens with ``fp8_rows`` set, runs its local experts on the FP8 rows (``x_fp8``; the placeholder
 ``x_RH`` carries the gradient) and checks the output and the gradients of x, the routing weights,
 w13 and w2 against a single-process run of the same tokens through ``LocalDispatcher`` with the
-same ``fp8_rows`` and all experts (fp32: the same quantized rows reach the same experts, so only
+same ``fp8_rows`` and all experts (the same quantized rows reach the same experts, so only
 summation order differs). The skewed routing leaves experts 0, 3 and 5 without a token, drops a
 slot, and gives data shard 1 no tokens at all (it sends nothing).
+
+Two kinds of experts take the rows: ``plain`` (the dequantized rows through the activation-dtype
+experts: any recipe and format, fp32 and fp64) and ``fp8`` (the FP8 experts, ``x_fp8=`` straight
+into their first GEMM, emulated). With ETP the FP8 experts quantize sharded weights, which one
+process with whole weights does not; their reference is then the same dispatcher moving
+activation-dtype rows that the experts quantize themselves (``fp8_rows=None``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 import torch.distributed as dist
 from _fake_deep_ep import FakeDeepEPBuffer
 
+from lightning_moe.config import Fp8Config
 from lightning_moe.moe.dispatch import LocalDispatcher
 from lightning_moe.moe.dispatch.alltoall import AllToAllDispatcher
 from lightning_moe.moe.dispatch.exchange_alltoall_dedup import AllToAllTokenExchange
@@ -53,14 +60,21 @@ def routed_inputs(seed: int, skew: bool, H: int, empty: bool):
     return x, ids, w, c
 
 
-def experts_on_fp8_rows(experts: GroupedExperts, d, weighted: bool) -> torch.Tensor:
-    """The experts on the FP8 rows: dequantized, plus the placeholder (zeros) that carries the gradient."""
+def experts_on_rows(experts: GroupedExperts, d, weighted: bool, fp8_rows: bool) -> torch.Tensor:
+    """The experts on the dispatched rows: FP8 rows straight into the FP8 experts (``x_fp8``), or
+    dequantized for the plain experts, plus the placeholder (zeros) that carries the gradient."""
+    w_R = None if weighted else d.weights_R
+    if not fp8_rows:
+        if d.x_fp8 is not None:
+            raise AssertionError("the dispatcher returned FP8 rows although fp8_rows was not set")
+        return experts(d.x_RH, d.tokens_per_expert_e, w_R)
     if d.x_fp8 is None:
         raise AssertionError("the dispatcher returned no FP8 rows although fp8_rows was set")
     if d.x_RH.stride() != (0, 0) or d.x_RH.shape != d.x_fp8.data.shape:
         raise AssertionError(f"placeholder {tuple(d.x_RH.shape)} strides {d.x_RH.stride()} for {tuple(d.x_fp8.shape)} rows")
-    rows = d.x_fp8.dequantize(d.x_RH.dtype) + d.x_RH
-    return experts(rows, d.tokens_per_expert_e, None if weighted else d.weights_R)
+    if experts.fp8 is not None:
+        return experts(d.x_RH, d.tokens_per_expert_e, w_R, x_fp8=d.x_fp8)
+    return experts(d.x_fp8.dequantize(d.x_RH.dtype) + d.x_RH, d.tokens_per_expert_e, w_R)
 
 
 def run(dispatcher, experts, x, ids, w, c, weighted: bool):
@@ -70,7 +84,7 @@ def run(dispatcher, experts, x, ids, w, c, weighted: bool):
     rows = int(d.tokens_per_expert_e.sum())
     if d.x_RH.shape[0] != rows or d.weights_R.shape[0] != rows:
         raise AssertionError(f"{dispatcher!r}: {d.x_RH.shape[0]} rows, {d.weights_R.shape[0]} weights, {rows} counted")
-    y_R = experts_on_fp8_rows(experts, d, weighted)
+    y_R = experts_on_rows(experts, d, weighted, dispatcher.fp8_rows is not None)
     y = dispatcher.combine(y_R, handle, weighted=weighted)
     (y * c).sum().backward()
     return y.detach(), x.grad, w.grad
@@ -105,44 +119,69 @@ def main(kind: str, tp: int, ep: int, etp: int) -> None:
     groups = dict(ep_group=mesh.group("ep"), etp_group=mesh.group("etp"))
     # DeepEP moves (e4m3 data, one scale per 128 columns) pairs only: blockwise, H a multiple of 128
     if kind == "deepep":
-        cases = [(("blockwise", "e4m3", False), 256, torch.float32), (("blockwise", "e4m3", True), 256, torch.float64)]
+        cases = [(("blockwise", "e4m3", True), 256, torch.float64, "plain"), (("blockwise", "e4m3", False), 256, torch.float32, "fp8")]
     else:
-        cases = [(("rowwise", "e4m3", False), 200, torch.float32), (("blockwise", "e5m2", True), 200, torch.float64)]
-    for spec, H, dtype in cases:
+        cases = [(("rowwise", "e4m3", False), 200, torch.float32, "plain"), (("blockwise", "e5m2", True), 200, torch.float64, "plain"),
+                 (("blockwise", "e4m3", False), 200, torch.float32, "fp8"), (("rowwise", "e4m3", True), 200, torch.float32, "fp8")]  # fmt: skip
+    for spec, H, dtype, mode in cases:
+        fp8 = Fp8Config(recipe=spec[0], backend="emulate", pow2_scales=spec[2]) if mode == "fp8" else None
         torch.manual_seed(0)
         full = GroupedExperts(E, H, F, backend="loop").to(dtype)
         for skew in (False, True):
             weighted = skew  # both ways of applying the routing weight, one per routing
             inputs = [routed_inputs(100 * int(skew) + s, skew, H, empty=skew and s == 1) for s in range(dp)]
             inputs = [tuple(t.to(dtype) if t.is_floating_point() else t for t in inp) for inp in inputs]
-            outs, grads = [], []  # one process: each data shard through all experts
-            for inp in inputs:
-                ref = GroupedExperts(E, H, F, backend="loop").to(dtype)
-                ref.load_state_dict(full.state_dict())
-                local = LocalDispatcher(E)
-                local.fp8_rows = spec
-                outs.append(run(local, ref, *inp, weighted=weighted))
-                grads.append(shard_expert_weights(
-                    ref.w13.grad, ref.w2.grad, ep_rank=coords["ep"], ep=ep, etp_rank=coords["etp"], etp=etp
-                ))  # fmt: skip
-            part = GroupedExperts(E // ep, H, F // etp, backend="loop").to(dtype)
             w13, w2 = shard_expert_weights(
                 full.w13.detach(), full.w2.detach(), ep_rank=coords["ep"], ep=ep, etp_rank=coords["etp"], etp=etp
             )
+            part = GroupedExperts(E // ep, H, F // etp, backend="loop", fp8=fp8).to(dtype)
             with torch.no_grad():
                 part.w13.copy_(w13)
                 part.w2.copy_(w2)
+            shards = [layout.coords(m)["dp"] for m in dist.get_process_group_ranks(mesh.group("ep"))]
+            if fp8 is not None and etp > 1:  # sharded FP8 weights: the experts quantize the rows they receive
+                same = GroupedExperts(E // ep, H, F // etp, backend="loop", fp8=fp8).to(dtype)
+                same.load_state_dict(part.state_dict())
+                want = run(make_dispatcher(kind, groups, mesh.group("ep")), same, *inputs[data_rank], weighted=weighted)
+                want13, want2 = same.w13.grad, same.w2.grad
+            elif fp8 is not None:
+                # FP8 weight gradients quantize each expert's rows together (units along the rows), so the
+                # reference holds the EP group's tokens in one batch, in the order the exchange stacks them
+                ref = GroupedExperts(E, H, F, backend="loop", fp8=fp8).to(dtype)
+                ref.load_state_dict(full.state_dict())
+                local = LocalDispatcher(E)
+                local.fp8_rows = spec
+                batch = [torch.cat([inputs[d][i] for d in shards]) for i in range(4)]
+                y_all, gx_all, gw_all = run(local, ref, *batch, weighted=weighted)
+                start = sum(inputs[d][0].shape[0] for d in shards[: shards.index(data_rank)])
+                mine = slice(start, start + inputs[data_rank][0].shape[0])
+                want = (y_all[mine], gx_all[mine], gw_all[mine])
+                want13, want2 = shard_expert_weights(
+                    ref.w13.grad, ref.w2.grad, ep_rank=coords["ep"], ep=ep, etp_rank=coords["etp"], etp=etp
+                )
+            else:  # one process: each data shard through all experts
+                outs, grads = [], []
+                for inp in inputs:
+                    ref = GroupedExperts(E, H, F, backend="loop", fp8=fp8).to(dtype)
+                    ref.load_state_dict(full.state_dict())
+                    local = LocalDispatcher(E)
+                    local.fp8_rows = spec
+                    outs.append(run(local, ref, *inp, weighted=weighted))
+                    grads.append(shard_expert_weights(
+                        ref.w13.grad, ref.w2.grad, ep_rank=coords["ep"], ep=ep, etp_rank=coords["etp"], etp=etp
+                    ))  # fmt: skip
+                want = outs[data_rank]
+                # this expert shard saw the tokens of every rank of its EP group
+                want13, want2 = sum(grads[d][0] for d in shards), sum(grads[d][1] for d in shards)
             disp = make_dispatcher(kind, groups, mesh.group("ep"))
             disp.fp8_rows = spec
             y, gx, gw = run(disp, part, *inputs[data_rank], weighted=weighted)
-            tag = f"{kind} tp={tp} ep={ep} etp={etp} {spec} {dtype} H={H} skew={skew} rank={rank}"
-            check(f"{tag} output", y, outs[data_rank][0])
-            check(f"{tag} grad x", gx, outs[data_rank][1])
-            check(f"{tag} grad weights", gw, outs[data_rank][2])
-            # this expert shard saw the tokens of every rank of its EP group
-            shards = [layout.coords(m)["dp"] for m in dist.get_process_group_ranks(mesh.group("ep"))]
-            check(f"{tag} grad w13", part.w13.grad, sum(grads[d][0] for d in shards))
-            check(f"{tag} grad w2", part.w2.grad, sum(grads[d][1] for d in shards))
+            tag = f"{kind} tp={tp} ep={ep} etp={etp} {spec} {dtype} {mode} H={H} skew={skew} rank={rank}"
+            check(f"{tag} output", y, want[0])
+            check(f"{tag} grad x", gx, want[1])
+            check(f"{tag} grad weights", gw, want[2])
+            check(f"{tag} grad w13", part.w13.grad, want13)
+            check(f"{tag} grad w2", part.w2.grad, want2)
             if kind == "deepep" and disp.exchange.buffer.calls["fp8_dispatch"] != 1:
                 raise AssertionError(f"{tag}: the DeepEP stand-in got no (data, scales) pair")
     dist.barrier()
