@@ -217,3 +217,16 @@ def test_empty_batch_with_documents_runs() -> None:
     logits = model(empty, document_ids_BS=empty)
     assert logits.shape == (0, S, 64)
     logits.sum().backward()
+
+
+@pytest.mark.parametrize("recompute", [["attn"], ["block"]])
+def test_recompute_with_documents_equals_keeping_everything(recompute: list[str]) -> None:
+    torch.manual_seed(0)
+    kept = MoETransformer(_cfg())
+    rebuilt = MoETransformer(_cfg(recompute=recompute))
+    rebuilt.load_state_dict(kept.state_dict())
+    ids, c = torch.randint(0, 64, (B, S)), torch.randn(B, S, 64)
+    for model in (kept, rebuilt):
+        (model(ids, document_ids_BS=DOCS) * c).sum().backward()
+    for (name, a), b in zip(kept.named_parameters(), rebuilt.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
