@@ -119,6 +119,9 @@ class MoELayer(nn.Module):
         # ranks holding the other tokens of the same sequences (context parallel): the switch loss
         # takes its per-expert counts over all of them, so the group's mean loss is the sequences'
         self.aux_loss_sequence_group: Any = None
+        # ranks whose gradients of these aux losses are summed, not averaged (sequence parallel:
+        # each TP rank holds a shard of the same sequences); each rank's loss counts 1/aux_loss_shards
+        self.aux_loss_shards: int = 1
         self.last_aux_losses: dict[str, torch.Tensor] = {}
         self.last_tokens_per_expert: torch.Tensor | None = None
         self.last_dropped_fraction: torch.Tensor | None = None
@@ -184,7 +187,7 @@ class MoELayer(nn.Module):
         self._record(routing, T)
         aux_total = self._aux_losses(routing, lead_shape)
         if aux_total is not None and torch.is_grad_enabled() and self.training:
-            y_TH = AuxLossScaler.apply(y_TH, aux_total, self.aux_loss_scale)
+            y_TH = AuxLossScaler.apply(y_TH, aux_total, self.aux_loss_scale / self.aux_loss_shards)
         return y_TH.view(*lead_shape, cfg.hidden_size)
 
     # ------------------------------------------------------------------------------------------

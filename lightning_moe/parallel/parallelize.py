@@ -5,14 +5,22 @@ Legend: E experts, e = E/ep local experts, H hidden, F expert FFN width, f = F/e
 Stages of :func:`parallelize_moe_model` (collectives named with their group):
 
 1. checks (no collective): heads divisible by tp, every ETP group inside one TP group (ETP
-   ranks must hold the same tokens), no parameter left directly on the root module;
+   ranks must hold the same tokens; not needed with ``sequence_parallel``, where every rank
+   routes its own tokens), no parameter left directly on the root module;
 2. TP over ``tp`` (dense mesh): ``q/k/v_proj`` column-parallel, ``o_proj`` row-parallel
    (all-reduce(TP) of the output in forward, of the input gradient in backward); the same for
-   dense ``gate/up/down_proj`` MLPs. Everything else stays replicated over TP;
+   dense ``gate/up/down_proj`` MLPs. Everything else stays replicated over TP.
+   ``sequence_parallel`` (``parallel/sequence.py``): the residual stream, the norms and the MoE
+   layers hold ``S/tp`` positions; the embedding output is scattered along the sequence,
+   all-gather(TP) before attention and the dense MLP, reduce-scatter(TP) after ``o_proj`` and
+   ``down_proj``, all-gather before the head. Norm, router and shared-expert weights are
+   ``Replicate`` DTensors whose gradients are summed over TP. ``vocab_parallel``
+   (``parallel/vocab.py``): the embedding rows and the head's vocabulary split over TP;
 3. EP over ``ep`` (+ETP over ``etp``) on every :class:`MoELayer`: ``w13``/``w2`` are cut to this
    rank's experts and become DTensors over the expert mesh (``Shard(0)`` on ep; with ETP,
    ``w13`` column-parallel — each of the gate and up halves sharded, so the local block is
-   ``[gate_j | up_j]`` — and ``w2`` row-parallel ``Shard(1)``); ``layer.dispatcher`` is
+   ``[gate_j | up_j]`` — and ``w2`` row-parallel ``Shard(1)``; with ``sequence_parallel`` the
+   dispatcher all-gathers the rows over ETP); ``layer.dispatcher`` is
    *replaced* by the ``dispatcher`` kind's (default ``"alltoall_dedup"``: a :class:`FlexDispatcher`
    over :class:`~lightning_moe.moe.dispatch.exchange_alltoall_dedup.AllToAllTokenExchange`; ``"alltoall"``: an
    :class:`AllToAllDispatcher`; or :class:`AllGatherDispatcher`, or a library exchange);
@@ -20,7 +28,7 @@ Stages of :func:`parallelize_moe_model` (collectives named with their group):
 4. FSDP2 ``fully_shard``: experts over ``edp`` (``Shard(1)``, the H dim, so a rank with few
    experts is never padded), then every block of a ``ModuleList`` and every child of the root
    over ``dp_cp``. The experts' reduce-scatter output is multiplied by
-   ``edp*etp / (tp*cp*dp)`` (``grad.expert_grad_scale``) so expert and dense gradients both end
+   ``edp*etp / (tp*cp*dp)`` (``edp / (cp*dp)`` with ``sequence_parallel``; ``grad.expert_grad_scale``) so expert and dense gradients both end
    as the data-parallel average. ``GroupedExperts.forward_local`` (the fused local path at EP=1)
    is registered as an FSDP forward method, so the EDP all-gather runs around it as well.
 
@@ -30,12 +38,13 @@ The ETP layout of ``w13`` in the DTensor is "blocked": global column block j hol
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from lightning_moe.moe.dispatch.allgather import AllGatherDispatcher
@@ -46,6 +55,8 @@ from lightning_moe.moe.layer import MoELayer
 from lightning_moe.parallel.grad import expert_grad_scale, install_expert_grad_scaling
 from lightning_moe.parallel.layout import FoldedLayout
 from lightning_moe.parallel.mesh import FoldedMesh
+from lightning_moe.parallel.sequence import gather_from_sequence, scatter_to_sequence, sum_grads_over_tp
+from lightning_moe.parallel.vocab import VocabParallelEmbedding, mark_vocab_parallel_head
 
 __all__ = [
     "DISPATCHERS",
@@ -100,8 +111,68 @@ def unblock_w13(w13_blocked: torch.Tensor, etp: int) -> torch.Tensor:
     return torch.cat([blocks[..., 0, :].reshape(*lead, etp * f), blocks[..., 1, :].reshape(*lead, etp * f)], -1)
 
 
-def check_model_for_layout(module: nn.Module, layout: FoldedLayout) -> None:
+def _transformer_parts(module: nn.Module) -> nn.Module | None:
+    """The module under ``module`` shaped like :class:`~lightning_moe.models.transformer.MoETransformer`
+    (``embed``, ``layers`` of blocks with ``attn_norm``/``attn``/``ffn_norm``/``ffn``, ``norm``,
+    ``lm_head``), or ``None``."""
+    block_parts = ("attn_norm", "attn", "ffn_norm", "ffn")
+    for m in module.modules():
+        layers = getattr(m, "layers", None)
+        if (
+            isinstance(getattr(m, "embed", None), nn.Embedding)
+            and isinstance(getattr(m, "lm_head", None), nn.Linear)
+            and isinstance(getattr(m, "norm", None), nn.Module)
+            and isinstance(layers, nn.ModuleList)
+            and all(all(isinstance(getattr(b, n, None), nn.Module) for n in block_parts) for b in layers)
+        ):
+            return m
+    return None
+
+
+def _check_sequence_vocab(
+    module: nn.Module, layout: FoldedLayout, sequence_parallel: bool, vocab_parallel: bool
+) -> None:
+    for name, value in (("sequence_parallel", sequence_parallel), ("vocab_parallel", vocab_parallel)):
+        if not isinstance(value, bool):
+            raise TypeError(f"parallelize_moe_model: {name}={value!r} must be a bool; pass True or False.")
+        if value and layout.tp == 1:
+            raise ValueError(f"parallelize_moe_model: {name}=True needs tp > 1 (tp=1); set tp >= 2 or {name}=False.")
+    if not (sequence_parallel or vocab_parallel):
+        return
+    root = _transformer_parts(module)
+    if root is None:
+        raise ValueError(
+            f"parallelize_moe_model: sequence_parallel/vocab_parallel need an MoETransformer-shaped model (embed, "
+            f"layers of blocks with attn_norm/attn/ffn_norm/ffn, norm, lm_head); {type(module).__name__} has none. "
+            "Turn both off for this model."
+        )
+    if sequence_parallel:
+        for m in module.modules():
+            if isinstance(m, MoELayer) and m.config.aux_loss in ("seq", "global"):
+                raise ValueError(
+                    f"parallelize_moe_model: sequence_parallel=True with aux_loss={m.config.aux_loss!r} "
+                    f"({m.layer_name}) is not supported (its counts would cover one sequence shard); use "
+                    "aux_loss='switch' or 'none', or sequence_parallel=False."
+                )
+    if vocab_parallel:
+        V = root.embed.weight.shape[0]
+        if root.lm_head.weight is root.embed.weight:
+            raise ValueError(
+                "parallelize_moe_model: vocab_parallel=True with tied embeddings (lm_head.weight is embed.weight) is "
+                "not supported; set tie_embeddings=False or vocab_parallel=False."
+            )
+        if V % layout.tp or root.lm_head.out_features % layout.tp:
+            raise ValueError(
+                f"parallelize_moe_model: vocab_parallel=True needs vocab_size={V} divisible by tp={layout.tp}; pad "
+                f"the vocabulary to {-(-V // layout.tp) * layout.tp} or set vocab_parallel=False."
+            )
+
+
+def check_model_for_layout(
+    module: nn.Module, layout: FoldedLayout, *, sequence_parallel: bool = False, vocab_parallel: bool = False
+) -> None:
     """Rules that need both the model and the layout; raises ``ValueError`` (no collective)."""
+    _check_sequence_vocab(module, layout, sequence_parallel, vocab_parallel)
     layers = [m for m in module.modules() if isinstance(m, MoELayer)]
     for layer in layers:
         layout.check_experts(layer.config.num_experts, layer.config.ffn_hidden_size)
@@ -120,7 +191,7 @@ def check_model_for_layout(module: nn.Module, layout: FoldedLayout) -> None:
                         f"FoldedMoEStrategy: tp={layout.tp} must divide the {heads} query and {kv} key/value heads "
                         f"of {name or 'the model'}; choose tp dividing {kv}."
                     )
-    if layout.etp > 1:
+    if layout.etp > 1 and not sequence_parallel:  # with it, every rank routes its own tokens
         for group in layout.groups("etp"):
             if not set(group) <= set(layout.group_of("tp", group[0])):
                 raise ValueError(
@@ -135,8 +206,10 @@ def check_model_for_layout(module: nn.Module, layout: FoldedLayout) -> None:
         )
 
 
-def _apply_tp(module: nn.Module, mesh: FoldedMesh) -> None:
+def _apply_tp(module: nn.Module, mesh: FoldedMesh, *, sequence_parallel: bool = False, vocab_parallel: bool = False) -> None:
     tp_mesh = mesh.mesh("tp")
+    # with sequence parallel the row-parallel outputs are reduce-scattered along the sequence
+    row = (lambda: RowwiseParallel(output_layouts=Shard(1))) if sequence_parallel else RowwiseParallel
     for m in list(module.modules()):
         if _has_linears(m, _ATTN):
             plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel()}
@@ -146,10 +219,64 @@ def _apply_tp(module: nn.Module, mesh: FoldedMesh) -> None:
             for norm in ("q_norm", "k_norm"):
                 if isinstance(getattr(m, norm, None), nn.Module):
                     plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
-            parallelize_module(m, tp_mesh, plan | {"o_proj": RowwiseParallel()})
+            parallelize_module(m, tp_mesh, plan | {"o_proj": row()})
         elif _has_linears(m, _MLP):
-            plan = {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()}
+            plan = {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": row()}
             parallelize_module(m, tp_mesh, plan)
+        else:
+            continue
+        if sequence_parallel:  # one all-gather(TP) of the input for all the column-parallel projections
+            m.register_forward_pre_hook(functools.partial(_gather_first_input, tp_mesh))
+    if sequence_parallel or vocab_parallel:
+        root = _transformer_parts(module)
+        assert root is not None  # checked by check_model_for_layout
+        _apply_sequence_and_vocab(root, mesh, sequence_parallel, vocab_parallel)
+
+
+def _gather_first_input(tp_mesh: Any, module: nn.Module, args: tuple) -> tuple:
+    """``[B, s, H]`` local -> a ``Replicate`` DTensor ``[B, S, H]``: all-gather(TP) in forward; the
+    projections' partial input gradients are summed and reduce-scattered(TP) in backward."""
+    x_BSH = DTensor.from_local(args[0], tp_mesh, [Shard(1)], run_check=False).redistribute(tp_mesh, [Replicate()])
+    return (x_BSH, *args[1:])
+
+
+def _scatter_output(group: Any, module: nn.Module, args: tuple, out_BSH: torch.Tensor) -> torch.Tensor:
+    return scatter_to_sequence(out_BSH, group)
+
+
+def _gather_input(group: Any, module: nn.Module, args: tuple) -> tuple:
+    return (gather_from_sequence(args[0], group), *args[1:])
+
+
+def _apply_sequence_and_vocab(root: nn.Module, mesh: FoldedMesh, sequence_parallel: bool, vocab_parallel: bool) -> None:
+    """The embedding, the head, the norms and the MoE layers of an MoETransformer-shaped ``root``."""
+    tp_mesh, tp_group, tp = mesh.mesh("tp"), mesh.group("tp"), mesh.size("tp")
+    # the ranks holding the other positions of this rank's sequences: TP (and CP) ranks
+    sequence_group = mesh.group("tp_cp") if mesh.size("cp") > 1 else tp_group
+    if vocab_parallel:
+        V = root.embed.weight.shape[0]
+        root.embed = VocabParallelEmbedding(root.embed, tp_mesh, sequence_parallel=sequence_parallel)
+        head = ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(), use_local_output=True)
+        parallelize_module(root.lm_head, tp_mesh, head)
+        mark_vocab_parallel_head(root.lm_head, tp_group, mesh.rank("tp") * (V // tp))
+    elif sequence_parallel:
+        root.embed.register_forward_hook(functools.partial(_scatter_output, tp_group))
+        root.lm_head.register_forward_pre_hook(functools.partial(_gather_input, tp_group))
+    if not sequence_parallel:
+        return
+    sum_grads_over_tp(root.norm, tp_mesh)
+    for block in root.layers:
+        sum_grads_over_tp(block.attn_norm, tp_mesh)
+        sum_grads_over_tp(block.ffn_norm, tp_mesh)
+        if isinstance(block.ffn, MoELayer):
+            layer = block.ffn
+            for child in layer.children():
+                if child is not layer.experts:
+                    sum_grads_over_tp(child, tp_mesh)  # router, shared expert: they see this rank's tokens
+            # switch counts over the whole sequences; the TP ranks' aux gradients add up (CP ranks'
+            # are averaged by FSDP), so each TP rank's loss counts 1/tp
+            layer.aux_loss_sequence_group = sequence_group
+            layer.aux_loss_shards = tp
 
 
 def _shard_experts(experts: GroupedExperts, mesh: FoldedMesh) -> None:
@@ -210,18 +337,30 @@ def parallelize_moe_model(
     fsdp: bool = True,
     reshard_after_forward: bool = True,
     shard_root: bool = False,
+    sequence_parallel: bool = False,
+    vocab_parallel: bool = False,
 ) -> nn.Module:
     """Shard ``module`` in place for ``mesh`` (stages in the module docstring); returns it.
 
     ``shard_root``: also ``fully_shard`` the root (a plain ``nn.Module``, as Fabric passes);
     otherwise each child of the root is sharded (a LightningModule stays an ordinary module).
     ``fsdp=False`` stops after stage 3 (tests of the dispatch alone).
+    ``sequence_parallel``: shard the residual stream, the norms and the MoE layers' tokens along
+    the sequence over TP (sequences must be a multiple of ``tp`` long). ``vocab_parallel``: split
+    the embedding rows and the head's vocabulary over TP; the head's logits are then this rank's
+    vocabulary slice, for ``parallel.vocab.lm_cross_entropy``. Both need ``tp > 1`` and an
+    MoETransformer-shaped model.
     """
     lay = mesh.layout
-    check_model_for_layout(module, lay)
-    if lay.tp > 1:
-        _apply_tp(module, mesh)
+    check_model_for_layout(module, lay, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
     check_dispatcher(dispatcher)
+    if sequence_parallel and lay.etp > 1 and dispatcher == "allgather":
+        raise ValueError(
+            f"parallelize_moe_model: dispatcher='allgather' with etp={lay.etp} and sequence_parallel=True is not "
+            "supported; use dispatcher='alltoall' or 'alltoall_dedup'."
+        )
+    if lay.tp > 1:
+        _apply_tp(module, mesh, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
     layers = [m for m in module.modules() if isinstance(m, MoELayer)]
     dp_cp_group = mesh.group("dp_cp") if lay.dp * lay.cp > 1 else None
     exchanges: dict[int, Any] = {}  # one library buffer per expert count, shared by the layers
@@ -231,18 +370,21 @@ def parallelize_moe_model(
             _shard_experts(layer.experts, mesh)
             groups = dict(ep_group=mesh.group("ep"), etp_group=mesh.group("etp"))
             num_experts = layer.config.num_experts
+            etp_sp = dict(etp_sequence_parallel=True) if sequence_parallel and lay.etp > 1 else {}
             if dispatcher in ("alltoall_dedup", "deepep", "hybridep"):
                 if num_experts not in exchanges:
                     exchanges[num_experts] = _flex_exchange(dispatcher, mesh.group("ep"), num_experts)
-                layer.dispatcher = FlexDispatcher(num_experts, **groups, exchange=exchanges[num_experts])
+                layer.dispatcher = FlexDispatcher(num_experts, **groups, exchange=exchanges[num_experts], **etp_sp)
+            elif dispatcher == "alltoall":
+                layer.dispatcher = AllToAllDispatcher(num_experts, **groups, **etp_sp)
             else:
-                kind = AllToAllDispatcher if dispatcher == "alltoall" else AllGatherDispatcher
-                layer.dispatcher = kind(num_experts, **groups)
+                layer.dispatcher = AllGatherDispatcher(num_experts, **groups)
     if not fsdp or lay.world_size == 1:
         # One rank: FSDP2 would shard nothing and only copy (every parameter all-gathered into a
         # second buffer, every gradient packed for a reduce-scatter of one), so the model stays plain.
         return module
-    scale = expert_grad_scale(lay)
+    # with sequence parallel each token reaches the experts once, not tp/etp times
+    scale = expert_grad_scale(lay) * (lay.tp / lay.etp if sequence_parallel else 1.0)
     for layer in layers:
         fully_shard(
             layer.experts,

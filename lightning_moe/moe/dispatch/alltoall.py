@@ -17,10 +17,14 @@ Expert ``g`` lives on EP rank ``g // e`` as local expert ``g % e``. Stages of ``
    through the inverse order instead of an atomic scatter-add).
 6. ETP only: ``copy_to_group(ETP)`` marks the rows as identical over the expert-tensor-parallel
    group (backward all-reduces their gradient, which each ETP rank computes from its F slice).
+   With ``etp_sequence_parallel`` the ETP ranks hold different tokens (sequence parallel): the
+   rows are all-gathered over ETP instead (``gather_expert_rows``), so each ETP rank computes its
+   F slice for the rows of the whole ETP group.
 
 Stages of ``combine`` (the reverse):
 
-1. ETP only: all-reduce(ETP) of the partial outputs of the row-parallel ``w2``.
+1. ETP only: all-reduce(ETP) of the partial outputs of the row-parallel ``w2`` (with
+   ``etp_sequence_parallel``: reduce-scatter(ETP), each rank keeping its own rows).
 2. un-regroup (local) back to source-major.
 3. A2A(EP) back to the source ranks, splits swapped.
 4. gather-sum (local) into token order over the K slots (weighted unless the experts already
@@ -47,6 +51,13 @@ from torch.distributed import ProcessGroup
 
 from lightning_moe.moe.dispatch.base import DispatchedTokens, DispatcherCapabilities, fp8_rows_of, row_weights
 from lightning_moe.moe.dispatch.comm import all_to_all_rows, copy_to_group, exchange_rows, reduce_from_group
+from lightning_moe.moe.dispatch.comm import (
+    ExpertRowsLayout,
+    check_etp_sequence_parallel,
+    gather_expert_rows,
+    reject_fp8_rows_with_etp_gather,
+    scatter_expert_rows,
+)
 from lightning_moe.moe.dispatch.ep import ExpertParallelDispatcher
 from lightning_moe.moe.dispatch.fp8_rows import dispatch_fp8_rows, gather_rows, pack_rows, unpack_rows
 from lightning_moe.ops.permute import Permutation, build_permutation, permute_rows, reorder_rows, unpermute_sum
@@ -62,6 +73,7 @@ class AllToAllHandle:
     recv_splits: list[int]  # [P] rows received from each EP rank
     unregroup_R: torch.Tensor  # expert-major row -> source-major position (inverse of the regroup)
     regroup_R: torch.Tensor  # source-major row -> expert-major position (the regroup itself)
+    etp_rows: ExpertRowsLayout | None = None  # the ETP all-gather (etp_sequence_parallel only)
 
 
 @dataclass(frozen=True)
@@ -95,12 +107,26 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         etp_group: the expert-tensor-parallel group when each expert's F dimension is sharded
             (``None``: ETP is 1). Its ranks must hold identical tokens (they are tensor-parallel
             replicas of each other); ``parallel/parallelize.py`` checks that.
+        etp_sequence_parallel: the ETP ranks hold different tokens (sequence parallel in the
+            dense TP region): the received rows are all-gathered over ``etp_group`` and the
+            ``w2`` partial outputs reduce-scattered back, instead of all-reduced.
 
     Capabilities: FP8 rows (``fp8_rows``: quantized once, one all-to-all for data and scales).
     """
 
     capabilities = DispatcherCapabilities(carries_fp8_rows=True)
     fp8_rows = None  # (recipe, fmt, pow2_scales) when the layer's FP8 experts take FP8 rows
+
+    def __init__(
+        self,
+        num_experts: int,
+        *,
+        ep_group: dist.ProcessGroup,
+        etp_group: dist.ProcessGroup | None = None,
+        etp_sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__(num_experts, ep_group=ep_group, etp_group=etp_group)
+        self.etp_sequence_parallel = check_etp_sequence_parallel(type(self).__name__, etp_sequence_parallel)
 
     def dispatch(
         self, x_TH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, capacity: int | None
@@ -135,16 +161,22 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
             x_RH = all_to_all_rows(x_NH, recv_splits, send_splits, self.ep_group)
             x_RH = reorder_rows(x_RH, regroup_R, unregroup_R)
         w_R = reorder_rows(w_R, regroup_R, unregroup_R)
-        if self.etp_group is not None:
+        tokens_per_expert_e = recv_Pe.sum(0)
+        etp_rows = None
+        if self.etp_group is not None and self.etp_sequence_parallel:
+            reject_fp8_rows_with_etp_gather(self)
+            x_RH, w_R, tokens_per_expert_e, etp_rows = gather_expert_rows(x_RH, w_R, tokens_per_expert_e, self.etp_group)
+        elif self.etp_group is not None:
             x_RH = copy_to_group(x_RH, self.etp_group)
             w_R = copy_to_group(w_R, self.etp_group)
 
-        tokens_per_expert_e = recv_Pe.sum(0)
-        handle = AllToAllHandle(perm, topk_weights_TK, send_splits, recv_splits, unregroup_R, regroup_R)
+        handle = AllToAllHandle(perm, topk_weights_TK, send_splits, recv_splits, unregroup_R, regroup_R, etp_rows)
         return DispatchedTokens(x_RH, tokens_per_expert_e, w_R, x_fp8), handle
 
     def combine(self, y_RH: torch.Tensor, handle: AllToAllHandle, weighted: bool) -> torch.Tensor:
-        if self.etp_group is not None:
+        if handle.etp_rows is not None:
+            y_RH = scatter_expert_rows(y_RH, handle.etp_rows)
+        elif self.etp_group is not None:
             y_RH = reduce_from_group(y_RH, self.etp_group)
         y_RH = reorder_rows(y_RH, handle.unregroup_R, handle.regroup_R)
         y_NH = all_to_all_rows(y_RH, handle.send_splits, handle.recv_splits, self.ep_group)

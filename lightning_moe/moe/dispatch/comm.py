@@ -14,6 +14,12 @@ function                      forward                     backward
 ``reduce_scatter_rows``       reduce-scatter (sum), rows  all-gather, rows
 ============================  ==========================  ==========================
 
+``gather_expert_rows`` / ``scatter_expert_rows`` (expert tensor parallel under sequence parallel,
+when the ETP ranks hold different tokens): all-gather(ETP) of the rows each rank received,
+regrouped expert-major so every ETP rank computes its F slice for all of them; and the reverse,
+reduce-scatter(ETP) of the row-parallel ``w2`` partial outputs back to the rows' owner (Megatron's
+"gather from / reduce-scatter to the sequence-parallel region" over the expert-TP group).
+
 ``copy_to_group``/``reduce_from_group`` are Megatron's "copy to / reduce from the tensor-parallel
 region": the first marks an input every rank of the group holds identically (its gradient is a
 partial sum per rank), the second sums partial outputs.
@@ -21,17 +27,26 @@ partial sum per rank), the second sums partial outputs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from lightning_moe.ops.permute import reorder_rows
+
 __all__ = [
+    "ExpertRowsLayout",
     "all_gather_rows",
     "all_to_all_rows",
+    "check_etp_sequence_parallel",
     "copy_to_group",
     "exchange_rows",
+    "gather_expert_rows",
     "reduce_from_group",
     "reduce_scatter_rows",
+    "reject_fp8_rows_with_etp_gather",
+    "scatter_expert_rows",
 ]
 
 
@@ -149,3 +164,65 @@ def all_gather_rows(x_RH: torch.Tensor, rows: list[int], rank: int, group: Proce
 def reduce_scatter_rows(x_RH: torch.Tensor, rows: list[int], rank: int, group: ProcessGroup) -> torch.Tensor:
     """Sum the gathered layout over ranks and keep this rank's ``rows[rank]`` block; backward all-gathers."""
     return _ReduceScatterRows.apply(x_RH, rows, rank, group)
+
+
+@dataclass(frozen=True)
+class ExpertRowsLayout:
+    """How :func:`gather_expert_rows` laid out the ETP group's rows (``scatter_expert_rows`` undoes it)."""
+
+    rows: list[int]  # [Q] rows contributed by each ETP rank
+    rank: int  # this rank in the ETP group
+    group: ProcessGroup
+    regroup_G: torch.Tensor  # source-major row -> expert-major position
+    unregroup_G: torch.Tensor  # its inverse
+
+
+def gather_expert_rows(
+    x_RH: torch.Tensor, weights_R: torch.Tensor, tokens_per_expert_e: torch.Tensor, group: ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ExpertRowsLayout]:
+    """All-gather over the ETP ``group`` the expert-major rows (and their weights) of every rank.
+
+    Legend: Q ranks of the group, G rows gathered (``sum`` of every rank's R). Returns
+    ``x_GH`` and ``weights_G`` expert-major (``[expert][source rank]``), the rows per local
+    expert of the whole group, and the layout. Collectives: all-gather(ETP) of the ``[e]`` counts
+    (# SYNC: the row counts go to the host), all-gather(ETP) of the rows and of the weights; the
+    backward reduce-scatters the gradients (each rank's is partial over its F slice).
+    """
+    Q, e = group.size(), tokens_per_expert_e.shape[0]
+    counts_Qe = tokens_per_expert_e.new_empty(Q * e)
+    dist.all_gather_into_tensor(counts_Qe, tokens_per_expert_e.contiguous(), group=group)
+    counts_Qe = counts_Qe.view(Q, e)
+    rows = counts_Qe.sum(1).tolist()  # SYNC: the gathered buffers' sizes
+    rank = group.rank()
+    x_GH = all_gather_rows(x_RH, rows, rank, group)
+    w_G = all_gather_rows(weights_R, rows, rank, group)
+    expert_of_row_G = torch.repeat_interleave(torch.arange(e, device=counts_Qe.device).repeat(Q), counts_Qe.reshape(-1))
+    regroup_G = torch.argsort(expert_of_row_G, stable=True)
+    unregroup_G = torch.empty_like(regroup_G)
+    unregroup_G[regroup_G] = torch.arange(regroup_G.numel(), device=regroup_G.device)
+    x_GH = reorder_rows(x_GH, regroup_G, unregroup_G)
+    w_G = reorder_rows(w_G, regroup_G, unregroup_G)
+    return x_GH, w_G, counts_Qe.sum(0), ExpertRowsLayout(rows, rank, group, regroup_G, unregroup_G)
+
+
+def check_etp_sequence_parallel(owner: str, value: object) -> bool:
+    """``etp_sequence_parallel`` must be a bool (``TypeError`` naming the value)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}: etp_sequence_parallel={value!r} must be a bool; pass True or False.")
+    return value
+
+
+def reject_fp8_rows_with_etp_gather(dispatcher: object) -> None:
+    """FP8 rows are not gathered over ETP: refuse them with ``etp_sequence_parallel``."""
+    if getattr(dispatcher, "fp8_rows", None) is not None:
+        raise NotImplementedError(
+            f"{type(dispatcher).__name__}: FP8 rows with etp_sequence_parallel=True (ETP ranks holding different "
+            "tokens) are not supported; turn FP8 dispatch off, or use etp=1 or sequence_parallel=False."
+        )
+
+
+def scatter_expert_rows(y_GH: torch.Tensor, layout: ExpertRowsLayout) -> torch.Tensor:
+    """The expert-major partial outputs of :func:`gather_expert_rows`'s rows, summed over the ETP
+    group, back as this rank's own ``y_RH`` (reduce-scatter(ETP); backward all-gathers)."""
+    y_GH = reorder_rows(y_GH, layout.unregroup_G, layout.regroup_G)
+    return reduce_scatter_rows(y_GH, layout.rows, layout.rank, layout.group)

@@ -13,9 +13,12 @@ this rank) and their weights ``w_MJ``; autograd's backward is the library's comb
 gradient (and of the weights' gradient). 2. permute (local): the received slots sorted by local
 expert, ``-1`` slots dropped (``x_RH``). 3. ETP only: ``copy_to_group(ETP)`` marks the rows as
 identical over the expert-tensor-parallel group (its ranks hold the same tokens and exchange them
-in their own EP groups; backward all-reduces the rows' gradient).
+in their own EP groups; backward all-reduces the rows' gradient). With ``etp_sequence_parallel``
+(sequence parallel: the ETP ranks hold different tokens) the rows are all-gathered over ETP
+instead (``gather_expert_rows``), each ETP rank computing its F slice for all of them.
 
-``combine``: 1. ETP only: all-reduce(ETP) of the partial outputs of the row-parallel ``w2``.
+``combine``: 1. ETP only: all-reduce(ETP) of the partial outputs of the row-parallel ``w2``
+(with ``etp_sequence_parallel``: reduce-scatter(ETP) back to the rows' owners).
 2. gather-sum of the rows back to the received tokens over their slots (weighted unless the
 experts applied the weight), then the library's combine sums every rank's partial outputs into
 the source tokens (backward: a dispatch of the gradient with the cached layout).
@@ -36,7 +39,15 @@ import torch
 from torch.distributed import ProcessGroup
 
 from lightning_moe.moe.dispatch.base import DispatchedTokens, DispatcherCapabilities, Fp8Rows, fp8_rows_of, row_weights
-from lightning_moe.moe.dispatch.comm import copy_to_group, reduce_from_group
+from lightning_moe.moe.dispatch.comm import (
+    ExpertRowsLayout,
+    check_etp_sequence_parallel,
+    copy_to_group,
+    gather_expert_rows,
+    reduce_from_group,
+    reject_fp8_rows_with_etp_gather,
+    scatter_expert_rows,
+)
 from lightning_moe.moe.dispatch.ep import ExpertParallelDispatcher
 from lightning_moe.moe.dispatch.fp8_rows import gather_rows, placeholder_rows, quantize_rows
 from lightning_moe.ops.permute import Permutation, build_permutation, permute_rows, unpermute_sum
@@ -91,6 +102,7 @@ class FlexHandle:
     perm: Permutation  # local sort of the received slots by local expert
     weights_MJ: torch.Tensor  # routing weights of the received tokens' slots
     layout: Any  # the library's handle
+    etp_rows: ExpertRowsLayout | None = None  # the ETP all-gather (etp_sequence_parallel only)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -166,6 +178,8 @@ class FlexDispatcher(ExpertParallelDispatcher):
         etp_group: the expert-tensor-parallel group when each expert's F dimension is sharded
             (``None``: ETP is 1); its ranks must hold identical tokens, as for the all-to-all.
         exchange: the library adapter (``exchange_deepep.py``, ``exchange_hybrid_ep.py``).
+        etp_sequence_parallel: the ETP ranks hold different tokens (sequence parallel): rows
+            all-gathered over ``etp_group``, ``w2`` partial outputs reduce-scattered back.
 
     Capabilities: FP8 rows when the exchange carries them (``alltoall_dedup``, ``deepep``).
     """
@@ -179,9 +193,11 @@ class FlexDispatcher(ExpertParallelDispatcher):
         ep_group: ProcessGroup,
         exchange: TokenExchange,
         etp_group: ProcessGroup | None = None,
+        etp_sequence_parallel: bool = False,
     ) -> None:
         super().__init__(num_experts, ep_group=ep_group, etp_group=etp_group)
         self.exchange = exchange
+        self.etp_sequence_parallel = check_etp_sequence_parallel(type(self).__name__, etp_sequence_parallel)
         self.capabilities = DispatcherCapabilities(carries_fp8_rows=bool(getattr(exchange, "carries_fp8_rows", False)))
 
     def dispatch(
@@ -206,14 +222,20 @@ class FlexDispatcher(ExpertParallelDispatcher):
             perm = build_permutation(ids_MJ, self.num_local_experts, None)
             x_RH = permute_rows(x_MH, perm)
         w_R = row_weights(w_MJ, perm)
-        if self.etp_group is not None:
+        tokens_per_expert_e, etp_rows = perm.tokens_per_expert_E, None
+        if self.etp_group is not None and self.etp_sequence_parallel:
+            reject_fp8_rows_with_etp_gather(self)
+            x_RH, w_R, tokens_per_expert_e, etp_rows = gather_expert_rows(x_RH, w_R, tokens_per_expert_e, self.etp_group)
+        elif self.etp_group is not None:
             x_RH = copy_to_group(x_RH, self.etp_group)
             w_R = copy_to_group(w_R, self.etp_group)
-        handle = FlexHandle(perm, w_MJ, box["layout"])
-        return DispatchedTokens(x_RH, perm.tokens_per_expert_E, w_R, box.get("x_fp8")), handle
+        handle = FlexHandle(perm, w_MJ, box["layout"], etp_rows)
+        return DispatchedTokens(x_RH, tokens_per_expert_e, w_R, box.get("x_fp8")), handle
 
     def combine(self, y_RH: torch.Tensor, handle: FlexHandle, weighted: bool) -> torch.Tensor:
-        if self.etp_group is not None:
+        if handle.etp_rows is not None:
+            y_RH = scatter_expert_rows(y_RH, handle.etp_rows)
+        elif self.etp_group is not None:
             y_RH = reduce_from_group(y_RH, self.etp_group)
         weights_MJ = handle.weights_MJ if weighted else None
         y_MH = unpermute_sum(y_RH, handle.perm, weights_MJ)
