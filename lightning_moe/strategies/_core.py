@@ -18,9 +18,10 @@ does not depend on Trainer or Fabric:
    :attr:`context_parallel` (the CP group, size and rank) and :meth:`shard_batch` (this CP rank's
    load-balanced chunks of a batch, with global position ids);
 4. :meth:`shard_module`: with ``cp > 1`` ``enable_context_parallel`` on the module's attention (a
-   model it cannot wrap is refused, naming the module) and the MoE layers' switch aux-loss counts
-   summed over the CP group; ``parallelize_moe_model`` (with ``sequence_parallel`` and
-   ``vocab_parallel``) unless the module is sharded already, then
+   model it cannot wrap is refused, naming the module); ``parallelize_moe_model`` (with
+   ``sequence_parallel`` and ``vocab_parallel``) unless the module is sharded already; with
+   ``cp > 1`` the MoE layers' switch aux-loss counts summed over the CP group (``tp_cp`` with
+   sequence parallel); then
    materialisation of a meta-device module (its MoE layers' global aux-loss counters zeroed), then
    expert seeding per global expert id (always after
    meta-device init, so every EP rank holds different experts and the values do not depend on the
@@ -342,7 +343,7 @@ class FoldedMoECore:
         layout = folded_layout(owner, world, self.tp, self.cp, self.ep, self.etp, self.pp, self.dp, self.edp, self.order)
         module = self._module_to_check()
         if module is not None:
-            check_model_for_layout(module, layout)
+            check_model_for_layout(module, layout, **self._parallel_options())
             check_model_for_context_parallel(owner, module, layout.cp)
         if strategy.accelerator is not None:
             strategy.accelerator.setup_device(strategy.root_device)
@@ -398,10 +399,11 @@ class FoldedMoECore:
         check_model_for_context_parallel(owner, module, mesh.layout.cp)
         self._enable_context_parallel(module)  # also for a module configure_model sharded already
         if not _is_sharded(module):
-            check_model_for_layout(module, mesh.layout)
+            check_model_for_layout(module, mesh.layout, **self._parallel_options())
             parallelize_moe_model(
                 module, mesh=mesh, dispatcher=self.dispatcher, shard_root=shard_root, **self._parallel_options()
             )
+        self._sum_aux_counts_over_sequences(module)
         strategy: Any = self
         _materialize_distributed_module(root if root is not None else module, strategy.root_device)
         if had_meta:  # the layers' global aux-loss counters are buffers without reset_parameters
@@ -415,12 +417,10 @@ class FoldedMoECore:
         return {k: True for k in ("sequence_parallel", "vocab_parallel") if getattr(self, k)}
 
     def _enable_context_parallel(self, module: nn.Module) -> None:
-        """With ``cp > 1``: attention over the CP group, MoE switch aux-loss counts summed over it.
+        """With ``cp > 1``: every attention of ``module`` attends over the CP group.
 
-        ``enable_context_parallel`` raises for attention it cannot wrap, before any collective. Each
-        MoE layer routes only this rank's tokens; its switch aux loss takes the per-expert counts of
-        the whole sequences (summed over CP) with the local probabilities, so the CP average of the
-        local losses (FSDP's gradient average over ``dp_cp``) is the loss of the whole sequences.
+        ``enable_context_parallel`` raises for attention it cannot wrap, naming the module, before
+        anything changes (and before ``parallelize_moe_model``).
         """
         cp = self.context_parallel
         if cp.group is None:
@@ -428,6 +428,20 @@ class FoldedMoECore:
         from lightning_moe.parallel.context import enable_context_parallel
 
         enable_context_parallel(module, cp.group)
+
+    def _sum_aux_counts_over_sequences(self, module: nn.Module) -> None:
+        """With ``cp > 1``: MoE switch aux-loss counts summed over the ranks holding the sequences.
+
+        Each MoE layer routes only this rank's tokens; its switch aux loss takes the per-expert
+        counts of the whole sequences with the local probabilities, so the CP average of the local
+        losses (FSDP's gradient average over ``dp_cp``) is the loss of the whole sequences. With
+        sequence parallel the TP ranks hold shards of the same sequences too: counts over ``tp_cp``.
+        """
+        cp = self.context_parallel
+        if cp.group is None:
+            return
+        lay = self.folded_mesh.layout
+        group = self.folded_mesh.group("tp_cp") if self.sequence_parallel and lay.tp > 1 else cp.group
         for m in module.modules():
             if isinstance(m, MoELayer):
-                m.aux_loss_sequence_group = cp.group
+                m.aux_loss_sequence_group = group
