@@ -36,7 +36,9 @@ __all__ = [
     "unshard_sequence",
 ]
 
-_BLOCK_ELEMENTS = 1 << 22  # scores of one query block: [B, N, b, S] fp32, about 16 MiB
+# scores of one query block [B, N, b, S] in fp32: about 16 MiB on CPU, 512 MiB on an accelerator
+_BLOCK_ELEMENTS = 1 << 22
+_BLOCK_ELEMENTS_ACCELERATOR = 1 << 27
 
 
 def _check_cp(owner: str, cp_size: int, cp_rank: int) -> None:
@@ -121,8 +123,9 @@ def _reduce_scatter_cat(x: torch.Tensor, group: dist.ProcessGroup | None, dim: i
 # blockwise attention math (fp32, or fp64 for fp64 inputs)
 
 
-def _block_size(B: int, N: int, s: int, S: int) -> int:
-    return max(1, min(s, _BLOCK_ELEMENTS // max(1, B * N * S)))
+def _block_size(B: int, N: int, s: int, S: int, device: torch.device) -> int:
+    budget = _BLOCK_ELEMENTS if device.type == "cpu" else _BLOCK_ELEMENTS_ACCELERATOR
+    return max(1, min(s, budget // max(1, B * N * S)))
 
 
 def _block_mask(
@@ -170,7 +173,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         q5 = q.to(cdt).view(B, Nk, G, s, D) * scale
         out5 = q.new_empty(B, Nk, G, s, Dv, dtype=cdt)
         lse = q.new_empty(B, Nk, G, s, dtype=cdt)
-        step = _block_size(B, N, s, k_all.shape[2])
+        step = _block_size(B, N, s, k_all.shape[2], q.device)
         for lo in range(0, s, step):
             hi = min(s, lo + step)
             scores = _scores(q5[..., lo:hi, :], k_all, _block_mask(pos_Bs, pos_k, doc_Bs, doc_k, lo, hi))
@@ -200,7 +203,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         dq5 = torch.empty_like(q5)
         dk_all = torch.zeros_like(k_all)
         dv_all = torch.zeros_like(v_all)
-        step = _block_size(B, N, s, k_all.shape[2])
+        step = _block_size(B, N, s, k_all.shape[2], q.device)
         for lo in range(0, s, step):
             hi = min(s, lo + step)
             mask = _block_mask(pos_Bs, pos_k, doc_Bs, doc_k, lo, hi)
