@@ -193,6 +193,7 @@ def test_unpack_refuses_rows_of_the_wrong_width() -> None:
         unpack_rows(torch.zeros(2, 100, dtype=torch.uint8), 128, ("rowwise", "e4m3", False))
 
 
+@pytest.mark.filterwarnings("ignore:HybridEPExchange")
 def test_capabilities_name_who_carries_fp8_rows() -> None:
     group = _Group()
     assert LocalDispatcher(4).capabilities.carries_fp8_rows
@@ -257,3 +258,63 @@ def test_deepep_refuses_fp8_rows_it_cannot_move_before_any_communication(spec: t
     q = quantize(torch.randn(4, H), spec[0], spec[1], tile=tile)
     with pytest.raises(ValueError, match=r"DeepEPExchange: DeepEP moves FP8 rows as e4m3 data with one fp32 scale per 128"):
         exchange.dispatch_fp8(q, torch.tensor([[0, 1]] * 4), torch.rand(4, 2), 4)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+@pytest.mark.parametrize("skew", [False, True])
+def test_fp8_experts_given_the_dispatched_fp8_rows_equal_fp8_experts_quantizing_the_rows_themselves(
+    recipe: str, skew: bool
+) -> None:
+    """The FP8 experts take ``x_fp8`` as their first GEMM's input: the same rows they would quantize
+    from activation-dtype rows, so output and every gradient are the same (one process, fp32)."""
+    from lightning_moe.config import Fp8Config
+    from lightning_moe.moe.experts import GroupedExperts
+
+    torch.manual_seed(5)
+    T, H, F, E, K = 10, 192, 16, 4, 2
+    fp8 = Fp8Config(recipe=recipe, backend="emulate")  # type: ignore[arg-type]
+    experts = GroupedExperts(E, H, F, fp8=fp8)
+    x0, c = torch.randn(T, H), torch.randn(T, H)
+    ids, w0 = _routing(T, E, K, seed=11, skew=skew)
+
+    def run(fp8_rows: tuple | None):
+        twin = GroupedExperts(E, H, F, fp8=fp8)
+        twin.load_state_dict(experts.state_dict())
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        disp = LocalDispatcher(E)
+        disp.fp8_rows = fp8_rows
+        d, handle = disp.dispatch(x, ids, w, None)
+        y_R = twin(d.x_RH, d.tokens_per_expert_e, d.weights_R, x_fp8=d.x_fp8)
+        y = disp.combine(y_R, handle, weighted=False)
+        (y * c).sum().backward()
+        return y.detach(), x.grad, w.grad, twin.w13.grad, twin.w2.grad
+
+    got, want = run((recipe, "e4m3", False)), run(None)
+    for name, g, r in zip(("output", "grad x", "grad weights", "grad w13", "grad w2"), got, want):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_moe_layer_passes_the_dispatched_fp8_rows_to_its_fp8_experts() -> None:
+    from lightning_moe.config import Fp8Config, MoEConfig
+    from lightning_moe.moe import MoELayer
+
+    torch.manual_seed(0)
+    cfg = MoEConfig(
+        hidden_size=128, ffn_hidden_size=16, num_experts=4, top_k=2, aux_loss="none",
+        fp8=Fp8Config(recipe="blockwise", backend="emulate"), memory_efficient_permute=False,
+    )  # fmt: skip
+    layer, reference = MoELayer(cfg), MoELayer(cfg)
+    reference.load_state_dict(layer.state_dict())
+    layer.dispatcher.fp8_rows = ("blockwise", "e4m3", False)
+    seen: list[object] = []
+    original = layer.experts.forward
+    layer.experts.forward = lambda *a, **k: seen.append(k.get("x_fp8")) or original(*a, **k)  # type: ignore[method-assign]
+    x = torch.randn(2, 5, 128, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    y, y_ref = layer(x), reference(x_ref)
+    (y.square().sum()).backward()
+    (y_ref.square().sum()).backward()
+    assert seen and seen[0] is not None, "the experts got no FP8 rows from the dispatcher"
+    torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(layer.experts.w13.grad, reference.experts.w13.grad, rtol=1e-6, atol=1e-6)
