@@ -170,7 +170,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         cdt = torch.promote_types(q.dtype, torch.float32)
         k_all, v_all, pos_k, doc_k = _gather_keys(k, v, pos_Bs, doc_Bs, group)
         k_all, v_all = k_all.to(cdt), v_all.to(cdt)
-        q5 = q.to(cdt).view(B, Nk, G, s, D) * scale
+        q5 = q.to(cdt).reshape(B, Nk, G, s, D) * scale
         out5 = q.new_empty(B, Nk, G, s, Dv, dtype=cdt)
         lse = q.new_empty(B, Nk, G, s, dtype=cdt)
         step = _block_size(B, N, s, k_all.shape[2], q.device)
@@ -197,9 +197,9 @@ class _ContextParallelAttention(torch.autograd.Function):
         cdt = lse.dtype
         k_all, v_all, pos_k, doc_k = _gather_keys(k, v, pos_Bs, doc_Bs, group)
         k_all, v_all = k_all.to(cdt), v_all.to(cdt)
-        q5 = q.to(cdt).view(B, Nk, G, s, D) * scale
+        q5 = q.to(cdt).reshape(B, Nk, G, s, D) * scale
         do5 = dout.to(cdt).reshape(B, Nk, G, s, Dv)
-        delta = (do5 * out.to(cdt).view(B, Nk, G, s, Dv)).sum(-1)  # [B, Nk, G, s]
+        delta = (do5 * out.to(cdt).reshape(B, Nk, G, s, Dv)).sum(-1)  # [B, Nk, G, s]
         dq5 = torch.empty_like(q5)
         dk_all = torch.zeros_like(k_all)
         dv_all = torch.zeros_like(v_all)

@@ -114,6 +114,19 @@ def test_cp_attention_in_small_blocks_and_in_bfloat16(monkeypatch: pytest.Monkey
         torch.testing.assert_close(g.float(), w, rtol=5e-2, atol=5e-2)
 
 
+def test_cp_attention_takes_head_major_views_of_token_major_projections() -> None:
+    q, k, v, c = _inputs(4)
+    want = _run(lambda q, k, v: _reference(q, k, v, DOCS), q, k, v, c)
+
+    def token_major(q, k, v):  # noqa: ANN001, ANN202 - [B, S, N, D] storage seen as [B, N, S, D]
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+        assert not q.is_contiguous()
+        return context_parallel_attention(q, k, v, torch.arange(S), None, DOCS)
+
+    for g, w in zip(_run(token_major, q, k, v, c), want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 def test_cp_attention_with_an_empty_batch_runs_forward_and_backward() -> None:
     q, k, v, c = _inputs(2, b=0)
     got = _run(lambda q, k, v: context_parallel_attention(q, k, v, torch.arange(S), None, torch.zeros(0, S, dtype=torch.long)), q, k, v, c)
