@@ -151,7 +151,10 @@ class HFMoELanguageModel(MoELanguageModelBase):
 
     @override
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits ``[B, S, V]``. With ``document_ids`` ``[B, S]`` (packed rows) attention stays within each
         document and ``position_ids`` default to the position within it; ``position_ids`` alone are

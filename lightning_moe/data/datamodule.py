@@ -173,7 +173,8 @@ class MoEDataModule(LightningDataModule):
         rank, size = self._dp_rank_size()
         if len(dataset) < self.batch_size * size:
             raise ValueError(
-                f"MoEDataModule: the train split has {len(dataset)} {self._unit}, fewer than batch_size={self.batch_size} "
+                f"MoEDataModule: the train split has {len(dataset)} {self._unit}, fewer than "
+                f"batch_size={self.batch_size} "
                 f"x {size} data-parallel ranks; lower batch_size or add text."
             )
         sampler = ResumableSampler(dataset, num_replicas=size, rank=rank, shuffle=True, seed=self.seed)

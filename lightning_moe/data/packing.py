@@ -199,7 +199,9 @@ class PackedDataset(Dataset[dict[str, torch.Tensor]]):
     dtype), so items are cheap and the order the sampler draws is the only order there is.
     """
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, eos_id: int, long_documents: LongDocuments = "split") -> None:
+    def __init__(
+        self, tokens: torch.Tensor, seq_len: int, eos_id: int, long_documents: LongDocuments = "split"
+    ) -> None:
         owner = "PackedDataset"
         if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             got = f"shape {tuple(tokens.shape)} and dtype {tokens.dtype}"

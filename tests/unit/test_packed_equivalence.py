@@ -118,8 +118,10 @@ def test_moe_transformer_packed_row_equals_documents_alone() -> None:
 
     torch.manual_seed(0)
     moe = MoEConfig(hidden_size=32, ffn_hidden_size=16, num_experts=4, top_k=2)
-    cfg = TransformerConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                            moe=moe, num_dense_layers=1, attention_backend="sdpa")  # type: ignore[call-arg]  # fmt: skip
+    cfg = TransformerConfig(
+        vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, moe=moe, num_dense_layers=1,
+        attention_backend="sdpa",
+    )  # fmt: skip
     model = MoETransformer(cfg).eval()
     docs = _documents(1)
     packed, alone = _packed_and_alone(docs)
