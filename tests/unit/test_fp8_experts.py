@@ -401,7 +401,7 @@ def _layer(fp8: Fp8Config | None, me: bool = True, seed: int = 0) -> MoELayer:
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
+    return float((a.detach() - b.detach()).norm() / b.detach().norm())
 
 
 def _layer_run(fp8: Fp8Config | None, me: bool, x: torch.Tensor, dy: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -433,12 +433,12 @@ def test_fp8_layer_is_close_to_the_unquantized_layer(me: bool, recipe: str) -> N
 def test_fine_grained_scales_keep_tokens_next_to_an_outlier_token() -> None:
     """One token 1e5 times larger: with one scale per tensor the others fall into e4m3's subnormals;
     blockwise and rowwise scales are per row, so the others keep their precision."""
-    g = torch.Generator().manual_seed(3)
-    x, dy = torch.randn(64, 256, generator=g), torch.randn(64, 256, generator=g)
+    x = torch.randn(32, 256, generator=torch.Generator().manual_seed(3))
     x[7] *= 1e5
-    full = _layer_run(None, True, x, dy)["y"]
-    rest = torch.arange(64) != 7
-    err = {r: _rel(_layer_run(Fp8Config(recipe=r, backend="emulate"), True, x, dy)["y"][rest], full[rest]) for r in RECIPES}
+    rest = torch.arange(32) != 7
+    with torch.no_grad():
+        full = _layer(None, True)(x)[rest]
+        err = {r: _rel(_layer(Fp8Config(recipe=r, backend="emulate"), True)(x)[rest], full) for r in RECIPES}
     assert err["blockwise"] < _FP8_LAYER_BOUND and err["rowwise"] < _FP8_LAYER_BOUND, err
     assert err["tensorwise"] > 3 * err["blockwise"], err
 
