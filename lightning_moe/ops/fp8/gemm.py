@@ -20,9 +20,11 @@ Backends:
   ``1x128 x 128x128`` / ``1x128 x 1x128`` through ``F.scaled_mm``'s ``ScalingType`` where the GPU
   runs it). What the grouped kernel cannot take (blockwise, e5m2, an output other than bf16) runs as
   one ``_scaled_mm`` per expert (reads ``offs_E`` on the host). torch's FP8 GEMMs need K and N
-  multiples of 16 (blockwise: 128), column-major ``b`` and 16-byte aligned group starts: the
-  wrappers pad with zeros (zero data adds nothing to a dot product) and slice the output.
-  A recipe this GPU's torch cannot run raises a ``ValueError`` naming it.
+  multiples of 16 (blockwise: K a multiple of 128, rows a multiple of 4), column-major ``b``,
+  16-byte aligned data and scale pointers and group starts: the wrappers pad with zeros (zero data
+  adds nothing to a dot product), copy what is misaligned, and slice the output. Two e5m2
+  operands, or blockwise with an e5m2 operand, raise a ``ValueError`` naming the recipe, as does a
+  recipe this GPU's torch cannot run.
 * ``cutlass`` — the blockwise grouped kernel of ``ops/fp8/kernels.py`` for ``fp8_grouped_mm``;
   the other two GEMMs run as ``torch``.
 """
@@ -178,6 +180,12 @@ def _col_major(data: torch.Tensor) -> torch.Tensor:
     return data.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
+def _b_operand(data_KN: torch.Tensor, pad_k: int, pad_n: int) -> torch.Tensor:
+    """The second operand column-major and zero-padded (padded in its transposed frame, so a
+    column-major input, as ``quantize(..., reduce_dim=-2)`` makes it, is never transposed)."""
+    return _col_major(_pad_fp8(data_KN.transpose(-1, -2), pad_k, pad_n).transpose(-1, -2))
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """``t`` contiguous at a 16-byte aligned address (cuBLAS refuses scale pointers off it)."""
     t = t.contiguous()
@@ -278,7 +286,7 @@ def _torch_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tenso
     if pair in ("tensorwise", "rowwise"):
         Kp, Np = _round_up(K, 16), _round_up(N, 16)
         a_d = _pad_fp8(a.data, Kp - K).contiguous()
-        b_d = _col_major(_pad_fp8(b.data, Np - N, Kp - K))
+        b_d = _b_operand(b.data, Kp - K, Np - N)
         if pair == "tensorwise":
             sa, sb = a.scale.reshape(1, 1), b.scale.reshape(1, 1)
         else:
@@ -297,7 +305,7 @@ def _torch_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tenso
     Mp = _round_up(M, BLOCKWISE_ROWS)
     a_d = _pad_fp8(a.data, Kp - K, Mp - M).contiguous()
     sa = _pad_scale(a.scale, 0, Mp - M)
-    b_d = _col_major(_pad_fp8(b.data, Np - N, Kp - K))
+    b_d = _b_operand(b.data, Kp - K, Np - N)
     sb = b.scale
     if pair == "1x128,1x128":
         sb = _pad_scale(sb, Np - N)
@@ -333,7 +341,7 @@ def _torch_grouped_mm(a: Fp8Tensor, b: Fp8Tensor, offs_E: torch.Tensor, out_dtyp
         return _per_expert_mm(a, b, offs_E, out_dtype)
     Kp, Np = _round_up(K, 16), _round_up(N, 16)
     a_d = _pad_fp8(a.data, Kp - K).contiguous()
-    b_d = _col_major(_pad_fp8(b.data, Np - N, Kp - K))
+    b_d = _b_operand(b.data, Kp - K, Np - N)
     sa = _aligned(_row_scales(a, R))
     sb = b.scale.reshape(E, -1).expand(E, N) if b.recipe == "tensorwise" else b.scale.reshape(E, N)
     sb = _aligned(_pad_scale(sb, Np - N))

@@ -219,7 +219,10 @@ def quantize(
 
     ``reduce_dim``: the dim the consuming GEMM contracts over (-1 for ``x_MK``, -2 for ``w_KN`` or
     ``w_EKN``). ``tile``: blockwise only, ``(extent along the other dim, extent along reduce_dim)``;
-    default ``(1, 128)`` for reduce_dim=-1 and ``(128, 128)`` for reduce_dim=-2."""
+    default ``(1, 128)`` for reduce_dim=-1 and ``(128, 128)`` for reduce_dim=-2.
+
+    Layout: the data is contiguous along ``reduce_dim`` (reduce_dim=-2: a column-major view, as
+    FP8 GEMMs take their second operand); the scale grid is laid out the same way."""
     recipe = check_recipe(recipe)
     fmt = check_format(fmt)
     x = _check_source(x, "x")
@@ -227,13 +230,22 @@ def quantize(
         raise ValueError(f"quantize needs a tensor of 2 or more dims, got shape {tuple(x.shape)}")
     rd = _normalise_reduce_dim(reduce_dim, x.dim())
     tl = _check_tile(recipe, tile, rd)
-    dim_tile = _dim_tile(recipe, rd, tl)
-    blocks, (M, K) = _blocks(x.float(), dim_tile)
+    if rd == -2:
+        # quantized in the transposed frame: the data comes out column-major (contracted dim
+        # contiguous), the layout FP8 GEMMs take for b, with no transposing copy of the FP8 bytes;
+        # a source that is itself a transposed view (w.transpose(-1, -2)) is read in place
+        return _quantize_last(x.transpose(-1, -2), recipe, fmt, tl, pow2_scales).transpose()
+    return _quantize_last(x, recipe, fmt, tl, pow2_scales)
+
+
+def _quantize_last(x: torch.Tensor, recipe: str, fmt: str, tile, pow2_scales: bool) -> Fp8Tensor:
+    """``quantize`` with reduce_dim=-1 (the data row-major)."""
+    blocks, (M, K) = _blocks(x.float(), _dim_tile(recipe, -1, tile))
     amax = blocks.abs().amax(dim=(-3, -1))  # [..., G0, G1]; NaN propagates
     scale = scales_from_amax(amax, fmt, pow2_scales)
     q = _to_fp8(blocks / scale.unsqueeze(-1).unsqueeze(-3), fmt)
     q = q.reshape(*q.shape[:-4], q.shape[-4] * q.shape[-3], q.shape[-2] * q.shape[-1])[..., :M, :K]
-    return Fp8Tensor(q.contiguous(), scale, recipe, fmt, rd, tl)
+    return Fp8Tensor(q.contiguous(), scale, recipe, fmt, -1, tile)  # type: ignore[arg-type]
 
 
 def fake_quantize(
