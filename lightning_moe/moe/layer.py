@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from lightning_moe.config import MoEConfig
 from lightning_moe.moe.dispatch import Dispatcher, LocalDispatcher
+from lightning_moe.moe.dispatch.base import fp8_rows_for
 from lightning_moe.moe.experts import GroupedExperts
 from lightning_moe.moe.losses import (
     AuxLossScaler,
@@ -170,6 +171,8 @@ class MoELayer(nn.Module):
             else:
                 y_TH = run_experts(x_TH, routing.topk_ids_TK, weights_TK, capacity, self.experts)
         else:
+            # FP8 experts with Fp8Config(dispatch=True): the dispatcher quantizes the rows before its exchange
+            self.dispatcher.fp8_rows = fp8_rows_for(self.dispatcher, self.experts.fp8_rows(x_TH.device))
             dispatched, handle = self.dispatcher.dispatch(
                 x_TH, routing.topk_ids_TK, routing.topk_weights_TK, capacity
             )

@@ -19,7 +19,7 @@ from lightning_moe.moe.dispatch import (
     HybridEPExchange,
     LocalDispatcher,
 )
-from lightning_moe.moe.dispatch.base import fp8_rows_of
+from lightning_moe.moe.dispatch.base import fp8_rows_for, fp8_rows_of
 from lightning_moe.moe.dispatch.fp8_rows import gather_rows, pack_rows, row_bytes, scales_per_row, unpack_rows
 from lightning_moe.ops.fp8.quantize import quantize
 from lightning_moe.ops.fp8.recipe import FP8_DTYPE
@@ -294,27 +294,48 @@ def test_fp8_experts_given_the_dispatched_fp8_rows_equal_fp8_experts_quantizing_
         torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_moe_layer_passes_the_dispatched_fp8_rows_to_its_fp8_experts() -> None:
+@pytest.mark.parametrize(
+    ("fp8_kwargs", "rows"),
+    [
+        ({"recipe": "blockwise"}, ("blockwise", "e4m3", False)),
+        ({"recipe": "rowwise", "pow2_scales": True}, ("rowwise", "e4m3", True)),
+        ({"recipe": "blockwise", "dispatch": False}, None),
+        ({"recipe": "tensorwise"}, None),  # one scale per tensor: the experts quantize the rows themselves
+    ],
+)
+def test_moe_layer_asks_its_dispatcher_for_the_fp8_rows_its_experts_take(fp8_kwargs: dict, rows: tuple | None) -> None:
+    """The layer sets ``dispatcher.fp8_rows`` from its FP8 experts; the result equals the FP8 experts
+    quantizing activation-dtype rows (fp32), and the experts get the dispatched FP8 rows."""
     from lightning_moe.config import Fp8Config, MoEConfig
     from lightning_moe.moe import MoELayer
 
     torch.manual_seed(0)
     cfg = MoEConfig(
         hidden_size=128, ffn_hidden_size=16, num_experts=4, top_k=2, aux_loss="none",
-        fp8=Fp8Config(recipe="blockwise", backend="emulate"), memory_efficient_permute=False,
+        fp8=Fp8Config(backend="emulate", **fp8_kwargs), memory_efficient_permute=False,
     )  # fmt: skip
     layer, reference = MoELayer(cfg), MoELayer(cfg)
     reference.load_state_dict(layer.state_dict())
-    layer.dispatcher.fp8_rows = ("blockwise", "e4m3", False)
+    reference.dispatcher.capabilities = DispatcherCapabilities()  # carries no FP8 rows: asked for none
     seen: list[object] = []
     original = layer.experts.forward
     layer.experts.forward = lambda *a, **k: seen.append(k.get("x_fp8")) or original(*a, **k)  # type: ignore[method-assign]
     x = torch.randn(2, 5, 128, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
     y, y_ref = layer(x), reference(x_ref)
-    (y.square().sum()).backward()
-    (y_ref.square().sum()).backward()
-    assert seen and seen[0] is not None, "the experts got no FP8 rows from the dispatcher"
+    assert layer.dispatcher.fp8_rows == rows and reference.dispatcher.fp8_rows is None
+    assert (seen[0] is not None) == (rows is not None), "the experts' FP8 rows do not follow fp8_rows"
+    y.square().sum().backward()
+    y_ref.square().sum().backward()
     torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(layer.experts.w13.grad, reference.experts.w13.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(layer.experts.w2.grad, reference.experts.w2.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_a_layer_on_a_dispatcher_without_fp8_rows_moves_activation_dtype_rows() -> None:
+    group = _Group()
+    allgather = AllGatherDispatcher(4, ep_group=group)  # type: ignore[arg-type]
+    assert fp8_rows_for(allgather, ("blockwise", "e4m3", False)) is None
+    assert fp8_rows_for(LocalDispatcher(4), ("blockwise", "e4m3", False)) == ("blockwise", "e4m3", False)
+    assert fp8_rows_for(LocalDispatcher(4), None) is None

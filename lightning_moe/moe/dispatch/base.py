@@ -38,6 +38,7 @@ __all__ = [
     "DispatcherCapabilities",
     "Fp8Rows",
     "NO_EXTRAS",
+    "fp8_rows_for",
     "fp8_rows_of",
     "row_weights",
 ]
@@ -122,6 +123,18 @@ def row_weights(topk_weights_TK: torch.Tensor, perm: Permutation, dropless: bool
         return topk_weights_TK.reshape(-1).index_select(0, slot_R)
     w_R = topk_weights_TK.reshape(-1).index_select(0, slot_R.clamp(min=0))
     return w_R * (slot_R >= 0)
+
+
+def fp8_rows_for(dispatcher: Any, rows: Fp8Rows | None) -> Fp8Rows | None:
+    """What a layer whose experts take ``rows`` from the exchange sets as ``dispatcher.fp8_rows``.
+
+    ``rows`` when the dispatcher ``carries_fp8_rows`` and the recipe has units of one row
+    (rowwise, blockwise); ``None`` otherwise, so the rows move in the activation dtype and the
+    experts quantize them (``Fp8Config.dispatch``: "where the dispatcher can carry FP8 rows").
+    """
+    if rows is None or rows[0] == "tensorwise" or not dispatcher.capabilities.carries_fp8_rows:
+        return None
+    return rows
 
 
 def fp8_rows_of(dispatcher: Any, detail: str = "") -> Fp8Rows | None:
