@@ -11,7 +11,15 @@ Degrees, layout, meshes, sampler arguments, sharding, meta-device init and exper
    seeded per global expert id, as under the Trainer;
 3. ``fabric.setup(module, optimizer)``: the optimizer is re-pointed at the sharded parameters;
 4. ``fabric.no_backward_sync`` turns FSDP2's gradient reduction off during accumulation (Lightning's
-   ``ModelParallelStrategy`` behaviour), and ``fabric.clip_gradients`` is mesh-aware.
+   ``ModelParallelStrategy`` behaviour), and ``fabric.clip_gradients`` is mesh-aware;
+5. context parallel (``cp > 1``): the loop cuts each batch with ``fabric.strategy.shard_batch``
+   and takes the loss from ``parallel.fold_batch.lm_token_mean_loss`` over
+   ``fabric.strategy.loss_group``, as the Trainer's LightningModule does::
+
+       batch = fabric.strategy.shard_batch(batch)
+       logits = model(batch["input_ids"], batch.get("position_ids"), batch.get("document_ids"))
+       group, ranks = fabric.strategy.loss_group
+       loss = lm_token_mean_loss(model, logits, batch["labels"], group, ranks)
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Attention and the other dense layers are laid out ``tp x cp x dp`` and the exper
 expert seeding are :class:`~lightning_moe.strategies._core.FoldedMoECore`'s, shared with the
 Fabric strategy; this class adds the Trainer's side. Its stages:
 
-1. ``__init__``: typed degrees (checks that need no world: pp, order, positive ints);
+1. ``__init__``: typed degrees and options (checks that need no world: pp, order, positive ints,
+   ``sequence_parallel``/``vocab_parallel`` need ``tp > 1``);
 2. ``setup_environment``: ``FoldedLayout`` for the world size and the model checks, *before*
    any collective; then init_process_group (WORLD) and ``FoldedMesh.build`` (new groups);
 3. ``setup``: ``parallelize_moe_model`` unless ``configure_model`` already sharded the model
@@ -17,8 +18,13 @@ Fabric strategy; this class adds the Trainer's side. Its stages:
    ``configure_model`` on;
    gradient clipping (``gradient_clip_val``) is routed to the mesh-aware ``parallel.grad``;
 4. training: ``block_backward_sync`` turns FSDP2 gradient sync off during accumulation;
-   ``distributed_sampler_kwargs`` hands out DP rank/size; ``expert_bias_group`` is the
-   ``dp_cp`` group the router counts are summed over;
+   ``distributed_sampler_kwargs`` hands out DP rank/size (the ``tp*cp`` ranks of a replica read
+   the same samples); ``MoELanguageModelBase`` cuts each batch with :meth:`shard_batch` (with
+   ``cp > 1`` this rank's load-balanced sequence chunks and their global positions; a length
+   that is not a multiple of ``2*cp`` raises before any collective) and divides its loss by the
+   labelled tokens over :attr:`loss_group` (``dp_cp``), so losses and gradients equal one
+   process's; ``expert_bias_group`` is the group the router counts are summed over (``dp_cp``;
+   the world with sequence parallel);
 5. checkpoints (``lightning_moe.checkpoint``): a DCP folder written aside and published by
    rename (``last`` is always the newest complete checkpoint), with a manifest of sizes and
    CRC-32s verified before any weight changes; expert parameters are DTensors over
@@ -79,7 +85,7 @@ class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
 
     Arguments as :class:`~lightning_moe.strategies._core.FoldedMoECore`: ``tp cp ep etp pp dp edp
     order dispatcher expert_init_seed save_distributed_checkpoint process_group_backend timeout
-    guard_nonfinite skip_nonfinite``. The non-finite guard runs in :meth:`optimizer_step` for any
+    guard_nonfinite skip_nonfinite sequence_parallel vocab_parallel``. The non-finite guard runs in :meth:`optimizer_step` for any
     LightningModule; a module with its own ``nonfinite_options`` (``MoELanguageModelBase``) leaves
     it to the strategy, the two settings merged by ``resolve_nonfinite_options``.
     """
