@@ -27,6 +27,13 @@ Backends:
   recipe this GPU's torch cannot run.
 * ``cutlass`` — the blockwise grouped kernel of ``ops/fp8/kernels.py`` for ``fp8_grouped_mm``;
   the other two GEMMs run as ``torch``.
+
+Measured (2026-12-02, 1x H200, torch 2.11, E=8, R=16384, K=4096, N=2048, bf16 out, mean of 20):
+``fp8_grouped_mm`` rowwise 0.36 ms (767 TFLOP/s; the bare ``_scaled_grouped_mm`` 0.26 ms) against
+0.37 ms for bf16 ``F.grouped_mm``; blockwise (one ``_scaled_mm`` per expert) 1.4 ms;
+``fp8_grouped_wgrad`` rowwise 2.1 ms against 0.38 ms for bf16, most of it the move of each
+expert's rows to 16-aligned segments. Quantizing the [R, K] rows takes 0.8 ms, the weights 1.2 ms
+(torch ops, unfused).
 """
 
 from __future__ import annotations
