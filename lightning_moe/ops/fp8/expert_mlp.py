@@ -64,11 +64,18 @@ def fp8_pays(hidden_size: int, ffn_hidden_size: int) -> bool:
 
     FP8 halves the bytes the GEMMs read but adds a quantization pass over every operand (and over
     the weights, every step); small expert matrices are bound by that extra memory traffic and by
-    launch overhead rather than by tensor-core time. Measured on the H200 (rowwise recipe, grouped
-    GEMM): H = 2880, F = 2880 (H*F = 8.3 M) is 1.6x faster in FP8; the fine-grained
+    launch overhead rather than by tensor-core time. Measured on the H200 (rowwise recipe, the
+    grouped GEMM alone): H = 2880, F = 2880 (H*F = 8.3 M) is 1.6x faster in FP8; the fine-grained
     Qwen3-30B-A3B shape H = 2048, F = 768 (H*F = 1.6 M) is slower in FP8. The rule puts the
     switch between the two, at ``H * F >= FP8_MIN_EXPERT_HF`` (4 M): DeepSeek-V3 (7168 x 2048)
     and Mixtral (4096 x 14336) run FP8, Qwen3-30B-A3B bf16.
+
+    The whole experts step (forward and backward, ``benchmarks/probes/fp8_experts_shapes.py``,
+    H200, torch backend, bf16 activations) is not there yet: with the operands quantized by the
+    torch-op quantizer (``ops/fp8/quantize.py``) it measured 81.9 ms rowwise vs 8.4 ms bf16 at
+    2880 x 2880 (32 experts, 32768 rows), 91.2 vs 7.2 ms at DeepSeek-V3's shape (32 local experts,
+    16384 rows) and 117.7 vs 6.3 ms at Qwen3-30B-A3B's (128 experts, 131072 rows): the quantization
+    passes (one weight alone 6-12 ms at 2880 x 2880) dominate. The rule describes the GEMMs.
     """
     return hidden_size * ffn_hidden_size >= FP8_MIN_EXPERT_HF
 
