@@ -144,3 +144,37 @@ def test_resolve_fp8_backend_and_bad_input() -> None:
         fp8_grouped_wgrad(a, quantize_grouped_rows(torch.randn(4, 8), offs, "rowwise"), offs, torch.float32, "emulate")
     with pytest.raises(ValueError, match="unknown FP8 GEMM backend"):
         fp8_mm(a, b, torch.float32, "auto")
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 140, 2], [0, 0], [16, 32], [1]])
+def test_aligned_segments_place_each_expert_on_a_16_row_boundary(counts) -> None:
+    from lightning_moe.ops.fp8.gemm import aligned_segments
+
+    R = sum(counts) + 4
+    offs = _offs(counts)
+    dest_R, padded_offs_E, Rp = aligned_segments(offs, R)
+    assert Rp % 16 == 0 and int(padded_offs_E[-1]) <= Rp
+    lo, start = 0, 0
+    for e, n in enumerate(counts):
+        assert start % 16 == 0
+        assert dest_R[lo : lo + n].tolist() == list(range(start, start + n))
+        assert int(padded_offs_E[e]) == start + -(-n // 16) * 16
+        lo, start = lo + n, int(padded_offs_E[e])
+    assert (dest_R[lo:] == Rp).all()
+
+
+@pytest.mark.parametrize("colmajor", [False, True])
+@pytest.mark.parametrize(("pad_k", "pad_n"), [(0, 0), (3, 9)])
+def test_b_operand_is_column_major_zero_padded_and_never_copies_what_needs_nothing(colmajor, pad_k, pad_n) -> None:
+    from lightning_moe.ops.fp8.gemm import _b_operand
+
+    x = torch.randn(3, 5, 7).to(torch.float8_e4m3fn)
+    if colmajor:
+        x = quantize(torch.randn(3, 5, 7), "rowwise", reduce_dim=-2).data  # what quantize gives a weight
+        assert x.stride(-2) == 1
+    y = _b_operand(x, pad_k, pad_n)
+    assert y.shape == (3, 5 + pad_k, 7 + pad_n) and y.stride(-2) == 1
+    assert torch.equal(y[:, :5, :7].float(), x.float())
+    assert (y.float()[:, 5:] == 0).all() and (y.float()[:, :, 7:] == 0).all()
+    if colmajor and pad_k == pad_n == 0:
+        assert y.data_ptr() == x.data_ptr()

@@ -28,12 +28,13 @@ Backends:
 * ``cutlass`` — the blockwise grouped kernel of ``ops/fp8/kernels.py`` for ``fp8_grouped_mm``;
   the other two GEMMs run as ``torch``.
 
-Measured (2026-12-02, 1x H200, torch 2.11, E=8, R=16384, K=4096, N=2048, bf16 out, mean of 20):
-``fp8_grouped_mm`` rowwise 0.36 ms (767 TFLOP/s; the bare ``_scaled_grouped_mm`` 0.26 ms) against
-0.37 ms for bf16 ``F.grouped_mm``; blockwise (one ``_scaled_mm`` per expert) 1.4 ms;
-``fp8_grouped_wgrad`` rowwise 2.1 ms against 0.38 ms for bf16, most of it the move of each
-expert's rows to 16-aligned segments. Quantizing the [R, K] rows takes 0.8 ms, the weights 1.2 ms
-(torch ops, unfused).
+Measured (2026-12-02, 1x H200, torch 2.11, E=8, R=16384, K=4096, N=2048, bf16 out; mean of 20
+calls, the weight gradient 5): ``fp8_grouped_mm`` rowwise 0.36 ms (767 TFLOP/s; the bare
+``_scaled_grouped_mm`` 0.26 ms) against 0.37 ms for bf16 ``F.grouped_mm``; blockwise (one
+``_scaled_mm`` per expert) 1.4 ms; ``fp8_grouped_wgrad`` rowwise 2.1 ms against 0.38 ms for bf16
+(its kernel was not timed apart from the move of each expert's rows into 16-aligned segments,
+two byte transposes). Quantizing the [R, K] rows takes 0.8 ms, the weights 1.2 ms, grouped rows
+3.3 ms (torch ops, unfused).
 """
 
 from __future__ import annotations
@@ -382,6 +383,26 @@ def _grouped_row_scale_matrix(t: Fp8Tensor, width: int) -> torch.Tensor:
     return t.scale.expand(E, width) if t.recipe == "tensorwise" else t.scale
 
 
+def aligned_segments(offs_E: torch.Tensor, R: int, align: int = 16) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Each expert's rows moved to a segment starting at a multiple of ``align`` (device-side).
+
+    Returns ``dest_R`` (each row's new position; rows past ``offs_E[-1]`` go to ``Rp``, a slot
+    outside every segment), the segments' inclusive offsets and ``Rp``, a static bound of their
+    total length (``round_up(R, align) + align * E``). The weight-gradient kernel contracts over
+    the rows, and each group's first row must start on a 16-byte boundary."""
+    E = offs_E.shape[0]
+    counts_E = offs_E - torch.cat([offs_E.new_zeros(1), offs_E[:-1]])
+    padded_E = torch.div(counts_E + (align - 1), align, rounding_mode="floor") * align
+    padded_offs_E = torch.cumsum(padded_E, 0, dtype=torch.int32)
+    Rp = _round_up(R, align) + align * E
+    r_R = torch.arange(R, device=offs_E.device, dtype=torch.int32)
+    e_R = torch.searchsorted(offs_E, r_R, right=True)
+    e_c = e_R.clamp_max(E - 1)
+    dest_R = r_R - (offs_E[e_c] - counts_E[e_c]) + (padded_offs_E[e_c] - padded_E[e_c])
+    dest_R = torch.where(e_R < E, dest_R, torch.full_like(dest_R, Rp))
+    return dest_R, padded_offs_E, Rp
+
+
 def _torch_wgrad(x: Fp8Tensor, dy: Fp8Tensor, offs_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     R, K = x.shape
     N = dy.shape[1]
@@ -392,17 +413,7 @@ def _torch_wgrad(x: Fp8Tensor, dy: Fp8Tensor, offs_E: torch.Tensor, out_dtype: t
         raise ValueError(f"backend='torch' needs one recipe for both operands, got {x.recipe!r} and {dy.recipe!r}")
     if x.recipe == "blockwise" or not _grouped_kernel_takes(x, dy, out_dtype):
         return _per_expert_wgrad(x, dy, offs_E, out_dtype)
-    # group starts along the contracted rows must be 16-byte aligned: each expert's rows move to a
-    # segment padded to a multiple of 16 (zero rows between segments)
-    counts_E = offs_E - torch.cat([offs_E.new_zeros(1), offs_E[:-1]])
-    padded_offs_E = torch.cumsum(torch.div(counts_E + 15, 16, rounding_mode="floor") * 16, 0, dtype=torch.int32)
-    Rp = _round_up(R, 16) + 16 * E  # static bound of sum(round_up(count, 16))
-    r_R = torch.arange(R, device=x.device, dtype=torch.int32)
-    e_R = torch.searchsorted(offs_E, r_R, right=True)
-    keep_R = e_R < E
-    e_c = e_R.clamp_max(E - 1)
-    dest_R = r_R - (offs_E[e_c] - counts_E[e_c]) + (padded_offs_E[e_c] - torch.div(counts_E[e_c] + 15, 16, rounding_mode="floor") * 16)
-    dest_R = torch.where(keep_R, dest_R, torch.full_like(dest_R, Rp))  # rows of no expert land in a dropped slot
+    dest_R, padded_offs_E, Rp = aligned_segments(offs_E, R)
     # [K, R] row-major and [R, N] column-major with each expert's rows at its padded offset; K and N
     # padded to multiples of 16 (torch's shape rule); one spare 16-column block takes the rows of no
     # expert and keeps the row stride 16-byte aligned
