@@ -9,6 +9,8 @@ from any directory: ``lightning-moe fit --config tiny_moe`` (``tiny_moe.yaml`` w
 existing file wins over a recipe of the same name; an unknown name, or a ``*.yaml`` path that is
 not a file, exits with one line listing the recipes. ``lightning-moe recipes`` prints each
 recipe's name and file (rules: :func:`lightning_moe.resources.resolve_recipe`).
+``lightning-moe generate --checkpoint ... --prompt ...`` samples text from a trained model
+(:mod:`lightning_moe.generate`).
 
 Bad input exits before training starts with a short message on stderr instead of a parser dump or
 a traceback: an unknown key or a value of the wrong type (exit status 2) gives the key path and the
@@ -175,10 +177,16 @@ def print_recipes() -> None:
 
 
 def main(args: list[str] | None = None) -> None:
-    """Run the CLI on ``args`` (default: ``sys.argv[1:]``); ``recipes`` lists the packaged recipes."""
+    """Run the CLI on ``args`` (default: ``sys.argv[1:]``); ``recipes`` lists the packaged recipes,
+    ``generate`` samples from a checkpoint."""
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["recipes"]:
         print_recipes()
+        return
+    if argv[:1] == ["generate"]:
+        from lightning_moe.generate import main as generate_main
+
+        generate_main(argv[1:])
         return
     try:
         argv = resolve_config_args(argv)

@@ -1,0 +1,179 @@
+"""Streaming readers of local text corpora: text files, jsonl (one field) and parquet (one column).
+
+Every reader is a generator: it holds one line (text, jsonl) or one record batch (parquet) at a
+time, so a corpus larger than memory streams through. Each item is a :class:`Record`: the value
+read (a ``str`` for text; whatever JSON or parquet holds for a jsonl field or parquet column, e.g.
+a chat's list of messages) and ``where``, ``"<file>:<line>"`` (jsonl, text lines) or
+``"<file>:row <n>"`` (parquet), which every later error about that record names.
+
+Formats (``format=``):
+
+* ``"text"``: ``.txt``-like files. ``text_unit`` says what one document is: the whole ``"file"``,
+  each non-empty ``"line"``, or each ``"paragraph"`` (runs of non-blank lines, separated by blank
+  lines; newlines inside kept).
+* ``"jsonl"``: one JSON object per line; the document is ``object[field]``. Blank lines are
+  skipped. Invalid JSON, a line that is not an object, or an object without ``field`` raise
+  ``ValueError`` naming the file and the line number.
+* ``"parquet"``: the document is each row's ``field`` column, read in record batches with
+  ``pyarrow`` (an optional dependency: without it, ``ImportError`` saying how to install it).
+* ``"auto"``: by suffix (``.jsonl``/``.json`` -> jsonl, ``.parquet`` -> parquet, else text).
+
+``paths`` is a file, a folder (its files with the format's suffixes, sorted by relative path) or a
+list of either, read in the given order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+__all__ = ["FORMATS", "TEXT_UNITS", "Record", "TextFormat", "TextUnit", "expand_paths", "read_records"]
+
+TextFormat = Literal["auto", "text", "jsonl", "parquet"]
+TextUnit = Literal["file", "line", "paragraph"]
+FORMATS = ("auto", "text", "jsonl", "parquet")
+TEXT_UNITS = ("file", "line", "paragraph")
+_SUFFIXES = {"text": (".txt", ".md", ".text"), "jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}
+_PARQUET_BATCH_ROWS = 1024
+
+
+class Record(NamedTuple):
+    """One document as read: its ``value`` and ``where`` it came from (``file:line`` or ``file:row n``)."""
+
+    value: Any
+    where: str
+
+
+def _format_of(path: Path, format: str) -> str:
+    if format != "auto":
+        return format
+    for name, suffixes in _SUFFIXES.items():
+        if path.suffix.lower() in suffixes:
+            return name
+    return "text"
+
+
+def expand_paths(paths: str | Path | Sequence[str | Path], format: str = "auto", owner: str = "read_records") -> list[Path]:
+    """The files ``paths`` names, in order: a folder becomes its files with the format's suffixes
+    (all three formats' for ``"auto"``), sorted by relative path. Raises ``ValueError`` for a
+    missing path, an empty folder or an empty list."""
+    items = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    if not items:
+        raise ValueError(f"{owner}: no files given; pass a file, a folder or a list of them.")
+    suffixes = tuple(s for name, group in _SUFFIXES.items() if format in ("auto", name) for s in group)
+    files: list[Path] = []
+    for item in items:
+        if not isinstance(item, (str, Path)):
+            raise TypeError(f"{owner}: path {item!r} is a {type(item).__name__}; pass str paths.")
+        p = Path(item)
+        if p.is_file():
+            files.append(p)
+        elif p.is_dir():
+            found = sorted((f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in suffixes),
+                           key=lambda f: f.relative_to(p).as_posix())  # fmt: skip
+            if not found:
+                raise ValueError(f"{owner}: folder {str(p)!r} holds no {'/'.join(suffixes)} files; add some.")
+            files.extend(found)
+        else:
+            raise ValueError(f"{owner}: path {str(p)!r} does not exist; pass an existing file or folder.")
+    return files
+
+
+def _text_records(path: Path, unit: str) -> Iterator[Record]:
+    if unit == "file":
+        text = path.read_text(encoding="utf-8")
+        if text.strip():
+            yield Record(text, f"{path}:1")
+        return
+    with path.open(encoding="utf-8") as f:
+        if unit == "line":
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    yield Record(line.rstrip("\n"), f"{path}:{n}")
+            return
+        lines: list[str] = []
+        first = 0
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                first = first or n
+                lines.append(line)
+            elif lines:
+                yield Record("".join(lines).rstrip("\n"), f"{path}:{first}")
+                lines, first = [], 0
+        if lines:
+            yield Record("".join(lines).rstrip("\n"), f"{path}:{first}")
+
+
+def _jsonl_records(path: Path, field: str) -> Iterator[Record]:
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"read_records: {where} is not valid JSON ({exc.msg} at column {exc.colno}); "
+                                 "write one JSON object per line.") from None  # fmt: skip
+            if not isinstance(obj, dict):
+                raise ValueError(f"read_records: {where} holds a JSON {type(obj).__name__}, not an object; "
+                                 f"write one object with a {field!r} key per line.")  # fmt: skip
+            if field not in obj:
+                raise ValueError(f"read_records: {where} has no field {field!r} (keys: {sorted(obj)}); "
+                                 "set the field name to the key that holds the document.")  # fmt: skip
+            yield Record(obj[field], where)
+
+
+def _parquet_records(path: Path, field: str) -> Iterator[Record]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(
+            f"read_records: {path} is parquet, which needs pyarrow (not installed); `pip install pyarrow`, "
+            "or convert the data to jsonl."
+        ) from None
+    file = pq.ParquetFile(path)
+    columns = file.schema_arrow.names
+    if field not in columns:
+        raise ValueError(f"read_records: {path} has no column {field!r} (columns: {columns}); "
+                         "set the field name to the column that holds the documents.")  # fmt: skip
+    row = 0
+    for batch in file.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[field]):
+        for value in batch.column(0).to_pylist():
+            yield Record(value, f"{path}:row {row}")
+            row += 1
+
+
+def read_records(
+    paths: str | Path | Sequence[str | Path],
+    format: TextFormat = "auto",
+    field: str = "text",
+    text_unit: TextUnit = "file",
+) -> Iterator[Record]:
+    """Stream the documents of ``paths`` as :class:`Record` s (module doc: formats and errors).
+
+    The arguments are checked, and the files listed, when this is called; the files are read as
+    the iterator advances.
+    """
+    owner = "read_records"
+    if format not in FORMATS:
+        raise ValueError(f"{owner}: format={format!r} is unknown; choose one of {list(FORMATS)}.")
+    if text_unit not in TEXT_UNITS:
+        raise ValueError(f"{owner}: text_unit={text_unit!r} is unknown; choose one of {list(TEXT_UNITS)}.")
+    if not isinstance(field, str) or not field:
+        raise ValueError(f"{owner}: field={field!r} must be a non-empty str (the jsonl key or parquet column).")
+    files = expand_paths(paths, format, owner)
+    return _records(files, format, field, text_unit)
+
+
+def _records(files: list[Path], format: str, field: str, text_unit: str) -> Iterator[Record]:
+    for path in files:
+        kind = _format_of(path, format)
+        if kind == "jsonl":
+            yield from _jsonl_records(path, field)
+        elif kind == "parquet":
+            yield from _parquet_records(path, field)
+        else:
+            yield from _text_records(path, text_unit)

@@ -1,0 +1,264 @@
+"""TextDataModule: tokenized text (pretraining) or chats (SFT) from local files, packed, resumable.
+
+Legend: R rows, S sequence length (``seq_len``).
+
+Pipeline (deterministic for given files, tokenizer and seed):
+
+1. read     (``text.py``) the train files (text, jsonl field, parquet column), streamed record by record.
+2. split    with no ``val_files``, each record goes to validation with probability ``val_fraction``,
+            drawn from ``random.Random(seed)`` in reading order (a fixed split for a fixed seed; no
+            record in both). With ``val_files`` those are the validation set and nothing is held out.
+3. tokenize ``task="lm"``: the tokenizer's ids of each text (``tokenizer.py``); every next token is a
+            label. ``task="sft"``: each record is a chat; the chat template renders it and only the
+            assistant's tokens are labels (``sft.py``).
+4. rows     ``packing="pack"``: :func:`~lightning_moe.data.packing.pack_documents` lays the documents
+            end to end with the tokenizer's EOS after each (next fit), with ``position_ids`` and
+            ``document_ids``; no label crosses a document. ``packing="none"``: one document per row,
+            padded with EOS (labels -100). In SFT the EOS packing adds after a chat carries no loss
+            (the template's own end-of-turn tokens do). A document longer than a row is, by
+            ``long_documents``: ``"split"`` over rows, ``"truncate"`` to one row (with a warning
+            giving the count and the first one's file and line), or ``"error"``.
+5. order    the train loader is the :class:`~lightning_moe.data.sampler.ResumableDataLoader` of
+            :class:`~lightning_moe.data.MoEDataModule` (seeded, data-parallel, its position saved in
+            checkpoints); validation is in order.
+
+Batches: ``{"input_ids", "labels"}`` int64 ``[B, S]``, plus ``"position_ids"``, ``"document_ids"`` when
+packed. The records stream from disk; the token rows of both splits are held in memory (int32).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import Dataset
+
+from lightning_moe.config import check_float, check_int
+from lightning_moe.data.datamodule import MoEDataModule
+from lightning_moe.data.packing import (
+    IGNORE_INDEX,
+    LONG_DOCUMENTS,
+    PACKED_KEYS,
+    PACKING_MODES,
+    LongDocuments,
+    PackingMode,
+    check_choice,
+    pack_documents,
+)
+from lightning_moe.data.sft import tokenize_chat
+from lightning_moe.data.text import FORMATS, TEXT_UNITS, TextFormat, TextUnit, expand_paths, read_records
+from lightning_moe.data.tokenizer import encode_text, eos_token_id, load_tokenizer
+
+__all__ = ["TASKS", "RowsDataset", "Task", "TextDataModule", "build_rows"]
+
+Task = Literal["lm", "sft"]
+TASKS = ("lm", "sft")
+_DEFAULT_FIELD = {"lm": "text", "sft": "messages"}
+
+
+class RowsDataset(Dataset[dict[str, torch.Tensor]]):
+    """Rows stored as int32 ``[R, S]`` tensors under the batch keys; item ``i`` is row ``i`` in int64."""
+
+    def __init__(self, rows: dict[str, torch.Tensor]) -> None:
+        self.rows = {k: v.to(torch.int32) for k, v in rows.items()}
+        self._len = next(iter(self.rows.values())).shape[0] if self.rows else 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"RowsDataset: index {index} out of range for {len(self)} rows")
+        return {k: v[index].long() for k, v in self.rows.items()}
+
+
+def build_rows(
+    documents: Sequence[Sequence[int]],
+    masks: Sequence[Sequence[int]] | None,
+    seq_len: int,
+    eos_id: int,
+    packing: PackingMode = "pack",
+    long_documents: LongDocuments = "split",
+) -> dict[str, torch.Tensor]:
+    """Rows ``[R, seq_len]`` of ``documents`` (module doc, step 4).
+
+    ``masks`` (one 0/1 list per document, SFT) keeps a label only where the predicted token has mask
+    1; ``None`` labels every next token. ``packing="none"`` returns ``input_ids`` and ``labels`` only.
+    """
+    if masks is not None and [len(m) for m in masks] != [len(d) for d in documents]:
+        raise ValueError("build_rows: masks must hold one entry per token of each document.")
+    groups = [list(range(len(documents)))] if packing == "pack" else [[i] for i in range(len(documents))]
+    parts: list[dict[str, torch.Tensor]] = []
+    for group in groups:
+        rows = pack_documents([documents[i] for i in group], seq_len, eos_id, long_documents)
+        if masks is not None:  # same lengths, so the same layout; the EOS after a document has mask 0
+            keep = pack_documents([masks[i] for i in group], seq_len, 0, long_documents)["labels"] == 1
+            rows["labels"] = torch.where(keep, rows["labels"], IGNORE_INDEX)
+        parts.append(rows)
+    keys = PACKED_KEYS if packing == "pack" else ("input_ids", "labels")
+    if not parts:
+        return {k: torch.empty(0, seq_len, dtype=torch.int64) for k in keys}
+    return {k: torch.cat([p[k] for p in parts]) for k in keys}
+
+
+class TextDataModule(MoEDataModule):
+    """Tokenized text or chats from local files (module doc), as a :class:`MoEDataModule`.
+
+    Being an ``MoEDataModule`` (same loaders, same resumable order), ``lightning-moe fit`` accepts it
+    as ``data: {class_path: lightning_moe.data.text_datamodule.TextDataModule, init_args: ...}``.
+
+    Args:
+        tokenizer_dir: a folder a tokenizer was saved to (``save_pretrained``); local files only.
+        train_files: a file, a folder or a list of them (``text.py``).
+        val_files: validation files; ``None`` holds out ``val_fraction`` of the train records.
+        format: ``"auto"`` (by suffix), ``"text"``, ``"jsonl"`` or ``"parquet"``.
+        field: the jsonl key / parquet column; ``None``: ``"text"`` (lm) or ``"messages"`` (sft).
+        text_unit: what one document of a text file is: ``"file"``, ``"line"`` or ``"paragraph"``.
+        task: ``"lm"`` (every token a label) or ``"sft"`` (chats; loss on assistant tokens only).
+        seq_len: tokens per row.
+        batch_size: rows per batch on each rank.
+        val_fraction: share of train records held out when ``val_files`` is ``None``; in ``(0, 1)``.
+        seed: seeds the held-out draw and the training order.
+        packing: ``"pack"`` (documents end to end) or ``"none"`` (one document per row, padded).
+        long_documents: a document longer than a row: ``"split"``, ``"truncate"`` (warns) or ``"error"``.
+        max_documents: read at most this many train records (and as many validation ones); ``None``: all.
+        num_workers: DataLoader worker processes.
+    """
+
+    def __init__(
+        self,
+        tokenizer_dir: str,
+        train_files: str | list[str],
+        val_files: str | list[str] | None = None,
+        format: TextFormat = "auto",
+        field: str | None = None,
+        text_unit: TextUnit = "file",
+        task: Task = "lm",
+        seq_len: int = 128,
+        batch_size: int = 8,
+        val_fraction: float = 0.05,
+        seed: int = 0,
+        packing: PackingMode = "pack",
+        long_documents: LongDocuments = "split",
+        max_documents: int | None = None,
+        num_workers: int = 0,
+    ) -> None:
+        LightningDataModule.__init__(self)  # MoEDataModule's own arguments describe byte corpora
+        owner = "TextDataModule"
+        check_choice(owner, "task", task, TASKS)
+        check_choice(owner, "format", format, FORMATS)
+        check_choice(owner, "text_unit", text_unit, TEXT_UNITS)
+        check_choice(owner, "packing", packing, PACKING_MODES)
+        check_choice(owner, "long_documents", long_documents, LONG_DOCUMENTS)
+        for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
+            check_int(owner, name, value, fix="use a positive int")
+        check_int(owner, "max_documents", max_documents, optional=True, fix="use None to read everything")
+        check_int(owner, "num_workers", num_workers, minimum=0, fix="use 0 to load in-process")
+        check_float(owner, "val_fraction", val_fraction, strict=True, fix="use a value in (0, 1), e.g. 0.05")
+        if not val_fraction < 1.0:
+            raise ValueError(f"{owner}: val_fraction={val_fraction} must be in (0, 1); use e.g. 0.05.")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"{owner}: seed={seed!r} is not an int; use e.g. seed=0.")
+        if field is not None and (not isinstance(field, str) or not field):
+            raise ValueError(f"{owner}: field={field!r} must be a non-empty str or None (the default per task).")
+        # Paths are listed now (a missing file fails at construction); files are read in setup.
+        expand_paths(train_files, format, owner)
+        if val_files is not None:
+            expand_paths(val_files, format, owner)
+        self.save_hyperparameters()
+        self.tokenizer_dir = tokenizer_dir
+        self.train_files, self.val_files = train_files, val_files
+        self.format, self.text_unit, self.task = format, text_unit, task
+        self.field = _DEFAULT_FIELD[task] if field is None else field
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.val_fraction, self.seed = val_fraction, seed
+        self.packing, self.long_documents = packing, long_documents
+        self.max_documents, self.num_workers = max_documents, num_workers
+        self._tokenizer: Any = None
+        self.train_dataset: RowsDataset | None = None  # type: ignore[assignment]
+        self.val_dataset: RowsDataset | None = None  # type: ignore[assignment]
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer of ``tokenizer_dir`` (loaded on first use)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.tokenizer_dir, owner="TextDataModule")
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """``len(tokenizer)`` (added tokens included): the model's embedding must be at least this."""
+        return len(self.tokenizer)
+
+    @property
+    def eos_id(self) -> int:  # type: ignore[override]
+        return eos_token_id(self.tokenizer, owner="TextDataModule")
+
+    @property
+    def _unit(self) -> str:
+        return "packed rows" if self.packing == "pack" else "rows"
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_dataset is not None:
+            return
+        eos = self.eos_id
+        train, val = self._read_splits()
+        self.train_dataset = RowsDataset(self._rows(train, eos))
+        self.val_dataset = RowsDataset(self._rows(val, eos))
+        if len(self.train_dataset) < self.batch_size:
+            raise ValueError(
+                f"TextDataModule: the train split has {len(self.train_dataset)} {self._unit} of seq_len={self.seq_len}, "
+                f"fewer than batch_size={self.batch_size} (partial batches are dropped); lower batch_size or add data."
+            )
+
+    def _tokenized(self, files: str | list[str]) -> Iterable[tuple[list[int], list[int] | None, str]]:
+        records = read_records(files, self.format, self.field, self.text_unit)
+        for n, (value, where) in enumerate(records):
+            if self.max_documents is not None and n >= self.max_documents:
+                return
+            if self.task == "sft":
+                ids, mask = tokenize_chat(self.tokenizer, value, where)
+                yield ids, mask, where
+            else:
+                yield encode_text(self.tokenizer, value, where), None, where
+
+    def _read_splits(self) -> tuple[list[tuple[list[int], list[int] | None, str]], ...]:
+        train: list[tuple[list[int], list[int] | None, str]] = []
+        val: list[tuple[list[int], list[int] | None, str]] = []
+        if self.val_files is not None:
+            train = list(self._tokenized(self.train_files))
+            val = list(self._tokenized(self.val_files))
+        else:
+            draw = random.Random(self.seed)
+            for doc in self._tokenized(self.train_files):
+                (val if draw.random() < self.val_fraction else train).append(doc)
+        for name, docs in (("train", train), ("validation", val)):
+            if not docs:
+                fix = "raise val_fraction or add records" if name == "validation" else "add records"
+                if self.val_files is not None and name == "validation":
+                    fix = "check val_files"
+                raise ValueError(
+                    f"TextDataModule: the {name} split holds no document ({len(train)} train, {len(val)} "
+                    f"validation; val_fraction={self.val_fraction}, seed={self.seed}); {fix}."
+                )
+        return train, val
+
+    def _rows(self, docs: list[tuple[list[int], list[int] | None, str]], eos: int) -> dict[str, torch.Tensor]:
+        long = [where for ids, _, where in docs if len(ids) > self.seq_len]
+        if long and self.long_documents == "truncate":
+            rank_zero_warn(
+                f"TextDataModule: {len(long)} document(s) longer than seq_len={self.seq_len} tokens are truncated "
+                f"to one row (the first: {long[0]}); set long_documents='split' to keep all their tokens."
+            )
+        if long and self.long_documents == "error":
+            raise ValueError(
+                f"TextDataModule: {long[0]} has more tokens than seq_len={self.seq_len} ({len(long)} such "
+                "document(s)); set long_documents='split' or 'truncate', or raise seq_len."
+            )
+        masks = [m for _, m, _ in docs] if self.task == "sft" else None
+        return build_rows([ids for ids, _, _ in docs], masks, self.seq_len, eos, self.packing, self.long_documents)

@@ -1,0 +1,63 @@
+"""Tokenizers from local checkpoint directories (never the hub), and the ids the data needs from them.
+
+:func:`load_tokenizer` is ``AutoTokenizer.from_pretrained(folder, local_files_only=True)`` after
+checking that ``folder`` holds tokenizer files, so a wrong path fails with one line naming it
+instead of a hub lookup error. :func:`eos_token_id` is the id that ends each document in packed
+rows; :func:`encode_text` tokenizes one plain-text document the tokenizer's own way (with the
+special tokens it adds, e.g. a BOS).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TOKENIZER_FILES", "encode_text", "eos_token_id", "load_tokenizer"]
+
+# Any one of these marks a folder save_pretrained wrote a tokenizer to.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def load_tokenizer(folder: str | Path, owner: str = "load_tokenizer") -> Any:
+    """The tokenizer saved in ``folder`` (local files only).
+
+    Raises ``ValueError`` when ``folder`` is not a directory, holds none of
+    :data:`TOKENIZER_FILES`, or transformers cannot load what it holds.
+    """
+    if not isinstance(folder, (str, Path)):
+        raise TypeError(f"{owner}: tokenizer_dir={folder!r} is a {type(folder).__name__}; pass a folder path.")
+    path = Path(folder)
+    if not path.is_dir():
+        raise ValueError(f"{owner}: tokenizer_dir={str(path)!r} is not a directory; pass the folder a tokenizer "
+                         "was saved to (save_pretrained), e.g. the model's checkpoint directory.")  # fmt: skip
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{owner}: tokenizer_dir={str(path)!r} holds no tokenizer (none of "
+                         f"{list(TOKENIZER_FILES)}); save one there with tokenizer.save_pretrained(dir).")  # fmt: skip
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{owner}: tokenizer_dir={str(path)!r} could not be loaded ({first}); "
+                         "re-save the tokenizer with save_pretrained.") from exc  # fmt: skip
+
+
+def eos_token_id(tokenizer: Any, owner: str = "eos_token_id") -> int:
+    """The tokenizer's EOS id; ``ValueError`` when it has none."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if not isinstance(eos, int) or isinstance(eos, bool):
+        raise ValueError(f"{owner}: the tokenizer has no eos_token (eos_token_id={eos!r}); set one "
+                         "(tokenizer.eos_token = '...') and save it again, packing needs it between documents.")  # fmt: skip
+    return eos
+
+
+def encode_text(tokenizer: Any, text: str, where: str = "") -> list[int]:
+    """Token ids of one plain-text document (the tokenizer's special tokens included)."""
+    if not isinstance(text, str):
+        at = f"{where}: " if where else ""
+        raise ValueError(f"encode_text: {at}the document is a {type(text).__name__}, not a str; "
+                         "point the field name at a text field.")  # fmt: skip
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
