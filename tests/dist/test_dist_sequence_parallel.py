@@ -59,8 +59,8 @@ def test_vocab_parallel_embedding_and_cross_entropy_match_plain_pytorch_at_tp2_a
 
 @pytest.mark.parametrize("spec", LAYOUTS)
 def test_layout_matches_one_process(results: Path, spec: str) -> None:
-    """Every rank's loss per step, the gradients after the first backward and the parameters
-    after 3 SGD steps equal the one-process run (rtol 1e-5)."""
+    """Every rank's loss per step, the gradients after the first backward (and their global
+    norm) and the parameters after 3 SGD steps equal the one-process run (rtol 1e-5)."""
     r = _load(results, spec)
     for rank, (got, want) in enumerate(zip(r["losses"], r["ref_losses"])):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=RTOL,
@@ -70,6 +70,8 @@ def test_layout_matches_one_process(results: Path, spec: str) -> None:
         assert set(got) == set(want), f"{spec} {key}: {sorted(set(got) ^ set(want))}"
         for name in want:
             _close(got[name], want[name], f"{spec} {key} {name}")
+    for rank, (norm, ref_norm) in enumerate(r["grad_norms"]):  # the norm clipping reads
+        assert abs(norm - ref_norm) <= RTOL * ref_norm, f"{spec} rank {rank}: grad norm {norm} vs {ref_norm}"
 
 
 def test_sequence_parallel_routes_each_token_once(results: Path) -> None:

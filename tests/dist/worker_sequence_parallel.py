@@ -9,7 +9,8 @@ small :class:`MoETransformer` from one seed, keeps a one-process copy, shards th
 (the copy trains on every DP shard, averaged). Rank 0 writes ``OUT_DIR/<SPEC>.pt`` with:
 
 * ``losses`` / ``ref_losses``: every rank's loss per step and the one-process loss of its DP shard;
-* ``grads`` / ``ref_grads``: the full gradients after the first backward;
+* ``grads`` / ``ref_grads``: the full gradients after the first backward; ``grad_norms``: per
+  rank, ``parallel.grad.grad_norm`` of them (what clipping uses) and the one-process norm;
 * ``state`` / ``ref_state``: the full parameters after the 3 steps;
 * ``moe_tokens`` / ``expert_rows``: per rank, tokens entering each MoE layer and rows entering
   its experts in the first forward; ``tp_groups``, ``etp``, ``top_k``, ``tokens_per_rank``;
@@ -32,6 +33,7 @@ from lightning_moe.models.transformer import MoETransformer, TransformerConfig
 from lightning_moe.moe.layer import MoELayer
 from lightning_moe.moe.utils import set_aux_loss_scale
 from lightning_moe.parallel.checkpoint import gather_full_state
+from lightning_moe.parallel.grad import grad_norm
 from lightning_moe.parallel.layout import FoldedLayout
 from lightning_moe.parallel.mesh import FoldedMesh
 from lightning_moe.parallel.parallelize import parallelize_moe_model, unblock_w13
@@ -174,6 +176,7 @@ def run(spec: str, out_dir: Path, measure_saved: bool) -> None:
                 ref_losses.append(float(ref_loss.detach()))
         if step == 0:
             grads, ref_grads = full_grads(model, etp), full_grads(ref, 1)
+            norms = (float(grad_norm(list(model.parameters()))), float(torch.nn.utils.get_total_norm(ref_grads.values())))
         opt.step()
         opt.zero_grad(set_to_none=True)
         ref_opt.step()
@@ -181,13 +184,14 @@ def run(spec: str, out_dir: Path, measure_saved: bool) -> None:
 
     state = gather_full_state(model)
     gathered = [None] * world
-    dist.all_gather_object(gathered, (losses, ref_losses, tokens, rows))
+    dist.all_gather_object(gathered, (losses, ref_losses, tokens, rows, norms))
     if rank == 0:
         result = {
             "losses": [g[0] for g in gathered],
             "ref_losses": [g[1] for g in gathered],
             "moe_tokens": [g[2] for g in gathered],
             "expert_rows": [g[3] for g in gathered],
+            "grad_norms": [g[4] for g in gathered],  # (parallel.grad.grad_norm, one process) per rank
             "grads": grads,
             "ref_grads": ref_grads,
             "state": state,
