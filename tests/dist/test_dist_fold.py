@@ -3,12 +3,14 @@ and packed rows, under the Trainer (``FoldedMoEStrategy``) and Fabric (``FabricF
 
 Every layout trains 3 optimizer steps with gradient accumulation 2 and gradient clipping, fp32;
 every rank's micro-batch losses, the final parameters and the logged ``train/loss`` must equal the
-one-process run (``_models.reference``; packed rows: ``worker_fold.packed_reference``) to 1e-5.
+one-process run (``_models.reference``; packed rows and expert bias: ``worker_fold.fold_reference``)
+to 1e-5.
 A rank's loss is averaged over its CP group first: CP ranks hold different chunks of the same
 sequences and their mean is the DP replica's loss.
 
 W=4: CP2·DP2 with EP4; CP4 with EP2·EDP2; TP2+SP·DP2 with EP4; TP2+SP (vocab-parallel head) with
-ETP2·EP2; packed rows at CP2·DP2 with EP2 and at TP2+SP·DP2 with EP2; DCP checkpoints saved at
+ETP2·EP2; packed rows at CP2·DP2 with EP2 and at TP2+SP·DP2 with EP2; TP2+SP·CP2 with EP4 and
+the routers' expert bias (counts over the whole world); DCP checkpoints saved at
 TP2·CP2 (SP on) load at TP1·CP1 and back, bit for bit; a bad sequence length and attention that
 context parallel cannot wrap are refused on every rank. W=8 (slow): TP2·CP2·DP2 with EP8;
 TP2+SP·CP2 with ETP2·EP4. One torchrun job per world size runs the parts of the selected tests.
@@ -21,12 +23,12 @@ import torch
 
 from _harness import Suite, launch_torchrun
 from _models import reference
-from worker_fold import dp_size, packed_reference
+from worker_fold import dp_size, fold_reference, parse
 
 pytestmark = pytest.mark.dist
 
 LAYOUTS4 = ["cp=2,ep=4", "cp=4,ep=2", "tp=2,sp=1,ep=4", "tp=2,sp=1,vp=1,ep=2,etp=2"]
-PACKED4 = ["packed=1,cp=2,ep=2", "packed=1,tp=2,sp=1,ep=2"]
+PACKED4 = ["packed=1,cp=2,ep=2", "packed=1,tp=2,sp=1,ep=2", "bias=1,tp=2,sp=1,cp=2,ep=4"]
 LAYOUTS8 = ["tp=2,cp=2,ep=8", "tp=2,sp=1,cp=2,ep=4,etp=2"]
 PARTS4 = [f"{kind}:{spec}" for spec in LAYOUTS4 + PACKED4 for kind in ("trainer", "fabric")]
 PARTS8 = [f"{kind}:{spec}" for spec in LAYOUTS8 for kind in ("trainer", "fabric")]
@@ -63,7 +65,8 @@ def _compare(suite: Suite, part: str, world: int) -> None:
     result = torch.load(suite.out / f"{part}.pt")
     spec = part.partition(":")[2]
     dp = dp_size(spec, world)
-    ref_losses, ref_state = packed_reference(dp) if "packed=1" in spec else reference(dp)
+    flags = parse(spec)[1]
+    ref_losses, ref_state = fold_reference(dp, **flags) if any(flags.values()) else reference(dp)
     for rank, (dp_rank, losses) in enumerate(result["losses"]):
         want = [row[dp_rank] for row in ref_losses]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6,

@@ -8,12 +8,13 @@ under the Trainer and under Fabric, one torchrun job for all parts of a world si
   loop with ``FabricFoldedMoEStrategy`` (``strategy.shard_batch``, ``lm_token_mean_loss`` over
   ``strategy.loss_group``, ``no_backward_sync``, ``clip_gradients``). Both train ``STEPS`` SGD steps
   with gradient accumulation 2 and clipping, fp32. A layout is ``tp=2,cp=2,ep=4`` with the flags
-  ``sp=1`` (sequence_parallel), ``vp=1`` (vocab_parallel) and ``packed=1`` (:class:`PackedTokens`
-  rows: documents, restarting positions, ``-100`` labels at boundaries and padding). Rank 0 writes
+  ``sp=1`` (sequence_parallel), ``vp=1`` (vocab_parallel), ``packed=1`` (:class:`PackedTokens`
+  rows: documents, restarting positions, ``-100`` labels at boundaries and padding) and ``bias=1``
+  (the routers' aux-loss-free expert bias, stepped from counts over ``expert_bias_group``). Rank 0 writes
   ``OUT_DIR/<part>.pt``: every rank's (DP coordinate, per-micro-batch losses), the final full
   parameters and the logged ``train/loss`` (the mean over all ranks). A rank's recorded loss is
   its loss averaged over its CP group: the DP replica's share of the step's token mean, what
-  :func:`packed_reference` / ``_models.reference`` compute for that DP shard.
+  :func:`fold_reference` / ``_models.reference`` compute for that DP shard.
 * ``ckpt`` — DCP checkpoints stay layout-independent: 2 steps at tp2·cp2 (SP on) with EP4, the
   folder loaded at tp1·cp1 (EP2) and saved there, that folder loaded back at tp2·cp2 (SP on):
   bitwise the parameters each time, and the validation loss at both layouts equal (1e-6).
@@ -25,6 +26,7 @@ under the Trainer and under Fabric, one torchrun job for all parts of a world si
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -42,10 +44,12 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 import lightning_moe  # noqa: F401 - registers "folded_moe"
-from _models import ACCUM, BATCH, CLIP, LR, NUM_SAMPLES, SEQ, STEPS, VOCAB, RecordingLM, TokenData, leave_together
+from _models import (
+    ACCUM, BATCH, CLIP, LR, NUM_SAMPLES, SEQ, STEPS, VOCAB, RecordingLM, TokenData, leave_together, model_config,
+)  # fmt: skip
 from lightning_moe.data.packing import PackedDataset
 from lightning_moe.lit import MoELanguageModelBase
-from lightning_moe.moe.utils import set_aux_loss_scale
+from lightning_moe.moe.utils import set_aux_loss_scale, update_expert_biases
 from lightning_moe.parallel.checkpoint import gather_full_state
 from lightning_moe.parallel.fold_batch import lm_token_mean_loss
 from lightning_moe.strategies import FabricFoldedMoEStrategy, FoldedMoEStrategy
@@ -75,19 +79,19 @@ class PackedTokens(Dataset):
         return self.rows[i]
 
 
-def parse(spec: str) -> tuple[dict[str, Any], bool]:
-    """Strategy keywords of a layout, and whether it trains on packed rows."""
+def parse(spec: str) -> tuple[dict[str, Any], dict[str, bool]]:
+    """Strategy keywords of a layout, and its model/data flags (``packed``, ``bias``)."""
     kwargs: dict[str, Any] = {}
-    packed = False
+    flags = {"packed": False, "bias": False}
     for item in spec.split(","):
         k, v = item.split("=")
-        if k == "packed":
-            packed = v == "1"
+        if k in flags:
+            flags[k] = v == "1"
         elif k in _FLAGS:
             kwargs[_FLAGS[k]] = v == "1"
         else:
             kwargs[k] = int(v)
-    return kwargs, packed
+    return kwargs, flags
 
 
 def dp_size(spec: str, world: int) -> int:
@@ -119,17 +123,20 @@ class FoldLM(RecordingLM):
         return PackedTokens() if self.packed else TokenData()
 
 
-def _model(packed: bool) -> FoldLM:
+def _model(packed: bool = False, bias: bool = False) -> FoldLM:
+    config = model_config()
+    if bias:
+        config.moe = dataclasses.replace(config.moe, expert_bias=True, bias_update_rate=1e-2)
     torch.manual_seed(0)
-    lm = FoldLM()
+    lm = FoldLM(config)
     lm.packed = packed
     return lm
 
 
 def run_trainer(out: Path, part: str, spec: str) -> None:
-    kwargs, packed = parse(spec)
+    kwargs, flags = parse(spec)
     world = dist.get_world_size()
-    model = _model(packed)
+    model = _model(**flags)
     strategy = FoldedMoEStrategy(**kwargs, timeout=timedelta(seconds=90))
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=ACCUM,
@@ -146,12 +153,12 @@ def run_trainer(out: Path, part: str, spec: str) -> None:
 
 
 def run_fabric(out: Path, part: str, spec: str) -> None:
-    kwargs, packed = parse(spec)
+    kwargs, flags = parse(spec)
     world = dist.get_world_size()
     strategy = FabricFoldedMoEStrategy(**kwargs, timeout=timedelta(seconds=90))
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
-    lm = _model(packed)
+    lm = _model(**flags)
     model = fabric.setup(lm.model)
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
     loader = fabric.setup_dataloaders(DataLoader(lm.train_data(), batch_size=BATCH, shuffle=True))
@@ -172,6 +179,7 @@ def run_fabric(out: Path, part: str, spec: str) -> None:
         fabric.clip_gradients(model, optimizer, max_norm=CLIP)
         optimizer.step()
         optimizer.zero_grad()
+        update_expert_biases(model, strategy.expert_bias_group)
     dist.all_reduce(last)
     state = {f"model.{k}": v for k, v in gather_full_state(model.module).items()}
     gathered = [None] * world
@@ -193,7 +201,7 @@ def _ckpt_trainer(degrees: dict[str, Any], callbacks: list[pl.Callback] | None =
 
 
 def _zeroed() -> FoldLM:
-    model = _model(False)
+    model = _model()
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
@@ -214,7 +222,7 @@ def run_ckpt(out: Path) -> None:
     plain = {"tp": 1, "cp": 1, "ep": 2}
     val = DataLoader(TokenData(num_samples=8), batch_size=2)
     saver = ModelCheckpoint(dirpath=out / "ckpt_fold", filename="folded", every_n_train_steps=2, save_top_k=1)
-    trained = _model(False)
+    trained = _model()
     _ckpt_trainer(folded, [saver]).fit(trained)
     saved = gather_full_state(trained)
     folder = out / "ckpt_fold" / "folded.ckpt"
@@ -277,19 +285,20 @@ def run_bad(out: Path) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def packed_reference(dp: int) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
-    """One process on the packed rows, exactly what the layouts compute: each DP shard is a
-    micro-batch of its own (per-rank router statistics), its loss the sum over its labelled tokens
-    divided by the labelled tokens of all DP shards of that micro-batch (times ``dp``, the value
-    a rank records); the aux losses scaled by ``1/(dp*ACCUM)``. Returns ``losses[micro][dp_rank]``
-    and the final parameters."""
+def fold_reference(dp: int, packed: bool = False, bias: bool = False) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """One process, exactly what the layouts compute: each DP shard is a micro-batch of its own
+    (per-rank router statistics), its loss the sum over its labelled tokens divided by the
+    labelled tokens of all DP shards of that micro-batch (times ``dp``, the value a rank records);
+    the aux losses scaled by ``1/(dp*ACCUM)``; with ``bias`` the expert biases stepped after each
+    optimizer step from the counts of every shard. Returns ``losses[micro][dp_rank]`` and the
+    final parameters."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        lm = _model(True)
+        lm = _model(packed, bias)
         model = lm.model
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-        data = PackedTokens()
+        data = PackedTokens() if packed else TokenData()
         orders = [list(DistributedSampler(data, num_replicas=dp, rank=d, shuffle=True, seed=0)) for d in range(dp)]
         set_aux_loss_scale(model, 1.0 / (dp * ACCUM))
         losses: list[list[float]] = []
@@ -303,7 +312,7 @@ def packed_reference(dp: int) -> tuple[list[list[float]], dict[str, torch.Tensor
                 count = sum(int((s["labels"] != -100).sum()) for s in shards)
                 row = []
                 for batch in shards:
-                    logits = lm(batch["input_ids"], batch["position_ids"], batch["document_ids"])
+                    logits = lm(batch["input_ids"], batch.get("position_ids"), batch.get("document_ids"))
                     loss_sum = torch.nn.functional.cross_entropy(
                         logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum"
                     )
@@ -314,6 +323,7 @@ def packed_reference(dp: int) -> tuple[list[list[float]], dict[str, torch.Tensor
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             opt.step()
             opt.zero_grad()
+            update_expert_biases(model)
         return losses, {f"model.{k}": v.detach().clone() for k, v in model.named_parameters()}
     finally:
         torch.set_num_threads(threads)
