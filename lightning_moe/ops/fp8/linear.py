@@ -82,9 +82,15 @@ def _output_placement(weight: DTensor) -> list:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, opts: Fp8Options) -> torch.Tensor:
     """``x [..., K] @ weight[N, K]^T`` with FP8 GEMMs (differentiable in both)."""
     if isinstance(weight, DTensor):
-        x_local = x.to_local() if isinstance(x, DTensor) else x
-        y_local = fp8_linear(x_local, weight.to_local(), opts)
-        return DTensor.from_local(y_local, weight.device_mesh, _output_placement(weight), run_check=False)
+        out_placements = _output_placement(weight)
+        if isinstance(x, DTensor):
+            # A replicated input of a column-parallel layer gets a partial gradient from each rank's
+            # shard: declared Partial, the DTensor backward sums it over the group.
+            replicated = all(isinstance(p, Replicate) for p in x.placements)
+            grad_placements = [Partial()] if replicated and isinstance(out_placements[0], Shard) else None
+            x = x.to_local(grad_placements=grad_placements)
+        y_local = fp8_linear(x, weight.to_local(), opts)
+        return DTensor.from_local(y_local, weight.device_mesh, out_placements, run_check=False)
     lead = x.shape[:-1]
     x_MK = x.reshape(-1, x.shape[-1])
     w = weight.to(x.dtype)  # the autocast / compute-dtype copy, as nn.Linear under autocast
