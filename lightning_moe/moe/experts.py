@@ -118,9 +118,11 @@ class GroupedExperts(nn.Module):
 
     def fp8_rows(self, device: torch.device) -> tuple[str, str, bool] | None:
         """``(recipe, fmt, pow2_scales)`` of the FP8 rows the experts take from the token exchange on
-        ``device`` (a dispatcher's ``fp8_rows``), or ``None`` when they take none."""
+        ``device`` (a dispatcher's ``fp8_rows``), or ``None`` when they take none: FP8 off here,
+        ``Fp8Config(dispatch=False)``, or the tensorwise recipe (one scale over all rows, which the
+        ranks of an exchange cannot share)."""
         opts = self.fp8_options(device)
-        if opts is None or self.fp8 is None or not self.fp8.dispatch:
+        if opts is None or self.fp8 is None or not self.fp8.dispatch or opts.recipe == "tensorwise":
             return None
         return (opts.recipe, "e4m3", opts.pow2_scales)
 

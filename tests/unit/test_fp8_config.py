@@ -176,3 +176,5 @@ def test_experts_name_the_rows_they_take_from_the_exchange() -> None:
     no_dispatch = MoELayer(MoEConfig(**BASE, fp8=Fp8Config(backend="emulate", dispatch=False)))
     assert no_dispatch.experts.fp8_rows(CPU) is None
     assert MoELayer(MoEConfig(**BASE)).experts.fp8_rows(CPU) is None
+    tensorwise = MoELayer(MoEConfig(**BASE, fp8=Fp8Config(recipe="tensorwise", backend="emulate")))
+    assert tensorwise.experts.fp8_rows(CPU) is None
