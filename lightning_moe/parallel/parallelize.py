@@ -15,7 +15,7 @@ Stages of :func:`parallelize_moe_model` (collectives named with their group):
    all-gather(TP) before attention and the dense MLP, reduce-scatter(TP) after ``o_proj`` and
    ``down_proj``, all-gather before the head. Norm, router and shared-expert weights are
    ``Replicate`` DTensors whose gradients are summed over TP. ``vocab_parallel``
-   (``parallel/vocab.py``): the embedding rows and the head's vocabulary split over TP;
+   (``parallel/vocab.py``): the embedding rows and the head's vocabulary split over TP.
 3. EP over ``ep`` (+ETP over ``etp``) on every :class:`MoELayer`: ``w13``/``w2`` are cut to this
    rank's experts and become DTensors over the expert mesh (``Shard(0)`` on ep; with ETP,
    ``w13`` column-parallel — each of the gate and up halves sharded, so the local block is
@@ -28,8 +28,9 @@ Stages of :func:`parallelize_moe_model` (collectives named with their group):
 4. FSDP2 ``fully_shard``: experts over ``edp`` (``Shard(1)``, the H dim, so a rank with few
    experts is never padded), then every block of a ``ModuleList`` and every child of the root
    over ``dp_cp``. The experts' reduce-scatter output is multiplied by
-   ``edp*etp / (tp*cp*dp)`` (``edp / (cp*dp)`` with ``sequence_parallel``; ``grad.expert_grad_scale``) so expert and dense gradients both end
-   as the data-parallel average. ``GroupedExperts.forward_local`` (the fused local path at EP=1)
+   ``edp*etp / (tp*cp*dp)`` (``grad.expert_grad_scale``; ``edp / (cp*dp)`` with
+   ``sequence_parallel``, where each token reaches the experts once) so expert and dense
+   gradients both end as the data-parallel average. ``GroupedExperts.forward_local`` (the fused local path at EP=1)
    is registered as an FSDP forward method, so the EDP all-gather runs around it as well.
 
 The ETP layout of ``w13`` in the DTensor is "blocked": global column block j holds
