@@ -1,5 +1,6 @@
 """FP8 token dispatch on 4 gloo ranks: all-to-all, flex over alltoall_dedup and the DeepEP stand-in,
-EP2, EP4 and ETP2 x EP2, against the local FP8 dispatch of one process; bytes on the wire.
+EP2, EP4 and ETP2 x EP2, against the local FP8 dispatch of one process; ETP under sequence
+parallel; bytes on the wire.
 
 One torchrun job runs every case (``worker_fp8_dispatch.py``); the worker compares outputs and the
 gradients of x, the routing weights, w13 and w2 itself (fp32, 1e-6) and prints a line per case.
@@ -22,13 +23,21 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def job_output() -> str:
-    return run_torchrun("worker_fp8_dispatch.py", 4, [*CASES, "bytes:alltoall", "bytes:dedup"], timeout=540)
+    parts = [*CASES, "sp:alltoall", "sp:dedup", "bytes:alltoall", "bytes:dedup"]
+    return run_torchrun("worker_fp8_dispatch.py", 4, parts, timeout=540)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_fp8_dispatch_equals_local_fp8_dispatch_with_empty_ranks_empty_experts_and_etp(job_output: str, case: str) -> None:
     kind, tp, ep, etp = case.split(":")
     assert f"OK {kind} tp={tp} ep={ep} etp={etp}" in job_output
+
+
+@pytest.mark.parametrize("kind", ["alltoall", "dedup"])
+def test_fp8_rows_are_gathered_over_etp_under_sequence_parallel(job_output: str, kind: str) -> None:
+    """ETP ranks holding different tokens: FP8 rows all-gathered over ETP equal the same rounded tokens
+    moved in the activation dtype (outputs and every gradient)."""
+    assert f"OK {kind} sequence-parallel etp=2 ep=2" in job_output
 
 
 @pytest.mark.parametrize("kind", ["alltoall", "dedup"])

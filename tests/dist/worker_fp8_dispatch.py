@@ -2,7 +2,7 @@
 local FP8 dispatch of one process, and the bytes its row exchange moves.
 
 Run by ``test_dist_fp8_dispatch.py`` under torchrun (gloo, 4 ranks): ``worker_fp8_dispatch.py
-kind:tp:ep:etp ...``. Every rank builds the same global inputs from one seed, dispatches its own
+kind:tp:ep:etp ... sp:kind ... bytes:kind ...``. Every rank builds the same global inputs from one seed, dispatches its own
 tokens with ``fp8_rows`` set, runs its local experts on the FP8 rows (``x_fp8``; the placeholder
 ``x_RH`` carries the gradient) and checks the output and the gradients of x, the routing weights,
 w13 and w2 against a single-process run of the same tokens through ``LocalDispatcher`` with the
@@ -35,6 +35,7 @@ from lightning_moe.moe.dispatch.fp8_rows import row_bytes
 from lightning_moe.moe.experts import GroupedExperts
 from lightning_moe.parallel.layout import FoldedLayout
 from lightning_moe.parallel.mesh import FoldedMesh
+from lightning_moe.ops.fp8.quantize import quantize
 from lightning_moe.parallel.parallelize import shard_expert_weights
 
 T, F, E, K = 12, 8, 8, 2
@@ -77,10 +78,17 @@ def experts_on_rows(experts: GroupedExperts, d, weighted: bool, fp8_rows: bool) 
     return experts(d.x_fp8.dequantize(d.x_RH.dtype) + d.x_RH, d.tokens_per_expert_e, w_R)
 
 
-def run(dispatcher, experts, x, ids, w, c, weighted: bool):
+def run(dispatcher, experts, x, ids, w, c, weighted: bool, straight_through: tuple | None = None):
+    """One dispatch -> experts -> combine and backward; ``straight_through``: feed the tokens as FP8
+    would round them (that recipe), with the identity gradient, to a dispatcher moving activation-dtype rows."""
     x = x.clone().requires_grad_(True)
     w = w.clone().requires_grad_(True)
-    d, handle = dispatcher.dispatch(x, ids, w, None)
+    x_in = x
+    if straight_through is not None:
+        tile = (1, 128) if straight_through[0] == "blockwise" else None
+        q = quantize(x.detach(), straight_through[0], straight_through[1], tile=tile, pow2_scales=straight_through[2])
+        x_in = x + (q.dequantize(x.dtype) - x).detach()
+    d, handle = dispatcher.dispatch(x_in, ids, w, None)
     rows = int(d.tokens_per_expert_e.sum())
     if d.x_RH.shape[0] != rows or d.weights_R.shape[0] != rows:
         raise AssertionError(f"{dispatcher!r}: {d.x_RH.shape[0]} rows, {d.weights_R.shape[0]} weights, {rows} counted")
@@ -100,11 +108,11 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
         raise AssertionError(f"{name}: max abs diff {diff:.3e} > {TOL:g} of the largest entry {scale:.3e}")
 
 
-def make_dispatcher(kind: str, groups: dict, ep_group):
+def make_dispatcher(kind: str, groups: dict, ep_group, sp: bool = False):
     if kind == "alltoall":
-        return AllToAllDispatcher(E, **groups)
+        return AllToAllDispatcher(E, **groups, etp_sequence_parallel=sp)
     if kind == "dedup":
-        return FlexDispatcher(E, **groups, exchange=AllToAllTokenExchange(ep_group))
+        return FlexDispatcher(E, **groups, exchange=AllToAllTokenExchange(ep_group), etp_sequence_parallel=sp)
     if kind == "deepep":
         return FlexDispatcher(E, **groups, exchange=DeepEPExchange(FakeDeepEPBuffer(ep_group)))
     raise ValueError(f"worker_fp8_dispatch: kind={kind!r} is unknown; use alltoall, dedup or deepep.")
@@ -189,6 +197,41 @@ def main(kind: str, tp: int, ep: int, etp: int) -> None:
         print(f"OK {kind} tp={tp} ep={ep} etp={etp}", flush=True)
 
 
+def sequence_parallel_etp(kind: str) -> None:
+    """ETP2 x EP2 with the ETP ranks holding different tokens (sequence parallel): the FP8 rows are
+    all-gathered over ETP; the reference moves the same rounded tokens in the activation dtype."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    layout = FoldedLayout(world, tp=2, ep=2, etp=2)
+    mesh = FoldedMesh.build(layout, "cpu")
+    coords = layout.coords(rank)
+    groups = dict(ep_group=mesh.group("ep"), etp_group=mesh.group("etp"))
+    H = 200
+    for spec in (("blockwise", "e4m3", False), ("rowwise", "e5m2", True)):
+        torch.manual_seed(0)
+        full = GroupedExperts(E, H, F, backend="loop")
+        w13, w2 = shard_expert_weights(
+            full.w13.detach(), full.w2.detach(), ep_rank=coords["ep"], ep=2, etp_rank=coords["etp"], etp=2
+        )
+        for skew in (False, True):
+            inputs = routed_inputs(300 + 10 * int(skew) + rank, skew, H, empty=skew and rank == 1)  # every rank its own
+            results = []
+            for fp8_rows in (spec, None):
+                part = GroupedExperts(E // 2, H, F // 2, backend="loop")
+                with torch.no_grad():
+                    part.w13.copy_(w13)
+                    part.w2.copy_(w2)
+                disp = make_dispatcher(kind, groups, mesh.group("ep"), sp=True)
+                disp.fp8_rows = fp8_rows
+                out = run(disp, part, *inputs, weighted=skew, straight_through=None if fp8_rows else spec)
+                results.append((*out, part.w13.grad, part.w2.grad))
+            tag = f"{kind} sequence-parallel etp=2 ep=2 {spec} skew={skew} rank={rank}"
+            for name, got, want in zip(("output", "grad x", "grad weights", "grad w13", "grad w2"), *results):
+                check(f"{tag} {name}", got, want)
+    dist.barrier()
+    if rank == 0:
+        print(f"OK {kind} sequence-parallel etp=2 ep=2", flush=True)
+
+
 def wire_bytes(kind: str) -> None:
     """The bytes the row exchange moves: FP8 rows (data + scales, one uint8 row each) against bf16 rows."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -241,6 +284,8 @@ if __name__ == "__main__":
         head, _, rest = spec_text.partition(":")
         if head == "bytes":
             wire_bytes(rest)
+        elif head == "sp":
+            sequence_parallel_etp(rest)
         else:
             kind, tp, ep, etp = spec_text.split(":")
             main(kind, int(tp), int(ep), int(etp))

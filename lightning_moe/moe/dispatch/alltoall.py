@@ -35,7 +35,9 @@ gathers the packed FP8 rows (data and scales in one ``uint8`` row, ``moe/dispatc
 stage 4 moves them in one all-to-all; stage 5 regroups data and scales by the same order; with ETP
 stage 6 marks the placeholder ``x_RH`` like the activation-dtype rows (each ETP rank quantized
 the same tokens to the same bits). The gradient goes back in the activation dtype through the
-same inverse regroup, reverse all-to-all and gather-sum as the activation-dtype rows'.
+same inverse regroup, reverse all-to-all and gather-sum as the activation-dtype rows'. With
+``etp_sequence_parallel`` the FP8 rows are all-gathered over ETP packed
+(``fp8_rows.gather_expert_fp8_rows``), the placeholder's gradient reduce-scattered back.
 
 The dispatcher holds only its groups; it is not an ``nn.Module``.
 """
@@ -55,11 +57,16 @@ from lightning_moe.moe.dispatch.comm import (
     ExpertRowsLayout,
     check_etp_sequence_parallel,
     gather_expert_rows,
-    reject_fp8_rows_with_etp_gather,
     scatter_expert_rows,
 )
 from lightning_moe.moe.dispatch.ep import ExpertParallelDispatcher
-from lightning_moe.moe.dispatch.fp8_rows import dispatch_fp8_rows, gather_rows, pack_rows, unpack_rows
+from lightning_moe.moe.dispatch.fp8_rows import (
+    dispatch_fp8_rows,
+    gather_expert_fp8_rows,
+    gather_rows,
+    pack_rows,
+    unpack_rows,
+)
 from lightning_moe.ops.permute import Permutation, build_permutation, permute_rows, reorder_rows, unpermute_sum
 
 __all__ = ["AllToAllDispatcher", "AllToAllHandle"]
@@ -163,8 +170,11 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         w_R = reorder_rows(w_R, regroup_R, unregroup_R)
         tokens_per_expert_e = recv_Pe.sum(0)
         etp_rows = None
-        if self.etp_group is not None and self.etp_sequence_parallel:
-            reject_fp8_rows_with_etp_gather(self)
+        if self.etp_group is not None and self.etp_sequence_parallel and x_fp8 is not None:
+            x_RH, x_fp8, w_R, tokens_per_expert_e, etp_rows = gather_expert_fp8_rows(
+                x_RH, x_fp8, w_R, tokens_per_expert_e, self.etp_group
+            )
+        elif self.etp_group is not None and self.etp_sequence_parallel:
             x_RH, w_R, tokens_per_expert_e, etp_rows = gather_expert_rows(x_RH, w_R, tokens_per_expert_e, self.etp_group)
         elif self.etp_group is not None:
             x_RH = copy_to_group(x_RH, self.etp_group)

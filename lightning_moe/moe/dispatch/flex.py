@@ -26,8 +26,10 @@ the source tokens (backward: a dispatch of the gradient with the cached layout).
 FP8 rows (``fp8_rows`` set, see ``moe/dispatch/base.py``), when the exchange ``carries_fp8_rows``:
 ``x_TH`` is quantized once and the exchange moves the FP8 rows with their scales
 (``dispatch_fp8``); stage 2 gathers data and scales by the same permutation into ``x_fp8`` and
-``x_RH`` is a placeholder; ETP marks it like the activation-dtype rows. The backward is the same
-gather-sum and ``combine_grads`` as the activation-dtype rows' (gradients in the activation dtype).
+``x_RH`` is a placeholder; ETP marks it like the activation-dtype rows (with
+``etp_sequence_parallel``: the FP8 rows are all-gathered over ETP, ``fp8_rows.gather_expert_fp8_rows``).
+The backward is the same gather-sum and ``combine_grads`` as the activation-dtype rows' (gradients
+in the activation dtype).
 """
 
 from __future__ import annotations
@@ -45,11 +47,10 @@ from lightning_moe.moe.dispatch.comm import (
     copy_to_group,
     gather_expert_rows,
     reduce_from_group,
-    reject_fp8_rows_with_etp_gather,
     scatter_expert_rows,
 )
 from lightning_moe.moe.dispatch.ep import ExpertParallelDispatcher
-from lightning_moe.moe.dispatch.fp8_rows import gather_rows, placeholder_rows, quantize_rows
+from lightning_moe.moe.dispatch.fp8_rows import gather_expert_fp8_rows, gather_rows, placeholder_rows, quantize_rows
 from lightning_moe.ops.permute import Permutation, build_permutation, permute_rows, unpermute_sum
 
 __all__ = ["FlexDispatcher", "FlexHandle", "TokenExchange"]
@@ -222,15 +223,18 @@ class FlexDispatcher(ExpertParallelDispatcher):
             perm = build_permutation(ids_MJ, self.num_local_experts, None)
             x_RH = permute_rows(x_MH, perm)
         w_R = row_weights(w_MJ, perm)
-        tokens_per_expert_e, etp_rows = perm.tokens_per_expert_E, None
-        if self.etp_group is not None and self.etp_sequence_parallel:
-            reject_fp8_rows_with_etp_gather(self)
+        tokens_per_expert_e, etp_rows, x_fp8 = perm.tokens_per_expert_E, None, box.get("x_fp8")
+        if self.etp_group is not None and self.etp_sequence_parallel and x_fp8 is not None:
+            x_RH, x_fp8, w_R, tokens_per_expert_e, etp_rows = gather_expert_fp8_rows(
+                x_RH, x_fp8, w_R, tokens_per_expert_e, self.etp_group
+            )
+        elif self.etp_group is not None and self.etp_sequence_parallel:
             x_RH, w_R, tokens_per_expert_e, etp_rows = gather_expert_rows(x_RH, w_R, tokens_per_expert_e, self.etp_group)
         elif self.etp_group is not None:
             x_RH = copy_to_group(x_RH, self.etp_group)
             w_R = copy_to_group(w_R, self.etp_group)
         handle = FlexHandle(perm, w_MJ, box["layout"], etp_rows)
-        return DispatchedTokens(x_RH, tokens_per_expert_e, w_R, box.get("x_fp8")), handle
+        return DispatchedTokens(x_RH, tokens_per_expert_e, w_R, x_fp8), handle
 
     def combine(self, y_RH: torch.Tensor, handle: FlexHandle, weighted: bool) -> torch.Tensor:
         if handle.etp_rows is not None:

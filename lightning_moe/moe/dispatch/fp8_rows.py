@@ -22,6 +22,11 @@ strides: no memory) as its differentiable output, with the real rows in the retu
 :class:`~lightning_moe.ops.fp8.quantize.Fp8Tensor`. The experts consume the FP8 rows and return the
 real ``[R, H]`` input gradient for the placeholder; backward sends it back along the route in the
 activation dtype, exactly as the bfloat16 path sends its gradient.
+
+Under sequence parallel with ETP (the ETP ranks hold different tokens), :func:`gather_expert_fp8_rows`
+all-gathers the received FP8 rows over the ETP group the same way (packed, one collective) and
+regroups them expert-major, as ``comm.gather_expert_rows`` does for activation-dtype rows; its
+backward reduce-scatters the placeholder's gradient.
 """
 
 from __future__ import annotations
@@ -31,6 +36,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from lightning_moe.moe.dispatch.base import Fp8Rows
+from lightning_moe.moe.dispatch.comm import ExpertRowsLayout, all_gather_rows
+from lightning_moe.moe.dispatch.comm import _gather_rows as _all_gather_rows_impl
+from lightning_moe.moe.dispatch.comm import _scatter_rows as _reduce_scatter_rows_impl
+from lightning_moe.ops.permute import reorder_rows
 
 if TYPE_CHECKING:
     from lightning_moe.ops.fp8.quantize import Fp8Tensor
@@ -38,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = [
     "RowRoute",
     "dispatch_fp8_rows",
+    "gather_expert_fp8_rows",
     "gather_rows",
     "pack_rows",
     "placeholder_rows",
@@ -169,3 +179,49 @@ def dispatch_fp8_rows(x_TH: torch.Tensor, route: RowRoute, spec: Fp8Rows) -> tup
     box: dict = {}
     x_RH = _Fp8Dispatch.apply(x_TH, route, spec, box)
     return x_RH, box["x_fp8"]
+
+
+class _Fp8GatherExpertRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x_RH: torch.Tensor, x_fp8: Fp8Tensor, layout: ExpertRowsLayout, box: dict) -> torch.Tensor:  # type: ignore[override]
+        H = x_RH.shape[-1]
+        packed_GB = _all_gather_rows_impl(pack_rows(x_fp8), layout.rows, layout.group)
+        box["x_fp8"] = gather_rows(unpack_rows(packed_GB, H, _spec_of(x_fp8)), layout.regroup_G)
+        ctx.layout = layout
+        return placeholder_rows(x_RH, packed_GB.shape[0], H)
+
+    @staticmethod
+    def backward(ctx: Any, grad_GH: torch.Tensor):  # type: ignore[override]
+        L: ExpertRowsLayout = ctx.layout
+        grad_GH = grad_GH.contiguous().index_select(0, L.unregroup_G)  # back to source-major
+        return _reduce_scatter_rows_impl(grad_GH, L.rows, L.rank, L.group), None, None, None
+
+
+def gather_expert_fp8_rows(
+    x_RH: torch.Tensor, x_fp8: Fp8Tensor, weights_R: torch.Tensor, tokens_per_expert_e: torch.Tensor, group: Any
+) -> tuple[torch.Tensor, Fp8Tensor, torch.Tensor, torch.Tensor, ExpertRowsLayout]:
+    """``comm.gather_expert_rows`` for FP8 rows: the ETP group's rows, expert-major, for every ETP rank.
+
+    Legend: Q ranks of ``group``, G rows gathered. ``x_RH`` is the placeholder of this rank's FP8
+    rows ``x_fp8``. Collectives: all-gather(ETP) of the ``[e]`` counts (# SYNC: the row counts go
+    to the host), all-gather(ETP) of the packed rows (data and scales together) and of the weights.
+    Returns the placeholder ``x_GH``, the rows ``x_fp8`` ``[G, H]``, ``weights_G``, the rows per
+    local expert of the whole group and the layout ``comm.scatter_expert_rows`` undoes. Backward:
+    reduce-scatter(ETP) of the placeholder's gradient (each rank's is partial over its F slice).
+    """
+    Q, e = group.size(), tokens_per_expert_e.shape[0]
+    counts_Qe = tokens_per_expert_e.new_empty(Q * e)  # flat: gloo gathers into a 1-D buffer
+    torch.distributed.all_gather_into_tensor(counts_Qe, tokens_per_expert_e.contiguous(), group=group)
+    counts_Qe = counts_Qe.view(Q, e)
+    rows = counts_Qe.sum(1).tolist()  # SYNC: the gathered buffers' sizes
+    rank = group.rank()
+    # gathered rows are [source rank][local expert]; sort stably by local expert -> [expert][source rank]
+    expert_of_row_G = torch.repeat_interleave(torch.arange(e, device=counts_Qe.device).repeat(Q), counts_Qe.reshape(-1))
+    regroup_G = torch.argsort(expert_of_row_G, stable=True)
+    unregroup_G = torch.empty_like(regroup_G)
+    unregroup_G[regroup_G] = torch.arange(regroup_G.numel(), device=regroup_G.device)
+    layout = ExpertRowsLayout(rows, rank, group, regroup_G, unregroup_G)
+    box: dict = {}
+    x_GH = _Fp8GatherExpertRows.apply(x_RH, x_fp8, layout, box)
+    w_G = reorder_rows(all_gather_rows(weights_R, rows, rank, group), regroup_G, unregroup_G)
+    return x_GH, box["x_fp8"], w_G, counts_Qe.sum(0), layout
