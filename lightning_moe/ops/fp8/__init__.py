@@ -12,6 +12,7 @@ Legend: M rows, K contracted width, N output width, E experts, R rows sorted by 
   ``torch._scaled_grouped_mm`` on sm_89+); ``resolve_fp8_backend`` picks one.
 """
 
+from lightning_moe.ops.fp8.gemm import Fp8GemmBackend, fp8_grouped_mm, fp8_grouped_wgrad, fp8_mm, resolve_fp8_backend
 from lightning_moe.ops.fp8.quantize import Fp8Tensor, fake_quantize, quantize, quantize_grouped_rows
 from lightning_moe.ops.fp8.recipe import BLOCK, FP8_DTYPE, FP8_MAX, Fp8Format, Fp8Recipe
 
@@ -20,9 +21,14 @@ __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
     "Fp8Format",
+    "Fp8GemmBackend",
     "Fp8Recipe",
     "Fp8Tensor",
     "fake_quantize",
+    "fp8_grouped_mm",
+    "fp8_grouped_wgrad",
+    "fp8_mm",
     "quantize",
     "quantize_grouped_rows",
+    "resolve_fp8_backend",
 ]
