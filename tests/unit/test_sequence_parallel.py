@@ -107,3 +107,16 @@ def test_etp_groups_outside_a_tp_group_are_accepted_only_with_sequence_parallel(
     with pytest.raises(ValueError, match="outside one TP group"):
         check_model_for_layout(_model(), layout)
     check_model_for_layout(_model(), layout, sequence_parallel=True)
+
+
+def test_sequence_collectives_take_an_empty_batch() -> None:
+    def body(group: Any, r: int) -> None:
+        x = torch.zeros(0, 4, 3, requires_grad=True)
+        y = scatter_to_sequence(x, group)
+        z = gather_from_sequence(y, group, partial_grad=True)
+        out = reduce_scatter_to_sequence(z, group)
+        out.sum().backward()
+        assert y.shape == (0, 2, 3) and z.shape == (0, 4, 3) and out.shape == (0, 2, 3)
+        assert x.grad is not None and x.grad.shape == (0, 4, 3)
+
+    run_ranks(2, body)
