@@ -2,7 +2,7 @@
 
 Each keeps its layout (devices, tp/ep/etp, dispatcher, callbacks, model) and runs >= 100 optimizer
 steps (the folded recipe its full ``max_steps``); only the data is made small (sequence length,
-batch, bytes read) and validation short, so the four fit the CI budget on 2 CPU cores. The run must
+batch, bytes read) and validation short, so they fit the CI budget on 2 CPU cores. The run must
 reach ``max_steps``, report a finite validation loss at the end, lower than at the start.
 """
 
@@ -27,6 +27,7 @@ RECIPES = [
     ("tiny_moe_callbacks.yaml", [], 300),
     ("tiny_moe_folded.yaml", [], 400),
     ("hf_qwen3_moe_tiny.yaml", [], 400),
+    ("tiny_moe_long_context.yaml", [], 400),
 ]
 
 
