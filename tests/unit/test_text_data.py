@@ -1,0 +1,268 @@
+"""Text data: streaming readers (text, jsonl, parquet), local tokenizers, and TextDataModule's rows, split,
+truncation and resumable order against plain references built from the tokenizer and pack_documents."""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from _tiny_tokenizer import SPECIAL_TOKENS, make_tiny_tokenizer
+from lightning_moe.data.packing import IGNORE_INDEX, check_packed_batch, pack_documents
+from lightning_moe.data.text import read_records
+from lightning_moe.data.text_datamodule import TextDataModule, build_rows
+from lightning_moe.data.tokenizer import eos_token_id, load_tokenizer
+
+WORDS = "the quick brown fox jumps over the lazy dog and each token goes to a few experts".split()
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def _docs(n: int, seed: int = 0, lo: int = 2, hi: int = 9) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        k = int(torch.randint(lo, hi, (1,), generator=g))
+        out.append(" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (k,), generator=g)))
+    return out
+
+
+def _jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
+    path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+# --- readers -------------------------------------------------------------------------------------
+
+
+def test_text_units_and_where(tmp_path: Path) -> None:
+    f = tmp_path / "a.txt"
+    f.write_text("one line\nsecond line\n\n\nthird\nfourth\n")
+    assert [r.value for r in read_records(f, text_unit="file")] == ["one line\nsecond line\n\n\nthird\nfourth\n"]
+    lines = list(read_records(f, text_unit="line"))
+    assert [r.value for r in lines] == ["one line", "second line", "third", "fourth"]
+    assert [r.where for r in lines] == [f"{f}:1", f"{f}:2", f"{f}:5", f"{f}:6"]
+    paras = list(read_records(f, text_unit="paragraph"))
+    assert [(r.value, r.where) for r in paras] == [("one line\nsecond line", f"{f}:1"), ("third\nfourth", f"{f}:5")]
+
+
+def test_folder_is_read_sorted_and_formats_by_suffix(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "b.txt").write_text("bee")
+    (tmp_path / "sub" / "a.txt").write_text("sub a")
+    (tmp_path / "a.jsonl").write_text('{"text": "jay"}\n\n{"text": "kay"}\n')
+    (tmp_path / "skip.bin").write_bytes(b"\x00")
+    assert [r.value for r in read_records(tmp_path)] == ["jay", "kay", "bee", "sub a"]
+    assert [r.value for r in read_records(tmp_path, format="text")] == ["bee", "sub a"]
+
+
+def test_jsonl_errors_name_file_and_line(tmp_path: Path) -> None:
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"text": "fine"}\n\n{"body": "x"}\n')
+    records = read_records(f)
+    assert next(records).value == "fine"  # streamed: the good line comes out before the bad one is read
+    with pytest.raises(ValueError, match=r"d\.jsonl:3 has no field 'text' \(keys: \['body'\]\)"):
+        next(records)
+    f.write_text('{"text": "fine"}\n{"text": "unterminated\n')
+    with pytest.raises(ValueError, match=r"d\.jsonl:2 is not valid JSON"):
+        list(read_records(f))
+    f.write_text('["a list"]\n')
+    with pytest.raises(ValueError, match=r"d\.jsonl:1 holds a JSON list, not an object"):
+        list(read_records(f))
+
+
+def test_bad_paths_and_options(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        read_records(tmp_path / "nope.txt")
+    with pytest.raises(ValueError, match="holds no"):
+        read_records(tmp_path)
+    with pytest.raises(ValueError, match="format='csv' is unknown"):
+        read_records(tmp_path, format="csv")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="text_unit='page' is unknown"):
+        read_records(tmp_path, text_unit="page")  # type: ignore[arg-type]
+
+
+def test_parquet_column(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    f = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": ["a", "b", "c"], "n": [1, 2, 3]}), f)
+    assert [(r.value, r.where) for r in read_records(f)] == [("a", f"{f}:row 0"), ("b", f"{f}:row 1"),
+                                                             ("c", f"{f}:row 2")]  # fmt: skip
+    with pytest.raises(ValueError, match="has no column 'body'"):
+        list(read_records(f, field="body"))
+
+
+def test_parquet_without_pyarrow_is_refused_clearly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "d.parquet"
+    f.write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(ImportError, match=r"needs pyarrow.*pip install pyarrow"):
+        list(read_records(f))
+
+
+# --- tokenizer -----------------------------------------------------------------------------------
+
+
+def test_tokenizer_from_a_local_folder(tok_dir: Path, tmp_path: Path) -> None:
+    tok = load_tokenizer(tok_dir)
+    assert len(tok) == 400 and eos_token_id(tok) == SPECIAL_TOKENS.index("<|endoftext|>")
+    with pytest.raises(ValueError, match="holds no tokenizer"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(ValueError, match="is not a directory"):
+        load_tokenizer(tmp_path / "missing")
+    with pytest.raises(ValueError, match="holds no tokenizer"):
+        TextDataModule(str(tmp_path), str(_jsonl(tmp_path / "d.jsonl", ["a b"]))).setup()
+
+
+# --- TextDataModule ------------------------------------------------------------------------------
+
+
+def test_packed_rows_equal_pack_documents_of_the_tokenized_texts(tok_dir: Path, tmp_path: Path) -> None:
+    docs = _docs(30)
+    data = _jsonl(tmp_path / "d.jsonl", docs)
+    dm = TextDataModule(str(tok_dir), str(data), val_files=str(data), seq_len=16, batch_size=4)
+    dm.setup()
+    tok = load_tokenizer(tok_dir)
+    ref = pack_documents([tok(d)["input_ids"] for d in docs], 16, tok.eos_token_id)
+    got = {k: v.long() for k, v in dm.train_dataset.rows.items()}
+    assert got.keys() == ref.keys()
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+    batch = next(iter(dm.train_dataloader()))
+    check_packed_batch(batch)
+    assert batch["input_ids"].shape == (4, 16) and dm.vocab_size == len(tok)
+
+
+def test_unpacked_rows_hold_one_document_each(tok_dir: Path, tmp_path: Path) -> None:
+    docs = _docs(12)
+    data = _jsonl(tmp_path / "d.jsonl", docs)
+    dm = TextDataModule(str(tok_dir), str(data), val_files=str(data), seq_len=16, batch_size=2, packing="none")
+    dm.setup()
+    tok = load_tokenizer(tok_dir)
+    rows = dm.train_dataset.rows
+    assert set(rows) == {"input_ids", "labels"} and rows["input_ids"].shape == (12, 16)
+    for r, d in enumerate(docs):
+        ids = [*tok(d)["input_ids"], tok.eos_token_id]
+        n = len(ids) - 1
+        assert rows["input_ids"][r, :n].tolist() == ids[:-1] and rows["labels"][r, :n].tolist() == ids[1:]
+        assert torch.all(rows["labels"][r, n:] == IGNORE_INDEX)
+
+
+def test_held_out_split_is_fixed_by_the_seed(tok_dir: Path, tmp_path: Path) -> None:
+    docs = [f"{WORDS[i % 16]} {i}" for i in range(60)]  # each document different
+    data = _jsonl(tmp_path / "d.jsonl", docs)
+
+    def split(seed: int) -> tuple[set, set]:
+        dm = TextDataModule(str(tok_dir), str(data), seq_len=16, batch_size=2, packing="none", val_fraction=0.25,
+                            seed=seed)  # fmt: skip
+        dm.setup()
+        return ({tuple(r.tolist()) for r in dm.train_dataset.rows["input_ids"]},
+                {tuple(r.tolist()) for r in dm.val_dataset.rows["input_ids"]})  # fmt: skip
+
+    train, val = split(0)
+    assert not train & val and len(train) + len(val) == 60 and 5 <= len(val) <= 25
+    assert split(0) == (train, val)
+    assert split(1)[1] != val
+
+
+def test_empty_validation_split_is_refused(tok_dir: Path, tmp_path: Path) -> None:
+    data = _jsonl(tmp_path / "d.jsonl", ["a b c"])
+    dm = TextDataModule(str(tok_dir), str(data), seq_len=8, batch_size=1, val_fraction=0.01)
+    with pytest.raises(ValueError, match="the validation split holds no document"):
+        dm.setup()
+
+
+def test_long_documents_truncate_with_a_warning_split_or_error(tok_dir: Path, tmp_path: Path) -> None:
+    docs = _docs(10, lo=2, hi=4) + [" ".join(WORDS * 3)]
+    data = _jsonl(tmp_path / "d.jsonl", docs)
+    tok = load_tokenizer(tok_dir)
+    ids = [tok(d)["input_ids"] for d in docs]
+    assert len(ids[-1]) > 16 and all(len(i) <= 16 for i in ids[:-1])
+
+    def dm(mode: str) -> TextDataModule:
+        return TextDataModule(str(tok_dir), str(data), val_files=str(data), seq_len=16, batch_size=1,
+                              long_documents=mode)  # fmt: skip
+
+    with pytest.warns(UserWarning, match=r"1 document\(s\) longer than seq_len=16.*d\.jsonl:11"):
+        truncated = dm("truncate")
+        truncated.setup()
+    assert int((truncated.train_dataset.rows["labels"] != IGNORE_INDEX).sum()) == sum(len(i) for i in ids[:-1]) + 16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        split = dm("split")
+        split.setup()
+    assert int((split.train_dataset.rows["labels"] != IGNORE_INDEX).sum()) == sum(len(i) for i in ids)
+    with pytest.raises(ValueError, match=r"d\.jsonl:11 has more tokens than seq_len=16"):
+        dm("error").setup()
+
+
+def test_resumed_loader_continues_with_the_next_batch(tok_dir: Path, tmp_path: Path) -> None:
+    data = _jsonl(tmp_path / "d.jsonl", _docs(60))
+
+    def loader():  # noqa: ANN202
+        dm = TextDataModule(str(tok_dir), str(data), seq_len=16, batch_size=2, seed=3)
+        dm.setup()
+        return dm.train_dataloader()
+
+    first = loader()
+    it = iter(first)
+    seen = [next(it) for _ in range(3)]
+    state = first.state_dict()
+    expected = next(it)
+    resumed = loader()
+    resumed.load_state_dict(state)
+    got = next(iter(resumed))
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert not torch.equal(got["input_ids"], seen[0]["input_ids"])
+
+
+def test_text_files_as_documents(tok_dir: Path, tmp_path: Path) -> None:
+    f = tmp_path / "corpus.txt"
+    paras = _docs(20)
+    f.write_text("\n\n".join(paras) + "\n")
+    dm = TextDataModule(str(tok_dir), str(f), val_files=str(f), text_unit="paragraph", seq_len=32, batch_size=2)
+    dm.setup()
+    tok = load_tokenizer(tok_dir)
+    ref = pack_documents([tok(p)["input_ids"] for p in paras], 32, tok.eos_token_id)
+    assert torch.equal(dm.val_dataset.rows["input_ids"].long(), ref["input_ids"])
+
+
+def test_max_documents_caps_the_records(tok_dir: Path, tmp_path: Path) -> None:
+    docs = _docs(20)
+    data = _jsonl(tmp_path / "d.jsonl", docs)
+    dm = TextDataModule(str(tok_dir), str(data), val_files=str(data), seq_len=16, batch_size=1, packing="none",
+                        max_documents=5)  # fmt: skip
+    dm.setup()
+    assert len(dm.train_dataset) == 5 and len(dm.val_dataset) == 5
+
+
+def test_bad_arguments_are_refused_early(tok_dir: Path, tmp_path: Path) -> None:
+    data = str(_jsonl(tmp_path / "d.jsonl", ["a b"]))
+    for kwargs, match in (
+        ({"task": "chat"}, "task='chat' is unknown"),
+        ({"packing": "tight"}, "packing='tight' is unknown"),
+        ({"long_documents": "drop"}, "long_documents='drop' is unknown"),
+        ({"seq_len": 0}, "seq_len=0"),
+        ({"val_fraction": 1.0}, "val_fraction=1.0"),
+        ({"field": ""}, "field=''"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            TextDataModule(str(tok_dir), data, **kwargs)
+    with pytest.raises(ValueError, match="does not exist"):
+        TextDataModule(str(tok_dir), str(tmp_path / "missing.jsonl"))
+
+
+def test_build_rows_with_no_documents_is_empty() -> None:
+    rows = build_rows([], None, 8, 1, "pack")
+    assert rows["input_ids"].shape == (0, 8) and set(rows) == {"input_ids", "labels", "position_ids", "document_ids"}
+    assert build_rows([], None, 8, 1, "none")["labels"].shape == (0, 8)
