@@ -12,6 +12,12 @@ loss is computed here from the logits and HF's own label shifting is not used. P
 (``packing="pack"``) add ``position_ids`` and ``document_ids``; ``forward`` then gives the model
 a 4-D mask that keeps attention within each document
 (:func:`~lightning_moe.models.hf.packed_forward_kwargs`).
+
+With ``load_sharded=True`` a ``pretrained`` model is built on the ``meta`` device and read in
+``configure_model``: under ``folded_moe`` after ``parallelize_moe_model`` has laid it out, each
+rank reading only its own slices of the safetensors shards
+(:func:`~lightning_moe.checkpoint.hf_sharded.load_hf_checkpoint_sharded`); no rank holds the
+whole model.
 """
 
 from __future__ import annotations
@@ -92,6 +98,33 @@ def build_hf_model(
     return AutoModelForCausalLM.from_config(config, **kwargs)
 
 
+def _meta_hf_model(pretrained: str | None, swap: bool, dtype: DtypeName, attn_implementation: str | None) -> nn.Module:
+    """The ``pretrained`` model's skeleton on ``meta`` (its shard files checked, nothing read yet)."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_moe.checkpoint.hf_sharded import HFCheckpoint
+
+    if pretrained is None or not swap:
+        raise ValueError(
+            f"HFMoELanguageModel: load_sharded=True needs pretrained (a local checkpoint directory) and swap=True; "
+            f"got pretrained={pretrained!r}, swap={swap}."
+        )
+    if dtype not in _DTYPES:
+        raise ValueError(f"HFMoELanguageModel: dtype={dtype!r} is unknown; choose one of {sorted(_DTYPES)}.")
+    HFCheckpoint(pretrained)  # a hub id, missing shards: refused before anything is built
+    config = hf_config_from(None, pretrained)
+    if getattr(config, "tie_word_embeddings", False):
+        raise ValueError(
+            "HFMoELanguageModel: load_sharded=True with tie_word_embeddings=True is not supported; "
+            "load this model with load_sharded=False."
+        )
+    kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype]}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+
+
 class HFMoELanguageModel(MoELanguageModelBase):
     """Causal LM training of an HF MoE model whose MoE blocks are swapped for ours.
 
@@ -110,6 +143,9 @@ class HFMoELanguageModel(MoELanguageModelBase):
             keys; in bf16 outputs differ from transformers' by about one unit in the last place).
         learning_rate, weight_decay, warmup_steps, betas, log_layer_load, optimizer_impl,
             guard_nonfinite, skip_nonfinite: as in :class:`~lightning_moe.lit.MoELanguageModelBase`.
+        load_sharded: build the ``pretrained`` model on ``meta`` and read its weights in
+            ``configure_model``, each rank only its shards under the strategy's layout (needs
+            ``pretrained`` and ``swap=True``; untied embeddings).
     """
 
     def __init__(
@@ -130,13 +166,17 @@ class HFMoELanguageModel(MoELanguageModelBase):
         fused_norms: bool = True,
         guard_nonfinite: bool = True,
         skip_nonfinite: int = 0,
+        load_sharded: bool = False,
     ) -> None:
         super().__init__(
             learning_rate, weight_decay, warmup_steps, betas, log_layer_load, optimizer_impl,
             guard_nonfinite, skip_nonfinite,
         )  # fmt: skip
         self.save_hyperparameters()
-        self.model = build_hf_model(hf_config, pretrained, dtype, attn_implementation, experts_implementation)
+        if load_sharded:
+            self.model = _meta_hf_model(pretrained, swap, dtype, attn_implementation)
+        else:
+            self.model = build_hf_model(hf_config, pretrained, dtype, attn_implementation, experts_implementation)
         if swap:
             from lightning_moe.models.hf import swap_moe_blocks
 
@@ -148,6 +188,31 @@ class HFMoELanguageModel(MoELanguageModelBase):
 
             swap_rms_norms(self.model)
         self.config = self.model.config
+
+    @override
+    def configure_model(self) -> None:
+        """With ``load_sharded``: lay the meta model out (under ``folded_moe``), materialise this
+        rank's shards and read them from ``pretrained``; otherwise nothing."""
+        if not self.hparams.get("load_sharded") or not any(p.is_meta for p in self.model.parameters()):
+            return
+        from lightning_moe.checkpoint.hf_sharded import load_hf_checkpoint_sharded, reset_nonpersistent_buffers
+        from lightning_moe.strategies._core import FoldedMoECore
+
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        device = torch.device("cpu")
+        if isinstance(strategy, FoldedMoECore):
+            from lightning_moe.parallel.parallelize import parallelize_moe_model
+
+            parallelize_moe_model(
+                self, mesh=strategy.folded_mesh, dispatcher=strategy.dispatcher, **strategy._parallel_options()
+            )
+            device = strategy.root_device  # type: ignore[attr-defined]
+        elif strategy is not None:
+            device = strategy.root_device
+        with torch.device(device):
+            self.model.to_empty(device=device)
+            load_hf_checkpoint_sharded(self.model, self.hparams["pretrained"])
+            reset_nonpersistent_buffers(self.model)
 
     @override
     def forward(

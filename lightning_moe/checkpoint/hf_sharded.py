@@ -1,0 +1,354 @@
+"""Load a Hugging Face safetensors checkpoint into a swapped, possibly sharded model, slice by slice.
+
+Legend: E experts, e local experts, H hidden, F expert FFN width, f = F/etp, F_s shared-expert width.
+
+:func:`load_hf_checkpoint_sharded` fills every parameter and persistent buffer of a model whose MoE
+blocks :func:`~lightning_moe.models.hf.swap_moe_blocks` replaced (on any device; usually a model
+built on ``meta``, sharded by ``parallelize_moe_model`` and materialised empty). For each tensor
+it reads only this rank's part: a DTensor's local box (``Shard`` placements of EP, ETP, TP and
+FSDP2, through ``compute_local_shape_and_global_offset``), a plain tensor whole. Reads go through
+``safe_open(...).get_slice(name)[...]`` straight into views of the local tensors, one shard file
+open at a time, so a rank's memory is its own shards plus one slice.
+
+HF names and layouts read (ours ← HF, ``P`` the block's prefix):
+
+* ``P.experts.w13 [E, H, 2F]`` (ETP: column blocks ``[gate_j | up_j]``) ← per expert
+  ``P.experts.{i}.gate_proj.weight`` / ``up_proj.weight`` ``[F, H]`` (what transformers 5
+  ``save_pretrained`` writes; ``w1``/``w3`` too), or fused ``P.experts.gate_up_proj [E, 2F, H]``;
+* ``P.experts.w2 [E, F, H]`` ← ``P.experts.{i}.down_proj.weight [H, F]`` (``w2``) or fused
+  ``P.experts.down_proj [E, H, F]``;
+* ``P.router.weight`` ← ``P.gate.weight``; ``P.router.expert_bias`` ← ``P.gate.e_score_correction_bias``;
+* ``P.shared_expert.gate_up.weight [2F_s, H]`` ← ``gate_proj`` over ``up_proj`` of
+  ``P.shared_expert`` / ``P.shared_experts``; ``P.shared_expert.down.weight`` ← their
+  ``down_proj``; ``P.shared_expert.gate.weight`` ← ``P.shared_expert_gate.weight``;
+* everything else under its own name.
+
+Bad input raises ``ValueError`` before any weight changes: a hub id or missing directory (nothing is
+downloaded), missing shard files or index entries (named), a shape that does not match (key,
+expected, found). :func:`reset_nonpersistent_buffers` recomputes what a materialisation left
+empty (rotary frequencies; the MoE layers' counters start at zero).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+
+__all__ = [
+    "HFCheckpoint",
+    "expert_hf_names",
+    "load_hf_checkpoint_sharded",
+    "local_box",
+    "reset_nonpersistent_buffers",
+]
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_GATE, _UP, _DOWN = ("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")
+
+
+class HFCheckpoint:
+    """The tensors of a local HF checkpoint directory: name -> shard file, shapes read lazily.
+
+    ``path`` holds ``model.safetensors.index.json`` and the shard files it names, or one
+    ``model.safetensors``. Nothing is downloaded: a hub id is refused.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            hint = (
+                " It looks like a hub id: nothing is downloaded here; fetch it first (e.g. `hf download "
+                f"{path} --local-dir DIR`) and pass DIR."
+                if isinstance(path, str) and path.count("/") == 1 and not Path(path).exists()
+                else ""
+            )
+            raise ValueError(f"HF checkpoint {str(path)!r} is not a local directory.{hint}")
+        index, single = self.path / INDEX_NAME, self.path / SINGLE_NAME
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ValueError(f"HF checkpoint {str(self.path)!r}: {INDEX_NAME} has no weight_map; rewrite the index.")
+            self.weight_map: dict[str, str] = dict(weight_map)
+        elif single.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(single), framework="pt") as f:
+                self.weight_map = {name: SINGLE_NAME for name in f.keys()}  # noqa: SIM118 - safe_open has no iter
+        else:
+            raise ValueError(
+                f"HF checkpoint {str(self.path)!r} has neither {INDEX_NAME} nor {SINGLE_NAME}; pass a directory "
+                "written by save_pretrained (safetensors)."
+            )
+        missing = sorted({f for f in self.weight_map.values() if not (self.path / f).is_file()})
+        if missing:
+            raise ValueError(
+                f"HF checkpoint {str(self.path)!r}: shard files {missing} named in {INDEX_NAME} are missing; "
+                "copy them into the directory."
+            )
+        self._shapes: dict[str, tuple[int, ...]] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of ``name`` (from the shard file's header, no data read)."""
+        if name not in self._shapes:
+            from safetensors import safe_open
+
+            with safe_open(str(self.path / self.weight_map[name]), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118
+                    self._shapes[key] = tuple(f.get_slice(key).get_shape())
+        return self._shapes[name]
+
+
+@dataclass
+class _Read:
+    """Copy ``hf[name][index]`` (transposed over its last two dims when ``transpose``) into ``dest``."""
+
+    name: str
+    index: tuple[slice, ...]
+    transpose: bool
+    dest: torch.Tensor
+
+
+def local_box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """``(local tensor, its slices of the global tensor)``: a DTensor's local shard, or ``t`` whole."""
+    if not isinstance(t, DTensor):
+        return t, tuple(slice(0, n) for n in t.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for p in t.placements:
+        if not (p.is_replicate() or type(p) is Shard):
+            raise ValueError(
+                f"load_hf_checkpoint_sharded: placement {p} of a {tuple(t.shape)} parameter is not a plain Shard or "
+                "Replicate; load at a layout without it (e.g. edp=1 with etp>1)."
+            )
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    local = t.to_local()
+    if tuple(local.shape) != tuple(shape):
+        raise RuntimeError(f"load_hf_checkpoint_sharded: local shard {tuple(local.shape)} != expected {tuple(shape)}.")
+    return local, tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def _pick(ckpt: HFCheckpoint, prefix: str, alternatives: tuple[str, ...], suffix: str) -> str:
+    names = [f"{prefix}{a}{suffix}" for a in alternatives]
+    return next((n for n in names if n in ckpt), names[0])
+
+
+def expert_hf_names(prefix: str, expert: int, ckpt: HFCheckpoint | None = None) -> tuple[str, str, str]:
+    """Per-expert HF names ``(gate, up, down)`` of expert ``expert`` under ``prefix`` (``P.experts.``)."""
+    if ckpt is None:
+        return tuple(f"{prefix}{expert}.{a[0]}.weight" for a in (_GATE, _UP, _DOWN))  # type: ignore[return-value]
+    return tuple(_pick(ckpt, f"{prefix}{expert}.", a, ".weight") for a in (_GATE, _UP, _DOWN))  # type: ignore[return-value]
+
+
+def _rng(s: slice) -> range:
+    return range(s.start, s.stop)
+
+
+def _w13_column_runs(cols: slice, F: int, etp: int) -> Iterator[tuple[int, int, int, int]]:
+    """``(is_up, hf_start, dest_start, n)`` runs of blocked global columns ``cols`` of ``w13``."""
+    f = F // etp
+    for j in range(etp):
+        for is_up in (0, 1):
+            lo = 2 * f * j + is_up * f  # blocked columns of this (block, half)
+            a, b = max(lo, cols.start), min(lo + f, cols.stop)
+            if a < b:
+                yield is_up, f * j + (a - lo), a - cols.start, b - a
+
+
+class _Planner:
+    """The reads that fill one model from one checkpoint, and the problems found on the way."""
+
+    def __init__(self, ckpt: HFCheckpoint) -> None:
+        self.ckpt = ckpt
+        self.reads: list[_Read] = []
+        self.missing: list[str] = []
+        self.mismatched: list[str] = []
+        self.used: set[str] = set()
+
+    def _check(self, name: str, expected: tuple[int, ...]) -> bool:
+        if name not in self.ckpt:
+            self.missing.append(name)
+            return False
+        self.used.add(name)
+        found = self.ckpt.shape(name)
+        if tuple(found) != tuple(expected):
+            self.mismatched.append(f"{name}: expected {tuple(expected)}, found {tuple(found)}")
+            return False
+        return True
+
+    def direct(self, name: str, t: torch.Tensor) -> None:
+        local, box = local_box(t)
+        if self._check(name, tuple(t.shape)):
+            self.reads.append(_Read(name, box, False, local))
+
+    def stacked(self, names: tuple[str, str], t: torch.Tensor) -> None:
+        """``t`` = ``cat([hf[names[0]], hf[names[1]]], dim=0)``, halves of equal size."""
+        local, box = local_box(t)
+        half = t.shape[0] // 2
+        for k, name in enumerate(names):
+            if not self._check(name, (half, *t.shape[1:])):
+                continue
+            a, b = max(box[0].start, k * half), min(box[0].stop, (k + 1) * half)
+            if a < b:
+                dest = local[a - box[0].start : b - box[0].start]
+                self.reads.append(_Read(name, (slice(a - k * half, b - k * half), *box[1:]), False, dest))
+
+    def experts(self, prefix: str, w13: torch.Tensor, w2: torch.Tensor, etp: int, transposed: bool) -> None:
+        E, H, two_F = w13.shape
+        F = two_F // 2
+        l13, (e13, h13, c13) = local_box(w13)
+        l2, (e2, f2, h2) = local_box(w2)
+        fused_up, fused_down = f"{prefix}gate_up_proj", f"{prefix}down_proj"
+        if fused_up in self.ckpt or fused_down in self.ckpt:
+            up_shape = (E, H, 2 * F) if transposed else (E, 2 * F, H)
+            ok13 = self._check(fused_up, up_shape)
+            ok2 = self._check(fused_down, (E, F, H) if transposed else (E, H, F))
+            if ok13:
+                for is_up, start, d0, n in _w13_column_runs(c13, F, etp):
+                    rows = slice(is_up * F + start, is_up * F + start + n)
+                    index = (e13, h13, rows) if transposed else (e13, rows, h13)
+                    self.reads.append(_Read(fused_up, index, not transposed, l13[:, :, d0 : d0 + n]))
+            if ok2:
+                index = (e2, f2, h2) if transposed else (e2, h2, f2)
+                self.reads.append(_Read(fused_down, index, not transposed, l2))
+            return
+        for i in _rng(e13):
+            gate, up, _ = expert_hf_names(prefix, i, self.ckpt)
+            ok = [self._check(n, (F, H)) for n in (gate, up)]
+            for is_up, start, d0, n in _w13_column_runs(c13, F, etp):
+                if ok[is_up]:
+                    dest = l13[i - e13.start, :, d0 : d0 + n]
+                    self.reads.append(_Read((gate, up)[is_up], (slice(start, start + n), h13), True, dest))
+        for i in _rng(e2):
+            down = expert_hf_names(prefix, i, self.ckpt)[2]
+            if self._check(down, (H, F)):
+                self.reads.append(_Read(down, (h2, f2), True, l2[i - e2.start]))
+
+
+def _moe_layers(model: nn.Module) -> dict[str, nn.Module]:
+    from lightning_moe.models.hf import HFMoELayer
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, HFMoELayer)}
+
+
+def _shared_prefix(ckpt: HFCheckpoint, prefix: str) -> str:
+    plural = f"{prefix}shared_experts."
+    return plural if any(n.startswith(plural) for n in ckpt.weight_map) else f"{prefix}shared_expert."
+
+
+def _plan(model: nn.Module, ckpt: HFCheckpoint) -> _Planner:
+    plan = _Planner(ckpt)
+    layers = _moe_layers(model)
+    tensors = dict(model.named_parameters())
+    skip_buffers: set[str] = set()
+    for module_name, m in model.named_modules():
+        skip_buffers |= {f"{module_name}.{b}" if module_name else b for b in m._non_persistent_buffers_set}
+    tensors.update({n: b for n, b in model.named_buffers() if n not in skip_buffers})
+    done: set[str] = set()
+    for layer_name, layer in layers.items():
+        p = f"{layer_name}."
+        ex = layer.experts
+        transposed = bool(getattr(layer.hf_block.experts, "is_transposed", False))
+        plan.experts(f"{p}experts.", ex.w13, ex.w2, int(getattr(ex, "etp", 1)), transposed)
+        done |= {f"{p}experts.w13", f"{p}experts.w2"}
+        plan.direct(f"{p}gate.weight", layer.router.weight)
+        done.add(f"{p}router.weight")
+        if f"{p}router.expert_bias" in tensors:
+            plan.direct(f"{p}gate.e_score_correction_bias", tensors[f"{p}router.expert_bias"])
+            done.add(f"{p}router.expert_bias")
+        sp = _shared_prefix(ckpt, p)
+        if f"{p}shared_expert.gate_up.weight" in tensors:
+            names = (f"{sp}gate_proj.weight", f"{sp}up_proj.weight")
+            plan.stacked(names, tensors[f"{p}shared_expert.gate_up.weight"])
+            plan.direct(f"{sp}down_proj.weight", tensors[f"{p}shared_expert.down.weight"])
+            done |= {f"{p}shared_expert.gate_up.weight", f"{p}shared_expert.down.weight"}
+        if f"{p}shared_expert.gate.weight" in tensors:
+            plan.direct(f"{p}shared_expert_gate.weight", tensors[f"{p}shared_expert.gate.weight"])
+            done.add(f"{p}shared_expert.gate.weight")
+    for name, t in tensors.items():
+        if name in done:
+            continue
+        plan.direct(name, t)
+    return plan
+
+
+def _raise_problems(plan: _Planner) -> None:
+    if plan.missing:
+        shown = ", ".join(plan.missing[:8]) + (f" (+{len(plan.missing) - 8} more)" if len(plan.missing) > 8 else "")
+        raise ValueError(
+            f"HF checkpoint {str(plan.ckpt.path)!r} has no tensor {shown} (not in its index or file); "
+            "the checkpoint does not match the model's config."
+        )
+    if plan.mismatched:
+        raise ValueError(
+            f"HF checkpoint {str(plan.ckpt.path)!r}: tensor shapes do not match the model: "
+            + "; ".join(plan.mismatched[:8])
+            + ". Check that config.json belongs to these weights."
+        )
+
+
+@torch.no_grad()
+def load_hf_checkpoint_sharded(model: nn.Module, checkpoint: str | Path | HFCheckpoint) -> list[str]:
+    """Fill ``model`` (a swapped HF model; plain or DTensor parameters) from an HF checkpoint directory.
+
+    Every parameter and persistent buffer is read: this rank's local part only, one shard file at
+    a time (module doc). Values are cast to each tensor's dtype. Nothing changes unless every
+    tensor is found with the right shape. Returns the checkpoint's names that were not used
+    (e.g. ``lm_head.weight`` of tied embeddings). Non-persistent buffers are not touched (see
+    :func:`reset_nonpersistent_buffers`). Collective-free.
+    """
+    ckpt = checkpoint if isinstance(checkpoint, HFCheckpoint) else HFCheckpoint(checkpoint)
+    plan = _plan(model, ckpt)
+    _raise_problems(plan)
+    by_file: dict[str, list[_Read]] = defaultdict(list)
+    for read in plan.reads:
+        by_file[ckpt.weight_map[read.name]].append(read)
+    from safetensors import safe_open
+
+    for file in sorted(by_file):
+        with safe_open(str(ckpt.path / file), framework="pt", device="cpu") as f:
+            for read in by_file[file]:
+                if read.dest.numel() == 0:
+                    continue
+                part = f.get_slice(read.name)[read.index]
+                read.dest.copy_(part.transpose(-2, -1) if read.transpose else part)
+                del part
+    return sorted(set(ckpt.weight_map) - plan.used)
+
+
+@torch.no_grad()
+def reset_nonpersistent_buffers(model: nn.Module) -> None:
+    """Recompute the buffers a checkpoint does not hold, after an empty materialisation.
+
+    Rotary-embedding modules (``*RotaryEmbedding`` with a ``config``) get the frequencies a fresh
+    module computes; every other non-persistent buffer (the MoE layers' aux-loss counters) starts
+    at zero, as after :func:`~lightning_moe.models.hf.swap_moe_blocks`.
+    """
+    for m in model.modules():
+        names = set(m._non_persistent_buffers_set)
+        if not names:
+            continue
+        fresh: Any = None
+        if "RotaryEmbedding" in type(m).__name__ and getattr(m, "config", None) is not None:
+            with torch.device("cpu"):
+                fresh = type(m)(config=m.config)
+        for name in names:
+            buf = getattr(m, name, None)
+            if not isinstance(buf, torch.Tensor):
+                continue
+            src = getattr(fresh, name, None) if fresh is not None else None
+            if isinstance(src, torch.Tensor) and src.shape == buf.shape:
+                buf.copy_(src)
+            else:
+                buf.zero_()

@@ -1,0 +1,254 @@
+"""Write a swapped, sharded model as an HF safetensors directory, every rank its own files.
+
+Legend: E experts, e local experts, H hidden, F expert FFN width, F_s shared-expert width.
+
+:func:`stream_export_hf` is collective over ``group`` (every rank calls it with the same model
+layout). Tensors are taken one at a time in the model's order:
+
+* experts (``w13``/``w2`` DTensors): gathered over every mesh dim but the expert one (EDP's H
+  shards, ETP's column blocks, undone with ``unblock_w13``), so each EP rank holds only its experts
+  of one layer at a time; one replica of that EP rank writes them per expert, in the layout
+  transformers 5 ``save_pretrained`` writes (``P.experts.{i}.gate_proj.weight [F, H]``,
+  ``up_proj``, ``down_proj [H, F]``);
+* other DTensors (FSDP2, TP): ``full_tensor`` (one tensor at a time), written by one rank of the
+  mesh, taken in turn; plain tensors by one rank of ``group``, in turn;
+* names back to HF's (``router.weight`` → ``gate.weight``, the shared expert's ``gate_up`` split
+  into ``gate_proj``/``up_proj``, ...; the inverse of ``checkpoint.hf_sharded``).
+
+A rank writes ``model-rank{r}-{k}.safetensors`` files of at most ``max_shard_bytes`` each; then,
+after the names of every rank are collected (``all_gather_object``), rank 0 writes
+``model.safetensors.index.json`` and ``config.json``. A checkpoint loaded with
+:func:`~lightning_moe.checkpoint.hf_sharded.load_hf_checkpoint_sharded` and exported untouched is
+the same tensors bit for bit. Families whose HF names differ from their module names (Mixtral's
+``block_sparse_moe.experts.{i}.w1``) are refused: use ``export.export_state_dict`` for them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from lightning_moe.checkpoint.hf_sharded import INDEX_NAME, expert_hf_names
+
+__all__ = ["STREAM_FAMILIES", "hf_tensors", "stream_export_hf"]
+
+STREAM_FAMILIES = ("qwen3_moe", "qwen2_moe", "deepseek_v3")
+
+
+def _replica_index(t: DTensor, keep: list[bool]) -> tuple[int, int]:
+    """This rank's index among the ranks holding the same data after gathering the dims not kept."""
+    mesh = t.device_mesh
+    index, count = 0, 1
+    for dim in range(mesh.ndim):
+        if keep[dim]:
+            continue
+        index = index * mesh.size(dim) + mesh.get_local_rank(dim)
+        count *= mesh.size(dim)
+    return index, count
+
+
+def _gather_experts(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """``(local experts whole, first expert, replica index, replicas)`` of an expert weight."""
+    if not isinstance(t, DTensor):
+        return t.detach(), 0, 0, 1
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    keep = [type(p) is Shard and p.dim == 0 for p in t.placements]
+    target = [Shard(0) if k else Replicate() for k in keep]
+    local = t.detach().redistribute(t.device_mesh, target).to_local()
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, target)
+    index, count = _replica_index(t, keep)
+    return local, int(offset[0]), index, count
+
+
+class _Turns:
+    """Which rank writes the next tensor held by several ranks: each in turn."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world, self.count = rank, world, 0
+
+    def mine(self, index: int, replicas: int) -> bool:
+        turn = self.count % replicas
+        self.count += 1
+        return index == turn
+
+
+def _whole(t: torch.Tensor, turns: _Turns) -> torch.Tensor | None:
+    """``t`` whole on the rank whose turn it is (``None`` elsewhere); collective for DTensors."""
+    if isinstance(t, DTensor):
+        full = t.detach().full_tensor()
+        index, count = _replica_index(t, [False] * t.device_mesh.ndim)
+        return full if turns.mine(index, count) else None
+    return t.detach() if turns.mine(turns.rank, turns.world) else None
+
+
+def hf_tensors(model: nn.Module, rank: int = 0, world: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(HF name, tensor)`` this rank writes, in order; collective for sharded models (every rank
+    iterates to the end)."""
+    from lightning_moe.models.hf import HFMoELayer, _check_exportable
+
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, HFMoELayer)}
+    for name, layer in layers.items():
+        if layer.family not in STREAM_FAMILIES:
+            raise ValueError(
+                f"stream_export_hf: layer {name} is {layer.family!r}, whose HF checkpoint names differ from its "
+                f"module names; streaming export supports {STREAM_FAMILIES}. Use lightning_moe.export "
+                "(export_state_dict) for this model."
+            )
+        _check_exportable(layer)
+    skip: set[str] = set()
+    for module_name, m in model.named_modules():
+        skip |= {f"{module_name}.{b}" if module_name else b for b in m._non_persistent_buffers_set}
+    tensors = dict(model.named_parameters())
+    tensors.update({n: b for n, b in model.named_buffers() if n not in skip})
+    turns = _Turns(rank, world)
+    by_layer = {f"{n}.": layer for n, layer in layers.items()}
+    for key, t in tensors.items():
+        prefix = next((p for p in by_layer if key.startswith(p)), None)
+        if prefix is None:
+            full = _whole(t, turns)
+            if full is not None:
+                yield key, full
+            continue
+        layer, rest = by_layer[prefix], key[len(prefix) :]
+        if rest in ("experts.w13", "experts.w2"):
+            local, first, index, count = _gather_experts(t)
+            if not turns.mine(index, count):
+                continue
+            if rest == "experts.w13":
+                from lightning_moe.parallel.parallelize import unblock_w13
+
+                local = unblock_w13(local, int(getattr(layer.experts, "etp", 1)))
+                F = local.shape[-1] // 2
+            for i in range(local.shape[0]):
+                gate, up, down = expert_hf_names(f"{prefix}experts.", first + i)
+                if rest == "experts.w13":
+                    yield gate, local[i, :, :F].t()
+                    yield up, local[i, :, F:].t()
+                else:
+                    yield down, local[i].t()
+            continue
+        full = _whole(t, turns)
+        if full is None:
+            continue
+        shared = f"{prefix}{'shared_experts' if layer.family == 'deepseek_v3' else 'shared_expert'}."
+        if rest == "router.weight":
+            yield f"{prefix}gate.weight", full
+        elif rest == "router.expert_bias":
+            yield f"{prefix}gate.e_score_correction_bias", full
+        elif rest == "shared_expert.gate_up.weight":
+            Fs = full.shape[0] // 2
+            yield f"{shared}gate_proj.weight", full[:Fs]
+            yield f"{shared}up_proj.weight", full[Fs:]
+        elif rest == "shared_expert.down.weight":
+            yield f"{shared}down_proj.weight", full
+        elif rest == "shared_expert.gate.weight":
+            yield f"{prefix}shared_expert_gate.weight", full
+        else:
+            yield key, full
+
+
+def _collect(obj: Any, group: Any) -> list[Any]:
+    if group is None:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def stream_export_hf(
+    model: nn.Module,
+    out_dir: str | Path,
+    *,
+    group: Any = None,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+    config: Any = None,
+) -> Path:
+    """Write ``model`` (a swapped HF model, plain or sharded) to ``out_dir`` as HF safetensors.
+
+    Args:
+        model: the HF model after ``swap_moe_blocks`` (``HFMoELanguageModel.model``), on any layout.
+        out_dir: created if missing; every rank must see the same folder.
+        group: the process group of every rank holding a part of ``model`` (``None``: one process).
+        dtype: cast floating tensors before writing (``None`` keeps each tensor's dtype).
+        max_shard_bytes: the most bytes of one file (a larger tensor gets a file of its own).
+        config: the ``PretrainedConfig`` written as ``config.json`` (default ``model.config``);
+            ``output_router_logits`` is restored as the swap found it.
+
+    Returns the folder; ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it.
+    """
+    from safetensors.torch import save_file
+
+    if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"stream_export_hf: max_shard_bytes={max_shard_bytes!r} must be a positive int.")
+    rank = dist.get_rank(group) if group is not None else 0
+    world = dist.get_world_size(group) if group is not None else 1
+    out = Path(out_dir)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    if group is not None:
+        dist.barrier(group=group)
+    names: dict[str, str] = {}
+    pending: dict[str, torch.Tensor] = {}
+    size = total = 0
+    part = 0
+
+    def flush() -> None:
+        nonlocal pending, size, part
+        if not pending:
+            return
+        file = f"model-rank{rank:05d}-{part:05d}.safetensors"
+        save_file(pending, str(out / file), metadata={"format": "pt"})
+        names.update(dict.fromkeys(pending, file))
+        pending, size, part = {}, 0, part + 1
+
+    for name, t in hf_tensors(model, rank, world):
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        nbytes = t.numel() * t.element_size()
+        if pending and size + nbytes > max_shard_bytes:
+            flush()
+        pending[name] = t.clone(memory_format=torch.contiguous_format)  # its own storage, for safetensors
+        size += nbytes
+        total += nbytes
+    flush()
+    reports = _collect((names, total), group)
+    if rank == 0:
+        weight_map: dict[str, str] = {}
+        for rank_names, _ in reports:
+            clash = set(weight_map) & set(rank_names)
+            if clash:
+                raise RuntimeError(f"stream_export_hf: tensors {sorted(clash)[:4]} written by two ranks.")
+            weight_map.update(rank_names)
+        index = {"metadata": {"total_size": sum(t for _, t in reports)}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        _write_config(model, out, config, dtype)
+    if group is not None:
+        dist.barrier(group=group)
+    return out
+
+
+def _write_config(model: nn.Module, out: Path, config: Any, dtype: torch.dtype | None) -> None:
+    import copy
+
+    from lightning_moe.models.hf import HFMoELayer
+
+    config = copy.deepcopy(config if config is not None else model.config)
+    restore = next((m.hf_output_router_logits for m in model.modules() if isinstance(m, HFMoELayer)), None)
+    if restore is not None and hasattr(config, "output_router_logits"):
+        config.output_router_logits = restore
+    if dtype is not None:
+        config.dtype = dtype
+    else:
+        first = next((p for p in model.parameters() if p.is_floating_point()), None)
+        if first is not None:
+            config.dtype = first.dtype
+    config.save_pretrained(str(out))
