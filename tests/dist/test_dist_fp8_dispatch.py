@@ -23,7 +23,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def job_output() -> str:
-    parts = [*CASES, "sp:alltoall", "sp:dedup", "bytes:alltoall", "bytes:dedup"]
+    parts = [*CASES, "sp:alltoall", "sp:dedup", "layer:alltoall", "layer:dedup", "bytes:alltoall", "bytes:dedup"]
     return run_torchrun("worker_fp8_dispatch.py", 4, parts, timeout=540)
 
 
@@ -38,6 +38,13 @@ def test_fp8_rows_are_gathered_over_etp_under_sequence_parallel(job_output: str,
     """ETP ranks holding different tokens: FP8 rows all-gathered over ETP equal the same rounded tokens
     moved in the activation dtype (outputs and every gradient)."""
     assert f"OK {kind} sequence-parallel etp=2 ep=2" in job_output
+
+
+@pytest.mark.parametrize("kind", ["alltoall", "dedup"])
+def test_moe_layer_with_fp8_dispatch_equals_fp8_experts_quantizing_exchanged_rows(job_output: str, kind: str) -> None:
+    """MoELayer over an EP4 dispatcher: Fp8Config(dispatch=True) makes the layer ask for FP8 rows and
+    hand them to its experts; output and gradients equal dispatch=False."""
+    assert f"OK {kind} layer" in job_output
 
 
 @pytest.mark.parametrize("kind", ["alltoall", "dedup"])

@@ -2,9 +2,9 @@
 local FP8 dispatch of one process, and the bytes its row exchange moves.
 
 Run by ``test_dist_fp8_dispatch.py`` under torchrun (gloo, 4 ranks): ``worker_fp8_dispatch.py
-kind:tp:ep:etp ... sp:kind ... bytes:kind ...``. Every rank builds the same global inputs from one seed, dispatches its own
-tokens with ``fp8_rows`` set, runs its local experts on the FP8 rows (``x_fp8``; the placeholder
-``x_RH`` carries the gradient) and checks the output and the gradients of x, the routing weights,
+kind:tp:ep:etp ... sp:kind ... layer:kind ... bytes:kind ...``. Every rank builds the same global
+inputs from one seed, dispatches its own tokens with ``fp8_rows`` set, runs its local experts on
+the FP8 rows (``x_fp8``; the placeholder ``x_RH`` carries the gradient) and checks the output and the gradients of x, the routing weights,
 w13 and w2 against a single-process run of the same tokens through ``LocalDispatcher`` with the
 same ``fp8_rows`` and all experts (the same quantized rows reach the same experts, so only
 summation order differs). The skewed routing leaves experts 0, 3 and 5 without a token, drops a
@@ -127,10 +127,17 @@ def main(kind: str, tp: int, ep: int, etp: int) -> None:
     groups = dict(ep_group=mesh.group("ep"), etp_group=mesh.group("etp"))
     # DeepEP moves (e4m3 data, one scale per 128 columns) pairs only: blockwise, H a multiple of 128
     if kind == "deepep":
-        cases = [(("blockwise", "e4m3", True), 256, torch.float64, "plain"), (("blockwise", "e4m3", False), 256, torch.float32, "fp8")]
+        cases = [
+            (("blockwise", "e4m3", True), 256, torch.float64, "plain"),
+            (("blockwise", "e4m3", False), 256, torch.float32, "fp8"),
+        ]
     else:
-        cases = [(("rowwise", "e4m3", False), 200, torch.float32, "plain"), (("blockwise", "e5m2", True), 200, torch.float64, "plain"),
-                 (("blockwise", "e4m3", False), 200, torch.float32, "fp8"), (("rowwise", "e4m3", True), 200, torch.float32, "fp8")]  # fmt: skip
+        cases = [
+            (("rowwise", "e4m3", False), 200, torch.float32, "plain"),
+            (("blockwise", "e5m2", True), 200, torch.float64, "plain"),
+            (("blockwise", "e4m3", False), 200, torch.float32, "fp8"),
+            (("rowwise", "e4m3", True), 200, torch.float32, "fp8"),
+        ]
     for spec, H, dtype, mode in cases:
         fp8 = Fp8Config(recipe=spec[0], backend="emulate", pow2_scales=spec[2]) if mode == "fp8" else None
         torch.manual_seed(0)
@@ -232,6 +239,54 @@ def sequence_parallel_etp(kind: str) -> None:
         print(f"OK {kind} sequence-parallel etp=2 ep=2", flush=True)
 
 
+def layer_end_to_end(kind: str) -> None:
+    """``MoELayer`` with FP8 experts over an EP4 dispatcher: with ``Fp8Config(dispatch=True)`` the layer
+    asks the dispatcher for FP8 rows and hands them to its experts; output and gradients equal
+    ``dispatch=False`` (rows moved in the activation dtype, quantized by the experts)."""
+    from dataclasses import replace
+
+    from lightning_moe.config import MoEConfig
+    from lightning_moe.moe import MoELayer
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = FoldedMesh.build(FoldedLayout(world, ep=world), "cpu")
+    H = 256
+    for recipe in ("blockwise", "rowwise"):
+        base = MoEConfig(
+            hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, aux_loss="none", memory_efficient_permute=True,
+            fp8=Fp8Config(recipe=recipe, backend="emulate"),
+        )  # fmt: skip
+        torch.manual_seed(0)
+        full = MoELayer(base)
+        x0 = torch.randn(2, 6, H, generator=torch.Generator().manual_seed(50 + rank))
+        results, asked = [], []
+        for dispatch in (True, False):
+            cfg = replace(base, fp8=replace(base.fp8, dispatch=dispatch))
+            layer = MoELayer(cfg)
+            layer.load_state_dict(full.state_dict())
+            w13, w2 = shard_expert_weights(
+                full.experts.w13.detach(), full.experts.w2.detach(), ep_rank=rank, ep=world, etp_rank=0, etp=1
+            )
+            layer.experts = GroupedExperts(E // world, H, F, fp8=cfg.fp8)
+            with torch.no_grad():
+                layer.experts.w13.copy_(w13)
+                layer.experts.w2.copy_(w2)
+            layer.dispatcher = make_dispatcher(kind, dict(ep_group=mesh.group("ep")), mesh.group("ep"))
+            x = x0.clone().requires_grad_(True)
+            y = layer(x)
+            y.square().sum().backward()
+            asked.append(layer.dispatcher.fp8_rows)
+            grads = (layer.experts.w13.grad, layer.experts.w2.grad, layer.router.weight.grad)
+            results.append((y.detach(), x.grad, *grads))
+        if asked != [(recipe, "e4m3", False), None]:
+            raise AssertionError(f"{kind} layer {recipe}: the layer asked its dispatcher for {asked}")
+        for name, got, want in zip(("output", "grad x", "grad w13", "grad w2", "grad router"), *results):
+            check(f"{kind} layer {recipe} rank={rank} {name}", got, want)
+    dist.barrier()
+    if rank == 0:
+        print(f"OK {kind} layer", flush=True)
+
+
 def wire_bytes(kind: str) -> None:
     """The bytes the row exchange moves: FP8 rows (data + scales, one uint8 row each) against bf16 rows."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -286,6 +341,8 @@ if __name__ == "__main__":
             wire_bytes(rest)
         elif head == "sp":
             sequence_parallel_etp(rest)
+        elif head == "layer":
+            layer_end_to_end(rest)
         else:
             kind, tp, ep, etp = spec_text.split(":")
             main(kind, int(tp), int(ep), int(etp))
