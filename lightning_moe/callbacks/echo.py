@@ -44,7 +44,8 @@ __all__ = ["ECHOExpertCloning", "strategy_expert_grad_scale"]
 
 
 def strategy_expert_grad_scale(trainer: L.Trainer) -> float:
-    """The factor the strategy applies to expert gradients (``folded_moe``: ``EDP*ETP/(TP*CP*DP)``)."""
+    """The factor the strategy applies to expert gradients (``folded_moe``: ``EDP*ETP/(TP*CP*DP)``,
+    ``EDP/(CP*DP)`` with ``sequence_parallel``)."""
     try:
         mesh = getattr(trainer.strategy, "folded_mesh", None)
     except RuntimeError:  # the mesh is not built yet
@@ -52,9 +53,9 @@ def strategy_expert_grad_scale(trainer: L.Trainer) -> float:
     layout = getattr(mesh, "layout", None)
     if layout is None:
         return 1.0
-    from lightning_moe.parallel.grad import expert_grad_scale
+    from lightning_moe.parallel.parallelize import applied_expert_grad_scale
 
-    return expert_grad_scale(layout)
+    return applied_expert_grad_scale(layout, bool(getattr(trainer.strategy, "sequence_parallel", False)))
 
 
 class ECHOExpertCloning(Callback):

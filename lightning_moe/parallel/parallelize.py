@@ -62,6 +62,7 @@ from lightning_moe.parallel.vocab import VocabParallelEmbedding, mark_vocab_para
 __all__ = [
     "DISPATCHERS",
     "DispatcherKind",
+    "applied_expert_grad_scale",
     "check_dispatcher",
     "check_model_for_layout",
     "init_experts_by_id",
@@ -384,8 +385,7 @@ def parallelize_moe_model(
         # One rank: FSDP2 would shard nothing and only copy (every parameter all-gathered into a
         # second buffer, every gradient packed for a reduce-scatter of one), so the model stays plain.
         return module
-    # with sequence parallel each token reaches the experts once, not tp/etp times
-    scale = expert_grad_scale(lay) * (lay.tp / lay.etp if sequence_parallel else 1.0)
+    scale = applied_expert_grad_scale(lay, sequence_parallel)
     for layer in layers:
         fully_shard(
             layer.experts,
@@ -411,6 +411,14 @@ def parallelize_moe_model(
         if _has_unmanaged_params(child):
             fully_shard(child, mesh=dense_mesh, reshard_after_forward=reshard_after_forward)
     return module
+
+
+def applied_expert_grad_scale(layout: FoldedLayout, sequence_parallel: bool = False) -> float:
+    """The factor :func:`parallelize_moe_model` applies to expert gradients: ``grad.expert_grad_scale``,
+    times ``tp/etp`` with sequence parallel (each token then reaches the experts once, not
+    ``tp/etp`` times): ``edp / (cp*dp)``."""
+    scale = expert_grad_scale(layout)
+    return scale * layout.tp / layout.etp if sequence_parallel else scale
 
 
 def _flex_exchange(dispatcher: str, ep_group: Any, num_experts: int) -> Any:

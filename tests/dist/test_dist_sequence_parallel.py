@@ -4,8 +4,8 @@ One torchrun job (``worker_sequence_parallel.py``) runs every layout: ``parallel
 on a FoldedMesh with FSDP2, an MoETransformer (dense block, MoE blocks with a shared expert,
 q/k norms, switch aux loss and z-loss) trained 3 SGD steps, fp32, against the same model in one
 process trained on every DP shard. Layouts: TP2·SP·DP2 with EP4; TP2·SP with ETP2·EP2 (flex and
-per-slot all-to-all); the vocab-parallel head with and without SP; TP2 without SP (the baseline
-for the routed-row counts).
+per-slot all-to-all; with norms, MoE activations and attention recomputed); the vocab-parallel
+head with and without SP; TP2 without SP (the baseline for the routed-row counts).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ LAYOUTS = [
     SP_EP4,
     SP_ETP2,
     "tp=2,ep=2,etp=2,sp=1,vp=1,dispatcher=alltoall",
+    "tp=2,ep=2,etp=2,sp=1,recompute=1",
     "tp=2,ep=4,sp=1,vp=1",
     "tp=2,ep=4,vp=1",
     NO_SP,

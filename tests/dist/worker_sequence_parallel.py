@@ -1,7 +1,8 @@
 """Worker: sequence parallel and the vocab-parallel head against one process, on gloo ranks.
 
 ``python worker_sequence_parallel.py OUT_DIR SPEC...`` under torchrun; a SPEC is
-``tp=2,ep=4,sp=1[,etp=2][,vp=1][,dispatcher=alltoall]``, or ``vocab`` (the vocab-parallel
+``tp=2,ep=4,sp=1[,etp=2][,vp=1][,dispatcher=alltoall][,recompute=1]`` (recompute: norms, MoE
+activations and attention rebuilt in backward), or ``vocab`` (the vocab-parallel
 embedding and cross-entropy alone at TP 2 and 4: ``OUT_DIR/vocab.pt`` holds every rank's
 relative errors). For each layout, every rank builds the same
 small :class:`MoETransformer` from one seed, keeps a one-process copy, shards the other with
@@ -42,14 +43,14 @@ from lightning_moe.parallel.vocab import VocabParallelEmbedding, lm_cross_entrop
 VOCAB, SEQ, BATCH, STEPS, LR = 64, 8, 2, 3, 0.5
 
 
-def model_config() -> TransformerConfig:
+def model_config(recompute: list | None = None) -> TransformerConfig:
     moe = MoEConfig(
         hidden_size=32, ffn_hidden_size=16, num_experts=8, top_k=2, aux_loss="switch", aux_loss_coeff=0.01,
         z_loss_coeff=1e-3, shared_expert_ffn_size=16,
     )  # fmt: skip
     return TransformerConfig(
         vocab_size=VOCAB, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, moe=moe, qk_norm=True,
-        num_dense_layers=1, dense_ffn_hidden_size=32, max_seq_len=SEQ,
+        num_dense_layers=1, dense_ffn_hidden_size=32, max_seq_len=SEQ, recompute=recompute or [],
     )  # fmt: skip
 
 
@@ -133,12 +134,13 @@ def run(spec: str, out_dir: Path, measure_saved: bool) -> None:
     opts = parse(spec)
     tp, ep, etp = int(opts.get("tp", 1)), int(opts.get("ep", 1)), int(opts.get("etp", 1))
     sp, vp = bool(opts.get("sp", 0)), bool(opts.get("vp", 0))
+    recompute = ["norm", "moe_act", "attn"] if opts.get("recompute", 0) else []
     layout = FoldedLayout(world, tp=tp, ep=ep, etp=etp)
     mesh = FoldedMesh.build(layout, "cpu")
     dp, dp_rank = layout.dp, mesh.rank("dp")
 
     torch.manual_seed(0)
-    ref = MoETransformer(model_config())
+    ref = MoETransformer(model_config(recompute))
     model = copy.deepcopy(ref)
     saved: dict[str, dict[str, int]] = {}
     if measure_saved:
