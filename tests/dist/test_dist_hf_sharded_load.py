@@ -1,0 +1,114 @@
+"""An HF checkpoint loads onto meta-initialised folded_moe ranks, each rank reading its own slices.
+
+4 gloo ranks. A small Qwen3-MoE checkpoint (fp32) gives the one-process HF model's logits at EP4
+and at EP2 x EDP2 (experts FSDP-sharded on H, dense weights over 4), and streams back out bit for
+bit. A synthetic 1.7 B-parameter Qwen3-MoE checkpoint (random bf16 weights, about 3.4 GB, written
+tensor by tensor into 256 MB shards, so the test never holds the model) loads at EP4 with each
+rank's peak RSS under ``(dense + experts / 4) * 1.3`` plus its resident size before the load and a
+fixed 256 MB.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from _harness import run_torchrun
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.dist
+
+SMALL = {
+    "model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+    "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 8, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
+}  # fmt: skip
+# 16 layers x 64 experts x 3 x 1024 x 512 = 1.61 B expert + 0.11 B dense parameters
+LARGE = {
+    "model_type": "qwen3_moe", "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2048,
+    "moe_intermediate_size": 512, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 4,
+    "head_dim": 64, "num_experts": 64, "num_experts_per_tok": 4, "norm_topk_prob": True,
+    "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def _config(cfg: dict):
+    from lightning_moe.lit_hf import hf_config_from
+
+    return hf_config_from(cfg)
+
+
+@pytest.mark.parametrize("ep", [4, 2], ids=["ep4", "ep2_edp2"])
+def test_sharded_load_equals_one_process_hf_logits_and_exports_bitwise(tmp_path: Path, ep: int) -> None:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(SMALL))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(str(tmp_path / "hf"), max_shard_size="20KB")
+    out = run_torchrun("worker_hf_sharded_load.py", 4, ["logits", str(tmp_path / "hf"), str(tmp_path), str(ep)],
+                       timeout=240)  # fmt: skip
+    assert "WORKER OK" in out, out[-3000:]
+
+
+def _write_synthetic(path: Path, cfg: dict, shard_bytes: int = 256 * 1024**2) -> int:
+    """Random bf16 weights for every tensor name ``save_pretrained`` would write, shard by shard."""
+    from safetensors.torch import save_file
+
+    config = _config(cfg)
+    path.mkdir(parents=True)
+    config.dtype = torch.bfloat16
+    config.save_pretrained(str(path))
+    with torch.device("meta"):
+        skeleton = transformers.AutoModelForCausalLM.from_config(config)
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+    for name, t in skeleton.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            E, two_F, H = t.shape
+            prefix = name[: -len("gate_up_proj")]
+            for i in range(E):
+                shapes += [(f"{prefix}{i}.gate_proj.weight", (two_F // 2, H)), (f"{prefix}{i}.up_proj.weight", (two_F // 2, H))]
+        elif name.endswith("mlp.experts.down_proj"):
+            E, H, F = t.shape
+            shapes += [(f"{name[: -len('down_proj')]}{i}.down_proj.weight", (H, F)) for i in range(E)]
+        else:
+            shapes.append((name, tuple(t.shape)))
+    del skeleton
+    gen = torch.Generator().manual_seed(0)
+    weight_map: dict[str, str] = {}
+    pending: dict[str, torch.Tensor] = {}
+    size = total = files = 0
+    for name, shape in shapes:
+        t = torch.randn(shape, generator=gen, dtype=torch.float32).mul_(0.02).to(torch.bfloat16)
+        pending[name] = t
+        size += t.numel() * 2
+        total += t.numel()
+        if size >= shard_bytes:
+            files += 1
+            save_file(pending, str(path / f"model-{files:05d}.safetensors"), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(pending, f"model-{files:05d}.safetensors"))
+            pending, size = {}, 0
+    if pending:
+        files += 1
+        save_file(pending, str(path / f"model-{files:05d}.safetensors"), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(pending, f"model-{files:05d}.safetensors"))
+    index = {"metadata": {"total_size": 2 * total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return total
+
+
+@pytest.mark.timeout(300)
+def test_large_checkpoint_loads_with_each_rank_under_its_share_of_memory(tmp_path: Path) -> None:
+    hf = tmp_path / "large"
+    try:
+        params = _write_synthetic(hf, LARGE)
+        assert params >= 1.5e9, params
+        out = run_torchrun("worker_hf_sharded_load.py", 4, ["memory", str(hf), str(tmp_path), "4"], timeout=240)
+        assert "WORKER OK" in out, out[-3000:]
+        reports = json.loads((tmp_path / "memory.json").read_text())
+        assert len(reports) == 4 and all(r["peak"] <= r["budget"] for r in reports)
+    finally:
+        shutil.rmtree(hf, ignore_errors=True)

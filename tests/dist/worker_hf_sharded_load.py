@@ -1,0 +1,148 @@
+"""Worker: load an HF checkpoint onto meta-initialised folded_moe ranks, each rank its own slices.
+
+``python worker_hf_sharded_load.py MODE HF_DIR OUT_DIR EP`` on 4 ranks.
+
+* ``logits``: fp32; rank 0 compares the sharded model's logits with the one-process HF model's,
+  then every rank streams its part out (``stream_export_hf``) and rank 0 compares every tensor of
+  the export with the input checkpoint's, bit for bit;
+* ``memory``: bf16; each rank's peak RSS (``VmHWM``, reset before the load) stays under
+  ``(dense bytes + expert bytes / 4) * 1.3 + baseline + ALLOWANCE``, where the baseline is the
+  resident size just before the load (torch, Lightning and transformers imported, meta model built).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+import lightning_moe  # noqa: F401 - registers the strategy names
+from lightning_moe.lit_hf import HFMoELanguageModel
+from lightning_moe.strategies import FoldedMoEStrategy
+
+from _models import leave_together  # noqa: E402 - tests/dist is on sys.path for workers
+
+ALLOWANCE = 256 * 1024**2  # one shard file's mapped pages, one slice, allocator slack
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
+
+
+def _param_bytes(hf_dir: Path) -> tuple[int, int]:
+    """(dense bytes, expert bytes) of the checkpoint, from the safetensors headers."""
+    from lightning_moe.checkpoint.hf_sharded import HFCheckpoint
+
+    ckpt = HFCheckpoint(hf_dir)
+    dense = experts = 0
+    for name in ckpt.weight_map:
+        n = 2 * int(torch.Size(ckpt.shape(name)).numel())  # bf16
+        if ".mlp.experts." in name:
+            experts += n
+        else:
+            dense += n
+    return dense, experts
+
+
+def _trainer(ep: int) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu", devices=4, strategy=FoldedMoEStrategy(ep=ep, timeout=timedelta(seconds=240)),
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=1,
+    )  # fmt: skip
+
+
+def _loaded(hf_dir: Path, ep: int, dtype: str) -> tuple[HFMoELanguageModel, dict[str, float]]:
+    lit = HFMoELanguageModel(pretrained=str(hf_dir), load_sharded=True, dtype=dtype, moe={"experts_backend": "torch"})
+    stats: dict[str, float] = {}
+    load = lit.configure_model
+
+    def measured() -> None:
+        stats["baseline"] = _status_kb("VmRSS")
+        _reset_peak()
+        start = time.perf_counter()
+        load()
+        stats["seconds"] = time.perf_counter() - start
+        stats["peak"] = _status_kb("VmHWM")
+
+    lit.configure_model = measured  # type: ignore[method-assign]
+    ids = torch.randint(0, lit.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+    _trainer(ep).validate(lit, DataLoader([{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}], batch_size=None))
+    return lit.eval(), stats
+
+
+def logits(hf_dir: Path, out: Path, ep: int) -> None:
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from lightning_moe.checkpoint.hf_sharded import HFCheckpoint
+    from lightning_moe.checkpoint.hf_stream_export import stream_export_hf
+
+    lit, _ = _loaded(hf_dir, ep, "float32")
+    assert not any(p.is_meta for p in lit.parameters())
+    ids = torch.randint(0, lit.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        got = lit(ids)
+    got = got.full_tensor() if hasattr(got, "full_tensor") else got
+    export = out / "export"
+    stream_export_hf(lit.model, export, group=dist.group.WORLD, max_shard_bytes=50_000)
+    if dist.get_rank() == 0:
+        ref = AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True, dtype=torch.float32).eval()
+        with torch.no_grad():
+            want = ref(input_ids=ids).logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        a, b = HFCheckpoint(hf_dir), HFCheckpoint(export)
+        assert sorted(a.weight_map) == sorted(b.weight_map), set(a.weight_map) ^ set(b.weight_map)
+        files = {json.dumps(sorted(set(b.weight_map.values())))}
+        for name in a.weight_map:
+            with safe_open(str(hf_dir / a.weight_map[name]), "pt") as fa, safe_open(
+                str(export / b.weight_map[name]), "pt"
+            ) as fb:
+                x, y = fa.get_tensor(name), fb.get_tensor(name)
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+        writers = {f.split("-")[1] for f in set(b.weight_map.values())}
+        assert len(writers) == 4, writers  # every rank wrote files of its own
+        again = AutoModelForCausalLM.from_pretrained(str(export), local_files_only=True).float().eval()
+        with torch.no_grad():
+            torch.testing.assert_close(again(input_ids=ids).logits, want, rtol=0, atol=0)
+        print(f"files {files}", flush=True)
+        print("WORKER OK", flush=True)
+
+
+def memory(hf_dir: Path, out: Path, ep: int) -> None:
+    lit, stats = _loaded(hf_dir, ep, "bfloat16")
+    dense, experts = _param_bytes(hf_dir)
+    local = sum(
+        (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in lit.parameters()
+    )
+    budget = (dense + experts / 4) * 1.3 + stats["baseline"] + ALLOWANCE
+    report = {"rank": dist.get_rank(), "peak": stats["peak"], "baseline": stats["baseline"], "budget": budget,
+              "local_param_bytes": local, "dense": dense, "experts": experts, "load_s": stats["seconds"]}  # fmt: skip
+    reports: list = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    if dist.get_rank() == 0:
+        for r in reports:
+            print(json.dumps(r), flush=True)
+            assert r["peak"] <= r["budget"], r
+        (out / "memory.json").write_text(json.dumps(reports))
+        print("WORKER OK", flush=True)
+
+
+if __name__ == "__main__":
+    mode, hf, out_dir, ep_degree = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
+    {"logits": logits, "memory": memory}[mode](hf, out_dir, ep_degree)
+    leave_together()
