@@ -463,3 +463,15 @@ def test_fp8_on_cpu_without_emulation_is_refused_clearly() -> None:
 def test_off_is_the_bf16_layer() -> None:
     x = torch.randn(8, 256)
     torch.testing.assert_close(_layer(Fp8Config(enabled="off"))(x), _layer(None)(x), rtol=0, atol=0)
+
+
+# ---- activation recompute ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recompute", [["moe_act"], ["block"], ["moe_act", "norm"]], ids=["moe_act", "block", "moe_act+norm"])
+def test_activation_recompute_gives_identical_fp8_gradients(recompute: list[str]) -> None:
+    """Recompute's saved-tensor hooks see the FP8 saved tensors as bytes: nothing is rebuilt wrongly."""
+    from test_recompute import _assert_identical, _config, _step  # same folder: pytest puts it on sys.path
+
+    fp8 = Fp8Config(recipe="blockwise", backend="emulate")
+    _assert_identical(_step(_config([], fp8=fp8)), _step(_config(recompute, fp8=fp8)))
