@@ -339,3 +339,18 @@ def test_a_layer_on_a_dispatcher_without_fp8_rows_moves_activation_dtype_rows() 
     assert fp8_rows_for(allgather, ("blockwise", "e4m3", False)) is None
     assert fp8_rows_for(LocalDispatcher(4), ("blockwise", "e4m3", False)) == ("blockwise", "e4m3", False)
     assert fp8_rows_for(LocalDispatcher(4), None) is None
+
+
+def test_each_token_is_quantized_once_whatever_its_number_of_experts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    quantize_module = importlib.import_module("lightning_moe.ops.fp8.quantize")  # the package re-exports the function
+    calls: list[tuple[int, ...]] = []
+    original = quantize_module.quantize
+    monkeypatch.setattr(quantize_module, "quantize", lambda x, *a, **k: calls.append(tuple(x.shape)) or original(x, *a, **k))
+    T, H, E, K = 7, 128, 8, 4
+    ids, w = _routing(T, E, K, seed=2)
+    disp = LocalDispatcher(E)
+    disp.fp8_rows = ("blockwise", "e4m3", False)
+    d, _ = disp.dispatch(torch.randn(T, H), ids, w, None)
+    assert calls == [(T, H)] and d.x_fp8.data.shape == (T * K, H)
