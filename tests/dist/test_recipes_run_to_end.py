@@ -28,6 +28,7 @@ RECIPES = [
     ("tiny_moe_folded.yaml", [], 400),
     ("hf_qwen3_moe_tiny.yaml", [], 400),
     ("tiny_moe_long_context.yaml", [], 400),
+    ("tiny_moe_fp8.yaml", [], 400),
 ]
 
 
