@@ -475,3 +475,39 @@ def test_activation_recompute_gives_identical_fp8_gradients(recompute: list[str]
 
     fp8 = Fp8Config(recipe="blockwise", backend="emulate")
     _assert_identical(_step(_config([], fp8=fp8)), _step(_config(recompute, fp8=fp8)))
+
+
+def test_fused_wgrad_accumulation_on_the_local_path_equals_autograds_sum() -> None:
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(4))
+    grads = []
+    for fuse in (True, False):
+        torch.manual_seed(0)
+        cfg = MoEConfig(
+            hidden_size=256, ffn_hidden_size=128, num_experts=4, top_k=2, aux_loss="none", init_std=0.05,
+            experts_backend="loop", fuse_wgrad_accumulation=fuse, fp8=Fp8Config(backend="emulate"),
+        )  # fmt: skip
+        layer = MoELayer(cfg)
+        for _ in range(2):
+            layer(x).square().sum().backward()
+        grads.append((layer.experts.w13.grad, layer.experts.w2.grad))
+    for fused, plain in zip(*grads):
+        torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("me", (True, False), ids=["local_path", "grouped_path"])
+def test_capacity_padded_fp8_layer_is_close_to_the_unquantized_layer(me: bool) -> None:
+    """Padding rows (weight 0) are quantized with the others and change nothing beyond FP8 rounding."""
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(5))
+    out = []
+    for fp8 in (Fp8Config(backend="emulate"), None):
+        torch.manual_seed(0)
+        cfg = MoEConfig(
+            hidden_size=256, ffn_hidden_size=128, num_experts=4, top_k=2, aux_loss="none", init_std=0.05,
+            experts_backend="loop", capacity_factor=1.0, pad_to_capacity=True, memory_efficient_permute=me, fp8=fp8,
+        )  # fmt: skip
+        layer = MoELayer(cfg)
+        y = layer(x)
+        y.sum().backward()
+        out.append((y, layer.experts.w13.grad, layer.experts.w2.grad))
+    for a, b in zip(*out):
+        assert 1e-2 < _rel(a, b) < _FP8_LAYER_BOUND
