@@ -45,7 +45,6 @@ __all__ = [
     "gather_expert_rows",
     "reduce_from_group",
     "reduce_scatter_rows",
-    "reject_fp8_rows_with_etp_gather",
     "scatter_expert_rows",
 ]
 
@@ -210,15 +209,6 @@ def check_etp_sequence_parallel(owner: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{owner}: etp_sequence_parallel={value!r} must be a bool; pass True or False.")
     return value
-
-
-def reject_fp8_rows_with_etp_gather(dispatcher: object) -> None:
-    """FP8 rows are not gathered over ETP: refuse them with ``etp_sequence_parallel``."""
-    if getattr(dispatcher, "fp8_rows", None) is not None:
-        raise NotImplementedError(
-            f"{type(dispatcher).__name__}: FP8 rows with etp_sequence_parallel=True (ETP ranks holding different "
-            "tokens) are not supported; turn FP8 dispatch off, or use etp=1 or sequence_parallel=False."
-        )
 
 
 def scatter_expert_rows(y_GH: torch.Tensor, layout: ExpertRowsLayout) -> torch.Tensor:
