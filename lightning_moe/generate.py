@@ -3,7 +3,8 @@
 Legend: S tokens of the context, V vocabulary.
 
 ``lightning-moe generate --checkpoint CKPT --tokenizer DIR --prompt "..." [--max_new_tokens N]
-[--temperature T] [--top_p P] [--greedy] [--seed S] [--device cpu] [--swap_moe] [--show_ids]``
+[--temperature T] [--top_p P] [--greedy] [--chat] [--stop TEXT ...] [--seed S] [--device cpu]
+[--swap_moe] [--show_ids]``
 
 ``--checkpoint`` is one of:
 
@@ -17,8 +18,10 @@ Legend: S tokens of the context, V vocabulary.
 
 ``--tokenizer`` is a folder with a saved tokenizer; without it, an HF directory's own tokenizer is
 used when it holds one, and a model of at most 256 tokens (the byte-level recipes) reads the prompt
-as UTF-8 bytes and writes bytes back. Generation stops after ``max_new_tokens`` or at the
-tokenizer's EOS.
+as UTF-8 bytes and writes bytes back. Generation stops after ``max_new_tokens``, at the
+tokenizer's EOS, or at a ``--stop`` token (a token of the tokenizer, e.g. a chat template's
+end-of-turn marker). ``--chat`` renders the prompt as one user turn with the tokenizer's chat
+template and its generation prompt, as an SFT model saw its training chats.
 
 There is no KV cache: every step runs the whole context (prompt and tokens so far, cut to the
 model's longest sequence) through the model again, S forward passes of growing length for S new
@@ -99,12 +102,13 @@ def generate_ids(
     temperature: float = 1.0,
     top_p: float = 1.0,
     greedy: bool = False,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     seed: int = 0,
     max_context: int | None = None,
     device: torch.device | str = "cpu",
 ) -> list[int]:
-    """The new token ids after ``prompt_ids`` (at most ``max_new_tokens``; stops after ``eos_id``).
+    """The new token ids after ``prompt_ids`` (at most ``max_new_tokens``; stops after ``eos_id``, an id or
+    several).
 
     ``forward`` maps ids ``[1, S]`` to logits ``[1, S, V]``; each step runs it on the whole context,
     its last ``max_context`` tokens when given (no KV cache). ``greedy`` is ``temperature=0``.
@@ -116,6 +120,7 @@ def generate_ids(
     if not context:
         raise ValueError("generate: the prompt is empty; give at least one token (a non-empty --prompt).")
     generator = torch.Generator().manual_seed(seed)
+    stop = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else {int(i) for i in eos_id}
     temperature = 0.0 if greedy else temperature
     new: list[int] = []
     for _ in range(max_new_tokens):
@@ -125,7 +130,7 @@ def generate_ids(
         token = sample_next(logits_1SV[0, -1], temperature, top_p, generator)
         new.append(token)
         context.append(token)
-        if eos_id is not None and token == eos_id:
+        if token in stop:
             break
     return new
 
@@ -170,7 +175,11 @@ def _load_lightning(path: Path) -> LoadedModel:
     from lightning_moe.models.transformer import MoETransformer, TransformerConfig
 
     state, hparams = load_checkpoint(path)
+    # LightningCLI adds "_class_path"/"_instantiator" and stores the config given in YAML as a plain dict.
+    hparams = {k: v for k, v in hparams.items() if not k.startswith("_")}
     config = hparams.get("model")
+    if isinstance(config, dict) and {"vocab_size", "moe"} <= config.keys():
+        config = TransformerConfig(**config)
     if isinstance(config, TransformerConfig):
         model = MoETransformer(config)
         model.load_state_dict(strip_prefix(state, "model."))
@@ -222,6 +231,13 @@ class _ByteCodec:
     def decode(ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < BYTE_VOCAB).decode("utf-8", errors="replace")
 
+    @staticmethod
+    def token_id(text: str) -> int:
+        raw = text.encode("utf-8")
+        if len(raw) != 1:
+            raise ValueError(f"generate: --stop {text!r} is {len(raw)} bytes; a byte-level model stops at one byte.")
+        return raw[0]
+
 
 class _TokenizerCodec:
     def __init__(self, tokenizer: Any) -> None:
@@ -231,8 +247,24 @@ class _TokenizerCodec:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
+    def chat_prompt(self, text: str) -> str:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("generate: --chat needs a tokenizer with a chat_template; drop --chat or pass one.")
+        messages = [{"role": "user", "content": text}]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def encode_rendered(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def token_id(self, text: str) -> int:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise ValueError(f"generate: --stop {text!r} is {len(ids)} tokens of this tokenizer; give one token "
+                             "(e.g. the chat template's end-of-turn marker).")  # fmt: skip
+        return int(ids[0])
 
 
 def _codec(tokenizer_dir: str | None, loaded: LoadedModel) -> _ByteCodec | _TokenizerCodec:
@@ -260,6 +292,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top_p", type=float, default=1.0)
     p.add_argument("--greedy", action="store_true", help="argmax at every step (same as --temperature 0)")
+    p.add_argument("--chat", action="store_true", help="render the prompt as a user turn (chat template)")
+    p.add_argument("--stop", action="append", default=[], help="also stop at this token (repeatable)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--swap_moe", action="store_true", help="swap an HF model's MoE blocks for lightning-moe's")
@@ -274,13 +308,23 @@ def main(argv: list[str] | None = None) -> None:
         _check_sampling(args.temperature, args.top_p)
         loaded = load_model(args.checkpoint, swap_moe=args.swap_moe, device=args.device)
         codec = _codec(args.tokenizer, loaded)
-        prompt_ids = codec.encode(args.prompt)
+        prompt = args.prompt
+        if args.chat:
+            if not isinstance(codec, _TokenizerCodec):
+                raise ValueError("generate: --chat needs a tokenizer with a chat template; pass --tokenizer.")
+            prompt = codec.chat_prompt(args.prompt)
+            prompt_ids = codec.encode_rendered(prompt)
+        else:
+            prompt_ids = codec.encode(prompt)
+        stop = [codec.token_id(text) for text in args.stop]
+        if codec.eos_token_id is not None:
+            stop.append(codec.eos_token_id)
         new = generate_ids(
             loaded.forward, prompt_ids, args.max_new_tokens, args.temperature, args.top_p, args.greedy,
-            eos_id=codec.eos_token_id, seed=args.seed, max_context=loaded.max_context, device=args.device,
+            eos_id=stop, seed=args.seed, max_context=loaded.max_context, device=args.device,
         )  # fmt: skip
     except (ValueError, TypeError, OSError, ImportError) as exc:
         raise SystemExit(str(exc).strip().splitlines()[0]) from None
-    print(args.prompt + codec.decode(new), flush=True)
+    print(prompt + codec.decode(new), flush=True)
     if args.show_ids:
         print("ids:", " ".join(map(str, new)), flush=True)

@@ -177,3 +177,41 @@ def test_bad_input_exits_with_one_line(tmp_path: Path) -> None:
             main([*args, "--prompt", "x"])
     with pytest.raises(SystemExit, match="the prompt is empty"):
         main(["--checkpoint", str(byte_ckpt), "--prompt", ""])
+
+
+def test_sft_fit_on_the_command_line_then_generate_the_learned_reply(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture) -> None:  # fmt: skip
+    """``lightning-moe fit`` with TextDataModule(task="sft") memorizes one chat; ``generate --chat`` replays it."""
+    import json
+
+    import yaml
+
+    tok_dir = make_tiny_tokenizer(tmp_path / "tok")
+    chat = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "Paris is the capital."}]  # fmt: skip
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": chat}) + "\n" for _ in range(32)))
+    moe = {"hidden_size": 32, "ffn_hidden_size": 32, "num_experts": 4, "top_k": 2, "experts_backend": "torch"}
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu", "devices": 1, "max_steps": 40, "logger": False, "enable_progress_bar": False,
+            "enable_model_summary": False, "default_root_dir": str(tmp_path / "run"), "num_sanity_val_steps": 0,
+            "val_check_interval": 40, "check_val_every_n_epoch": None, "limit_val_batches": 1,
+        },
+        "model": {"class_path": "lightning_moe.lit.MoELanguageModel", "init_args": {
+            "model": {"vocab_size": 400, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "max_seq_len": 64,
+                      "moe": moe},
+            "learning_rate": 0.01, "warmup_steps": 2}},
+        "data": {"class_path": "lightning_moe.data.text_datamodule.TextDataModule", "init_args": {
+            "tokenizer_dir": str(tok_dir), "train_files": str(data), "val_files": str(data), "task": "sft",
+            "seq_len": 32, "batch_size": 4}},
+    }  # fmt: skip
+    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(config))
+    cli_main(["fit", "--config", str(tmp_path / "sft.yaml")])
+    (ckpt,) = sorted((tmp_path / "run").rglob("*.ckpt"))
+    capsys.readouterr()
+    cli_main(["generate", "--checkpoint", str(ckpt), "--tokenizer", str(tok_dir), "--prompt", chat[0]["content"],
+              "--chat", "--stop", "<|end|>", "--greedy", "--max_new_tokens", "16"])  # fmt: skip
+    out = capsys.readouterr().out.splitlines()[-1]
+    assert out == "<|user|>What is the capital of France?<|end|><|assistant|>Paris is the capital.<|end|>"
