@@ -9,22 +9,39 @@ decoder layer expects (a tensor in transformers 5.x, ``(tensor, router_logits)``
 original block is kept on the ``meta`` device (no memory) so :func:`export_moe_blocks` can rebuild
 it with the possibly trained weights.
 
-Supported blocks (transformers 5.x layout: ``gate.weight [E, H]``, ``experts.gate_up_proj
-[E, 2F, H]`` gate first, ``experts.down_proj [E, H, F]``; 4.x per-expert ``ModuleList`` too):
+Supported blocks: the non-refused entries of :data:`~lightning_moe.models.hf_families.FAMILIES`
+(one per HF block class: router location, routing rule, correction bias, shared expert), in the
+transformers 5.x layout (router ``weight [E, H]``, ``experts.gate_up_proj [E, 2F, H]`` gate first,
+``experts.down_proj [E, H, F]``) or the 4.x per-expert ``ModuleList``:
 
-=========================  ==================================================================
-``Qwen3MoeSparseMoeBlock``  softmax over E, top-k, optional renormalisation (``norm_topk_prob``)
-``Qwen2MoeSparseMoeBlock``  as Qwen3, plus a shared expert gated by ``sigmoid(x @ g)``
-``MixtralSparseMoeBlock``   softmax over E, top-k, always renormalised; optional input jitter
-``DeepseekV3MoE``           sigmoid scores, ``e_score_correction_bias`` (our ``expert_bias``)
-                            for selection only, group-limited top-k (groups scored by their
-                            top-2), renormalised, times ``routed_scaling_factor``; shared experts
-=========================  ==================================================================
+=============================  ==============================================================
+Qwen3-MoE, OLMoE               softmax over E, top-k, optional renormalisation (``norm_topk_prob``)
+Qwen2-MoE, Qwen3-Next          as Qwen3, plus a shared expert gated by ``sigmoid(x @ g)``
+Qwen3.5-MoE                    as Qwen3-Next, always renormalised
+Mixtral, MiniMax               softmax over E, top-k, always renormalised; optional input jitter
+HunYuan-MoE                    softmax over E, top-k, renormalised (router ``gate.wg``); an
+                               ungated shared MLP (``shared_mlp``)
+Granite-MoE                    top-k of the logits, softmax over the K selected (``router``)
+ERNIE-4.5-MoE                  softmax over E, selection by softmax + correction bias
+                               (``gate.moe_statics.e_score_correction_bias``), renormalised;
+                               optional shared experts
+DeepSeek-V2                    softmax over E, top-k (greedy, or group-limited with groups scored
+                               by their best expert when ``num_experts_per_tok == topk_group``),
+                               not renormalised, times ``routed_scaling_factor``; shared experts
+DeepSeek-V3, GLM-4-MoE, dots1  sigmoid scores, ``e_score_correction_bias`` (our ``expert_bias``)
+                               for selection only, group-limited top-k (groups scored by their
+                               top-2), renormalised, times ``routed_scaling_factor``; shared experts
+=============================  ==============================================================
 
-Weight mapping (ours ← HF): ``router.weight ← gate.weight``; ``experts.w13[e] ←
-gate_up_proj[e].T``; ``experts.w2[e] ← down_proj[e].T``; ``router.expert_bias ←
-gate.e_score_correction_bias``; ``shared_expert.gate_up ← cat(gate_proj, up_proj)``,
-``shared_expert.down ← down_proj``, ``shared_expert.gate ← shared_expert_gate``.
+Refused, with the reason in the ``ValueError``: PhiMoE (SparseMixer routing), gpt-oss (router
+and expert biases, interleaved gate/up, clamped SwiGLU), Llama 4 (the score scales the expert
+input). A softmax family with ``num_experts_per_tok=1`` and renormalisation (HF weight 1.0 per
+token) is refused too.
+
+Weight mapping (ours ← HF): ``router.weight ← <router>.weight``; ``experts.w13[e] ←
+gate_up_proj[e].T``; ``experts.w2[e] ← down_proj[e].T``; ``router.expert_bias ← <router>.<bias>``;
+``shared_expert.gate_up ← cat(gate_proj, up_proj)``, ``shared_expert.down ← down_proj``,
+``shared_expert.gate ← shared_expert_gate``.
 
 Aux loss: transformers computes its load-balancing loss from router logits it records on its own
 router class, over all layers at once; after a swap there are none, so the swap turns
@@ -48,6 +65,7 @@ import torch
 import torch.nn as nn
 
 from lightning_moe.config import MoEConfig
+from lightning_moe.models.hf_families import FAMILIES, Family, family_of
 from lightning_moe.moe.layer import MoELayer
 
 __all__ = [
@@ -61,12 +79,8 @@ __all__ = [
 ]
 
 # HF class name -> family; matched against the class and its bases, so subclasses swap too.
-SUPPORTED_BLOCKS: dict[str, str] = {
-    "Qwen3MoeSparseMoeBlock": "qwen3_moe",
-    "Qwen2MoeSparseMoeBlock": "qwen2_moe",
-    "MixtralSparseMoeBlock": "mixtral",
-    "DeepseekV3MoE": "deepseek_v3",
-}
+SUPPORTED_BLOCKS: dict[str, str] = {f.block: f.name for f in FAMILIES.values() if f.refused is None}
+_BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES.values()}
 # Fields that decide the layer's math; export refuses a layer whose values no longer match HF's.
 _ROUTING_FIELDS = (
     "num_experts",
@@ -141,10 +155,27 @@ class HFMoELayer(MoELayer):
 
 
 def _family(module: nn.Module) -> str | None:
-    for cls in type(module).__mro__:
-        if cls.__name__ in SUPPORTED_BLOCKS:
-            return SUPPORTED_BLOCKS[cls.__name__]
-    return None
+    """The family name of a supported (not refused) HF block, else ``None``."""
+    fam = family_of(module)
+    return fam.name if fam is not None and fam.refused is None else None
+
+
+def _router_module(fam: Family, block: nn.Module) -> nn.Module:
+    return block.get_submodule(fam.router)
+
+
+def _router_owners(fam: Family, block: nn.Module) -> tuple[nn.Module, ...]:
+    """Where routing attributes live: the router, its top-level holder (``gate`` of ``gate.wg``), the block."""
+    return (_router_module(fam, block), block.get_submodule(fam.router.split(".")[0]), block)
+
+
+def _correction_bias(fam: Family, block: nn.Module) -> torch.Tensor | None:
+    if fam.bias is None:
+        return None
+    owner_name, _, attr = fam.bias.rpartition(".")
+    owner = _router_module(fam, block)
+    owner = owner.get_submodule(owner_name) if owner_name else owner
+    return getattr(owner, attr, None)
 
 
 def _attr(name: str, *owners: Any, default: Any = None) -> Any:
@@ -200,19 +231,64 @@ def _experts_weights(name: str, experts: nn.Module) -> tuple[torch.Tensor, torch
     raise ValueError(f"swap_moe_blocks: cannot read the experts of {name} ({type(experts).__name__}).")
 
 
-def _routing(name: str, family: str, block: nn.Module, num_experts: int) -> dict[str, Any]:
-    gate = block.gate
-    top_k = int(_attr("top_k|num_experts_per_tok", gate, block))
-    if family in ("qwen3_moe", "qwen2_moe", "mixtral"):
-        norm = True if family == "mixtral" else bool(_attr("norm_topk_prob", gate, block, default=False))
-        return {"num_experts": num_experts, "top_k": top_k, "score_func": "softmax", "pre_softmax": True,
-                "norm_topk_prob": norm, "scaling_factor": None, "num_groups": None, "group_topk": None,
-                "expert_bias": False}  # fmt: skip
-    # deepseek_v3
-    n_group = int(_attr("num_group|n_group", gate, block, default=1))
-    topk_group = int(_attr("topk_group", gate, block, default=1))
-    norm = bool(_attr("norm_topk_prob", gate, block, default=True))
-    if n_group > 1 and top_k != 2 * topk_group:
+def _softmax(num_experts: int, top_k: int, norm: bool, **extra: Any) -> dict[str, Any]:
+    out = {"num_experts": num_experts, "top_k": top_k, "score_func": "softmax", "pre_softmax": True,
+           "norm_topk_prob": norm, "scaling_factor": None, "num_groups": None, "group_topk": None,
+           "expert_bias": False}  # fmt: skip
+    out.update(extra)
+    return out
+
+
+def _single_expert_renormalised(name: str, top_k: int, norm: bool) -> None:
+    if top_k == 1 and norm:
+        raise ValueError(
+            f"swap_moe_blocks: {name} has num_experts_per_tok=1 with renormalisation (HF weight 1.0 per token, "
+            "MoELayer the raw score); set norm_topk_prob=False or top_k >= 2 to swap this model."
+        )
+
+
+def _routing(name: str, fam: Family, block: nn.Module, num_experts: int) -> dict[str, Any]:
+    owners = _router_owners(fam, block)
+    top_k = int(_attr("top_k|num_experts_per_tok|moe_topk", *owners))
+    norm = fam.norm if fam.norm is not None else bool(_attr("norm_topk_prob", *owners, default=fam.routing == "sigmoid"))
+    if fam.routing == "softmax":
+        _single_expert_renormalised(name, top_k, norm)
+        return _softmax(num_experts, top_k, norm)
+    if fam.routing == "softmax_k":
+        if top_k == 1:
+            raise ValueError(
+                f"swap_moe_blocks: {name} has num_experts_per_tok=1: a softmax over one selected logit is 1.0 for "
+                "every token and gives the router no gradient; MoELayer refuses it. Use top_k >= 2."
+            )
+        return _softmax(num_experts, top_k, True, pre_softmax=False)
+    if fam.routing == "softmax_bias":
+        # HF divides by clamp(sum, min=moe_norm_min), MoELayer by sum + 1e-20: equal for any sum above 1e-12.
+        _single_expert_renormalised(name, top_k, norm)
+        return _softmax(num_experts, top_k, norm, expert_bias=True)
+    n_group = int(_attr("num_group|n_group", *owners, default=1) or 1)
+    topk_group = int(_attr("topk_group", *owners, default=1) or 1)
+    scaling = float(_attr("routed_scaling_factor", *owners, default=1.0))
+    if fam.routing == "softmax_scaled":
+        method = _attr("topk_method", *owners, default="greedy")
+        groups: tuple[int | None, int | None] = (None, None)
+        if method == "group_limited_greedy" and topk_group < n_group:
+            if top_k != topk_group:
+                raise ValueError(
+                    f"swap_moe_blocks: {name} has topk_method='group_limited_greedy' with num_experts_per_tok={top_k}, "
+                    f"topk_group={topk_group}; transformers scores each expert group by its best expert, MoELayer by "
+                    f"its top top_k/group_topk={max(top_k // topk_group, 1)}. Use num_experts_per_tok == topk_group "
+                    "or topk_method='greedy' to swap this model."
+                )
+            groups = (n_group, topk_group)
+        elif method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(
+                f"swap_moe_blocks: {name} has topk_method={method!r}; only 'greedy' and 'group_limited_greedy' "
+                "are known. Leave this model unswapped."
+            )
+        return _softmax(num_experts, top_k, False, scaling_factor=scaling, num_groups=groups[0], group_topk=groups[1])
+    # sigmoid (DeepSeek-V3 family)
+    grouped = n_group > 1 and topk_group < n_group  # all groups kept: the grouping selects nothing
+    if grouped and top_k != 2 * topk_group:
         raise ValueError(
             f"swap_moe_blocks: {name} has num_experts_per_tok={top_k}, topk_group={topk_group}; transformers "
             f"scores each expert group by its top-2 experts, MoELayer by its top top_k/group_topk="
@@ -224,17 +300,38 @@ def _routing(name: str, family: str, block: nn.Module, num_experts: int) -> dict
             "token, MoELayer the raw sigmoid score); set norm_topk_prob=False or top_k >= 2."
         )
     return {"num_experts": num_experts, "top_k": top_k, "score_func": "sigmoid", "pre_softmax": False,
-            "norm_topk_prob": norm, "scaling_factor": float(_attr("routed_scaling_factor", gate, block, default=1.0)),
-            "num_groups": n_group if n_group > 1 else None, "group_topk": topk_group if n_group > 1 else None,
+            "norm_topk_prob": norm, "scaling_factor": scaling,
+            "num_groups": n_group if grouped else None, "group_topk": topk_group if grouped else None,
             "expert_bias": True}  # fmt: skip
 
 
-def _shared(family: str, block: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
-    if family == "deepseek_v3":
-        return block.shared_experts, None
-    if family == "qwen2_moe":
-        return block.shared_expert, block.shared_expert_gate
-    return None, None
+def _shared(family: str | Family, block: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    fam = _BY_NAME[family] if isinstance(family, str) else family
+    shared = getattr(block, fam.shared, None) if fam.shared else None
+    gate = getattr(block, fam.shared_gate, None) if fam.shared_gate else None
+    return shared, gate
+
+
+def _check_shared(name: str, shared: nn.Module | None, gate: nn.Module | None) -> None:
+    linears = [getattr(shared, n, None) for n in ("gate_proj", "up_proj", "down_proj")] if shared is not None else []
+    if shared is not None and any(not isinstance(m, nn.Linear) for m in linears):
+        raise ValueError(
+            f"swap_moe_blocks: the shared expert of {name} ({type(shared).__name__}) is not a gate_proj/up_proj/"
+            "down_proj SwiGLU MLP; leave this model unswapped."
+        )
+    if any(m.bias is not None for m in linears) or (gate is not None and gate.bias is not None):
+        raise ValueError(
+            f"swap_moe_blocks: the shared expert of {name} has biases (e.g. mlp_bias=True); MoELayer's shared "
+            "expert has none. Leave this model unswapped or build it with mlp_bias=False."
+        )
+
+
+def _check_refused(name: str, block: nn.Module, fam: Family) -> None:
+    if fam.refused is not None:
+        raise ValueError(
+            f"swap_moe_blocks: block {name} ({type(block).__name__}, {fam.name}) cannot be swapped: {fam.refused}. "
+            "Leave this model unswapped."
+        )
 
 
 def moe_config_from_block(
@@ -246,11 +343,12 @@ def moe_config_from_block(
     ``router_aux_loss_coef`` when ``output_router_logits`` is on, else none. ``overrides`` are
     MoEConfig fields and win over everything derived.
     """
-    family = _family(block)
-    if family is None:
+    fam = family_of(block)
+    if fam is None:
         raise ValueError(
             f"moe_config_from_block: {type(block).__name__} is not supported; supported: {sorted(SUPPORTED_BLOCKS)}."
         )
+    _check_refused(name, block, fam)
     unknown = set(overrides) - _MOE_FIELDS
     if unknown:
         raise ValueError(
@@ -258,14 +356,15 @@ def moe_config_from_block(
         )
     experts_cfg = getattr(block.experts, "config", None)
     _check_silu(name, experts_cfg, getattr(block, "config", None), hf_config)
-    num_experts, hidden = block.gate.weight.shape
-    routing = _routing(name, family, block, int(num_experts))
+    num_experts, hidden = _router_module(fam, block).weight.shape
+    routing = _routing(name, fam, block, int(num_experts))
     first = block.experts[0] if isinstance(block.experts, nn.ModuleList) else None
     if first is not None:
         ffn = _attr("gate_proj|w1", first).weight.shape[0]
     else:
         ffn = block.experts.down_proj.shape[-1 if not getattr(block.experts, "is_transposed", False) else 1]
-    shared, shared_gate = _shared(family, block)
+    shared, shared_gate = _shared(fam, block)
+    _check_shared(name, shared, shared_gate)
     routing["shared_expert_ffn_size"] = None if shared is None else int(shared.gate_proj.weight.shape[0])
     routing["shared_expert_gate"] = shared_gate is not None
     use_aux = bool(getattr(hf_config, "output_router_logits", False))
@@ -288,15 +387,16 @@ def _param(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
 
 
 def _build_layer(name: str, block: nn.Module, hf_config: Any, overrides: dict[str, Any]) -> HFMoELayer:
-    family = _family(block)
-    assert family is not None
+    fam = family_of(block)
+    assert fam is not None
+    family = fam.name
     config, routing = moe_config_from_block(block, hf_config, name, **overrides)
-    gate_w = block.gate.weight
+    gate_w = _router_module(fam, block).weight
     device, requires_grad = gate_w.device, gate_w.requires_grad
     w13, w2 = _experts_weights(name, block.experts)
     tensors: dict[str, torch.Tensor] = {"router.weight": gate_w.detach().clone(), "experts.w13": w13, "experts.w2": w2}
-    bias = getattr(block.gate, "e_score_correction_bias", None)
-    shared, shared_gate = _shared(family, block)
+    bias = _correction_bias(fam, block)
+    shared, shared_gate = _shared(fam, block)
     if shared is not None:
         gate_up = torch.cat([shared.gate_proj.weight.detach(), shared.up_proj.weight.detach()], dim=0)
         tensors["shared_expert.gate_up.weight"] = gate_up
@@ -321,7 +421,7 @@ def _build_layer(name: str, block: nn.Module, hf_config: Any, overrides: dict[st
     for buf in layer.buffers():
         buf.zero_()
     if bias is not None and layer.router.expert_bias is not None:
-        layer.router.expert_bias.copy_(bias.detach().float())
+        layer.router.expert_bias.copy_(bias.detach().float().reshape(-1))
     for key, value in tensors.items():
         owner_name, _, attr = key.rpartition(".")
         setattr(layer.get_submodule(owner_name), attr, _param(value, requires_grad))
@@ -353,6 +453,10 @@ def swap_moe_blocks(model: nn.Module, **overrides: Any) -> nn.Module:
             routing cannot be expressed exactly by :class:`MoELayer`.
     """
     hf_config = getattr(model, "config", None)
+    for n, m in model.named_modules():
+        fam = family_of(m)
+        if n and fam is not None:
+            _check_refused(n, m, fam)
     targets = [(n, m) for n, m in model.named_modules() if n and _family(m) is not None]
     if not targets:
         found = sorted({type(m).__name__ for m in model.modules() if "moe" in type(m).__name__.lower()})
@@ -412,13 +516,14 @@ def _rebuild_block(layer: HFMoELayer) -> nn.Module:
         buf.zero_()
     layer._hf_block = [block]  # no longer on meta; the layer is dropped by the caller
     rg = router_w.requires_grad
-    block.gate.weight = _param(_full(router_w).detach().clone(), rg)
+    fam = _BY_NAME[layer.family]
+    _router_module(fam, block).weight = _param(_full(router_w).detach().clone(), rg)
     _write_experts(block.experts, _full(layer.experts.w13).detach(), _full(layer.experts.w2).detach(), rg)
-    hf_bias = getattr(block.gate, "e_score_correction_bias", None)
+    hf_bias = _correction_bias(fam, block)
     if hf_bias is not None:
         ours = layer.router.expert_bias
-        hf_bias.copy_(_full(ours).to(hf_bias.dtype) if ours is not None else torch.zeros_like(hf_bias))
-    shared, shared_gate = _shared(layer.family, block)
+        hf_bias.copy_(_full(ours).to(hf_bias.dtype).view_as(hf_bias) if ours is not None else torch.zeros_like(hf_bias))
+    shared, shared_gate = _shared(fam, block)
     if shared is not None and layer.shared_expert is not None:
         gate_up = _full(layer.shared_expert.gate_up.weight).detach()
         Fs = gate_up.shape[0] // 2

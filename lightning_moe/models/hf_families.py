@@ -1,0 +1,110 @@
+"""Per-family table of the Hugging Face sparse-MoE blocks :func:`swap_moe_blocks` knows.
+
+Legend: E experts, H hidden, F expert FFN width, K experts per token, G expert groups.
+
+One :class:`Family` entry per HF block class: where its router and shared expert live, which
+routing rule it follows (``routing``, one of :data:`ROUTINGS`) and, for blocks whose math
+:class:`MoELayer` cannot reproduce, the reason it is refused. Every supported block stores its
+routed experts as ``experts.gate_up_proj [E, 2F, H]`` (gate rows first) and ``experts.down_proj
+[E, H, F]`` (transformers 5.x) or a ``ModuleList`` of per-expert MLPs (4.x); its shared expert
+(if any) is an ungated or sigmoid-gated SwiGLU MLP with ``gate_proj``/``up_proj``/``down_proj``.
+
+Routing rules (what HF computes from the fp32 router logits ``l_TE``):
+
+==============  ================================================================================
+``softmax``     ``p = softmax(l)`` over E, top-k of ``p``, optionally renormalised (``norm``)
+``softmax_k``   top-k of ``l``, softmax over the K selected logits (Granite)
+``softmax_bias``  ``p = softmax(l)``; top-k of ``p + b`` (correction bias), weights from ``p``
+                renormalised (ERNIE-4.5)
+``softmax_scaled``  ``p = softmax(l)``, top-k of ``p`` (optionally group-limited, groups scored
+                by their best expert), not renormalised, times ``routed_scaling_factor``
+                (DeepSeek-V2)
+``sigmoid``     ``s = sigmoid(l)``; group-limited top-k of ``s + b`` (groups scored by their
+                top-2), weights from ``s`` renormalised, times ``routed_scaling_factor``
+                (DeepSeek-V3)
+==============  ================================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["FAMILIES", "Family", "ROUTINGS", "family_of"]
+
+ROUTINGS = ("softmax", "softmax_k", "softmax_bias", "softmax_scaled", "sigmoid")
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one HF block class maps onto :class:`MoELayer`.
+
+    Attributes:
+        name: family id (the transformers model type), kept on the swapped layer.
+        block: HF block class name; subclasses match too.
+        router: attribute path of the module holding the router weight ``[E, H]`` (``"gate"``,
+            ``"router"``, ``"gate.wg"``).
+        routing: one of :data:`ROUTINGS`.
+        norm: renormalise the K weights: ``True``/``False``, or ``None`` to read the router's
+            (or block's) ``norm_topk_prob``.
+        bias: attribute path, from the router module, of the selection-only correction bias.
+        shared: attribute of the ungated or gated shared-expert MLP on the block.
+        shared_gate: attribute of the shared expert's ``Linear(H, 1)`` sigmoid gate.
+        refused: why the block cannot be swapped (``None``: it can).
+    """
+
+    name: str
+    block: str
+    router: str = "gate"
+    routing: str = "softmax"
+    norm: bool | None = None
+    bias: str | None = None
+    shared: str | None = None
+    shared_gate: str | None = None
+    refused: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"Family {self.name}: routing={self.routing!r} is not one of {ROUTINGS}.")
+
+
+_V3 = dict(routing="sigmoid", norm=None, bias="e_score_correction_bias", shared="shared_experts")
+
+FAMILIES: dict[str, Family] = {
+    f.block: f
+    for f in (
+        Family("qwen3_moe", "Qwen3MoeSparseMoeBlock"),
+        Family("qwen2_moe", "Qwen2MoeSparseMoeBlock", shared="shared_expert", shared_gate="shared_expert_gate"),
+        Family("mixtral", "MixtralSparseMoeBlock", norm=True),
+        Family("deepseek_v3", "DeepseekV3MoE", **_V3),
+        Family("glm4_moe", "Glm4MoeMoE", **_V3),
+        Family("dots1", "Dots1MoE", **_V3),
+        Family("olmoe", "OlmoeSparseMoeBlock"),
+        Family("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", routing="softmax_bias", norm=True,
+               bias="moe_statics.e_score_correction_bias", shared="shared_experts"),
+        Family("hunyuan_v1_moe", "HunYuanMoEV1Moe", router="gate.wg", norm=True, shared="shared_mlp"),
+        Family("granitemoe", "GraniteMoeMoE", router="router", routing="softmax_k", norm=True),
+        Family("deepseek_v2", "DeepseekV2Moe", routing="softmax_scaled", norm=False, shared="shared_experts"),
+        Family("qwen3_next", "Qwen3NextSparseMoeBlock", shared="shared_expert", shared_gate="shared_expert_gate"),
+        Family("qwen3_5_moe", "Qwen3_5MoeSparseMoeBlock", norm=True, shared="shared_expert",
+               shared_gate="shared_expert_gate"),
+        Family("minimax", "MiniMaxSparseMoeBlock", norm=True),
+        Family("phimoe", "PhimoeSparseMoeBlock", router="router", refused=(
+            "its router is SparseMixer (a threshold-masked softmax per choice, sampled in training, with "
+            "a custom gradient estimator), which MoELayer's top-k router does not compute")),
+        Family("gpt_oss", "GptOssMLP", router="router", refused=(
+            "its router has a bias and its experts have biases, interleaved gate/up columns and a clamped "
+            "SwiGLU (alpha, limit), which MoELayer's experts do not compute")),
+        Family("llama4", "Llama4TextMoe", router="router", refused=(
+            "it multiplies the routed expert's *input* by the sigmoid score (top-k sigmoid of the selected "
+            "logits), where MoELayer weights the expert's output")),
+    )
+}  # fmt: skip
+
+
+def family_of(module: object) -> Family | None:
+    """The :class:`Family` of ``module``'s class or of its nearest base listed in :data:`FAMILIES`."""
+    for cls in type(module).__mro__:
+        found = FAMILIES.get(cls.__name__)
+        if found is not None:
+            return found
+    return None
