@@ -55,28 +55,27 @@ __all__ = [
     "fp8_pays",
 ]
 
-# enabled="auto" runs FP8 from this expert size (H * F) on; see fp8_pays.
-FP8_MIN_EXPERT_HF = 4 * 1024 * 1024
+# enabled="auto" runs FP8 from this expert size (H * F) on; None: on no shape yet (see fp8_pays).
+FP8_MIN_EXPERT_HF: int | None = None
 
 
 def fp8_pays(hidden_size: int, ffn_hidden_size: int) -> bool:
-    """Whether FP8 expert GEMMs are faster than bf16 for experts of this shape (``enabled="auto"``).
+    """Whether the FP8 experts step is faster than bf16 for experts of this shape (``enabled="auto"``).
 
-    FP8 halves the bytes the GEMMs read but adds a quantization pass over every operand (and over
-    the weights, every step); small expert matrices are bound by that extra memory traffic and by
-    launch overhead rather than by tensor-core time. Measured on the H200 (rowwise recipe, the
-    grouped GEMM alone): H = 2880, F = 2880 (H*F = 8.3 M) is 1.6x faster in FP8; the fine-grained
-    Qwen3-30B-A3B shape H = 2048, F = 768 (H*F = 1.6 M) is slower in FP8. The rule puts the
-    switch between the two, at ``H * F >= FP8_MIN_EXPERT_HF`` (4 M): DeepSeek-V3 (7168 x 2048)
-    and Mixtral (4096 x 14336) run FP8, Qwen3-30B-A3B bf16.
-
-    The whole experts step (forward and backward, ``benchmarks/probes/fp8_experts_shapes.py``,
-    H200, torch backend, bf16 activations) is not there yet: with the operands quantized by the
-    torch-op quantizer (``ops/fp8/quantize.py``) it measured 81.9 ms rowwise vs 8.4 ms bf16 at
-    2880 x 2880 (32 experts, 32768 rows), 91.2 vs 7.2 ms at DeepSeek-V3's shape (32 local experts,
-    16384 rows) and 117.7 vs 6.3 ms at Qwen3-30B-A3B's (128 experts, 131072 rows): the quantization
-    passes (one weight alone 6-12 ms at 2880 x 2880) dominate. The rule describes the GEMMs.
+    ``auto`` must never be slower than bf16, so it follows the whole experts step (forward and
+    backward, quantization included), not the GEMMs alone. The GEMMs alone favour FP8 on wide
+    experts: measured on the H200 (rowwise recipe, grouped GEMM), H = 2880, F = 2880 is 1.6x faster
+    in FP8, while the fine-grained Qwen3-30B-A3B shape H = 2048, F = 768 is slower. The whole step
+    (``benchmarks/probes/fp8_experts_shapes.py``, H200, torch backend, bf16 activations) is slower on
+    every shape measured, because the operands are quantized by torch ops (``ops/fp8/quantize.py``;
+    one weight alone takes 6-12 ms at 2880 x 2880): 81.9 ms rowwise vs 8.4 ms bf16 at 2880 x 2880
+    (32 experts, 32768 rows), 91.2 vs 7.2 ms at DeepSeek-V3's shape (32 local experts, 16384 rows),
+    117.7 vs 6.3 ms at Qwen3-30B-A3B's (128 experts, 131072 rows). So ``FP8_MIN_EXPERT_HF`` is
+    ``None``: ``auto`` keeps every shape in bf16 until a shape measures faster in FP8; then the rule
+    is ``H * F >= FP8_MIN_EXPERT_HF``. ``enabled="on"`` runs FP8 whatever the shape.
     """
+    if FP8_MIN_EXPERT_HF is None:
+        return False
     return hidden_size * ffn_hidden_size >= FP8_MIN_EXPERT_HF
 
 
