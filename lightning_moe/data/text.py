@@ -16,10 +16,11 @@ Formats (``format=``):
   ``ValueError`` naming the file and the line number.
 * ``"parquet"``: the document is each row's ``field`` column, read in record batches with
   ``pyarrow`` (an optional dependency: without it, ``ImportError`` saying how to install it).
+  (HF ``datasets`` is not needed: these readers cover local files.)
 * ``"auto"``: by suffix (``.jsonl``/``.json`` -> jsonl, ``.parquet`` -> parquet, else text).
 
 ``paths`` is a file, a folder (its files with the format's suffixes, sorted by relative path) or a
-list of either, read in the given order.
+list of either, read in the given order. Files must be UTF-8; any other is refused naming it.
 """
 
 from __future__ import annotations
@@ -171,9 +172,13 @@ def read_records(
 def _records(files: list[Path], format: str, field: str, text_unit: str) -> Iterator[Record]:
     for path in files:
         kind = _format_of(path, format)
-        if kind == "jsonl":
-            yield from _jsonl_records(path, field)
-        elif kind == "parquet":
-            yield from _parquet_records(path, field)
-        else:
-            yield from _text_records(path, text_unit)
+        try:
+            if kind == "jsonl":
+                yield from _jsonl_records(path, field)
+            elif kind == "parquet":
+                yield from _parquet_records(path, field)
+            else:
+                yield from _text_records(path, text_unit)
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"read_records: {path} is not UTF-8 text ({exc.reason}); re-encode it as UTF-8, or "
+                             "leave it out.") from None  # fmt: skip

@@ -23,7 +23,10 @@ Pipeline (deterministic for given files, tokenizer and seed):
             checkpoints); validation is in order.
 
 Batches: ``{"input_ids", "labels"}`` int64 ``[B, S]``, plus ``"position_ids"``, ``"document_ids"`` when
-packed. The records stream from disk; the token rows of both splits are held in memory (int32).
+packed. The records stream from disk and each is kept only as its int32 token ids (and a uint8 mask
+in SFT), so the corpus costs about 4 bytes per token in memory (5 in SFT), then as much again in
+int32 rows. Packing runs on runs of documents of about ``PACK_CHUNK_TOKENS`` tokens at a time, which
+bounds its working memory; the last row of each run may be part-filled (one row in a million tokens).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -54,11 +57,18 @@ from lightning_moe.data.sft import tokenize_chat
 from lightning_moe.data.text import FORMATS, TEXT_UNITS, TextFormat, TextUnit, expand_paths, read_records
 from lightning_moe.data.tokenizer import encode_text, eos_token_id, load_tokenizer
 
-__all__ = ["TASKS", "RowsDataset", "Task", "TextDataModule", "build_rows"]
+__all__ = ["PACK_CHUNK_TOKENS", "TASKS", "RowsDataset", "Task", "TextDataModule", "build_rows"]
 
 Task = Literal["lm", "sft"]
 TASKS = ("lm", "sft")
 _DEFAULT_FIELD = {"lm": "text", "sft": "messages"}
+PACK_CHUNK_TOKENS = 1 << 20
+
+
+class _Doc(NamedTuple):
+    ids_T: torch.Tensor  # int32
+    mask_T: torch.Tensor | None  # uint8, SFT only
+    where: str
 
 
 class RowsDataset(Dataset[dict[str, torch.Tensor]]):
@@ -78,8 +88,8 @@ class RowsDataset(Dataset[dict[str, torch.Tensor]]):
 
 
 def build_rows(
-    documents: Sequence[Sequence[int]],
-    masks: Sequence[Sequence[int]] | None,
+    documents: Sequence[Sequence[int] | torch.Tensor],
+    masks: Sequence[Sequence[int] | torch.Tensor] | None,
     seq_len: int,
     eos_id: int,
     packing: PackingMode = "pack",
@@ -216,20 +226,20 @@ class TextDataModule(MoEDataModule):
                 f"fewer than batch_size={self.batch_size} (partial batches are dropped); lower batch_size or add data."
             )
 
-    def _tokenized(self, files: str | list[str]) -> Iterable[tuple[list[int], list[int] | None, str]]:
+    def _tokenized(self, files: str | list[str]) -> Iterable[_Doc]:
         records = read_records(files, self.format, self.field, self.text_unit)
         for n, (value, where) in enumerate(records):
             if self.max_documents is not None and n >= self.max_documents:
                 return
             if self.task == "sft":
                 ids, mask = tokenize_chat(self.tokenizer, value, where)
-                yield ids, mask, where
+                yield _Doc(torch.tensor(ids, dtype=torch.int32), torch.tensor(mask, dtype=torch.uint8), where)
             else:
-                yield encode_text(self.tokenizer, value, where), None, where
+                yield _Doc(torch.tensor(encode_text(self.tokenizer, value, where), dtype=torch.int32), None, where)
 
-    def _read_splits(self) -> tuple[list[tuple[list[int], list[int] | None, str]], ...]:
-        train: list[tuple[list[int], list[int] | None, str]] = []
-        val: list[tuple[list[int], list[int] | None, str]] = []
+    def _read_splits(self) -> tuple[list[_Doc], list[_Doc]]:
+        train: list[_Doc] = []
+        val: list[_Doc] = []
         if self.val_files is not None:
             train = list(self._tokenized(self.train_files))
             val = list(self._tokenized(self.val_files))
@@ -248,8 +258,8 @@ class TextDataModule(MoEDataModule):
                 )
         return train, val
 
-    def _rows(self, docs: list[tuple[list[int], list[int] | None, str]], eos: int) -> dict[str, torch.Tensor]:
-        long = [where for ids, _, where in docs if len(ids) > self.seq_len]
+    def _rows(self, docs: list[_Doc], eos: int) -> dict[str, torch.Tensor]:
+        long = [d.where for d in docs if d.ids_T.numel() > self.seq_len]
         if long and self.long_documents == "truncate":
             rank_zero_warn(
                 f"TextDataModule: {len(long)} document(s) longer than seq_len={self.seq_len} tokens are truncated "
@@ -260,5 +270,15 @@ class TextDataModule(MoEDataModule):
                 f"TextDataModule: {long[0]} has more tokens than seq_len={self.seq_len} ({len(long)} such "
                 "document(s)); set long_documents='split' or 'truncate', or raise seq_len."
             )
-        masks = [m for _, m, _ in docs] if self.task == "sft" else None
-        return build_rows([ids for ids, _, _ in docs], masks, self.seq_len, eos, self.packing, self.long_documents)
+        parts: list[dict[str, torch.Tensor]] = []
+        start, tokens = 0, 0
+        for end, doc in enumerate(docs, 1):
+            tokens += doc.ids_T.numel()
+            if tokens >= PACK_CHUNK_TOKENS or end == len(docs):
+                chunk = docs[start:end]
+                masks = [d.mask_T for d in chunk] if self.task == "sft" else None
+                rows = build_rows([d.ids_T for d in chunk], masks, self.seq_len, eos, self.packing,
+                                  self.long_documents)  # fmt: skip
+                parts.append({k: v.to(torch.int32) for k, v in rows.items()})
+                start, tokens = end, 0
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}

@@ -215,3 +215,23 @@ def test_sft_fit_on_the_command_line_then_generate_the_learned_reply(tmp_path: P
               "--chat", "--stop", "<|end|>", "--greedy", "--max_new_tokens", "16"])  # fmt: skip
     out = capsys.readouterr().out.splitlines()[-1]
     assert out == "<|user|>What is the capital of France?<|end|><|assistant|>Paris is the capital.<|end|>"
+
+
+def test_hf_lightning_checkpoint_rebuilds_the_swapped_model(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from lightning_moe.lit_hf import HFMoELanguageModel
+
+    hf_config = {
+        "model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+        "moe_intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 32,
+    }  # fmt: skip
+    torch.manual_seed(0)
+    lit = HFMoELanguageModel(hf_config=hf_config, moe={"experts_backend": "torch"}).eval()
+    ckpt = {"state_dict": lit.state_dict(), "hyper_parameters": dict(lit.hparams)}
+    lit.on_save_checkpoint(ckpt)
+    torch.save(ckpt, tmp_path / "hf.ckpt")
+    loaded = load_model(tmp_path / "hf.ckpt")
+    assert loaded.vocab_size == 64 and loaded.max_context == 32
+    prompt = [3, 1, 4, 1, 5]
+    assert generate_ids(loaded.forward, prompt, 6, greedy=True) == _manual_greedy(lit, prompt, 6)

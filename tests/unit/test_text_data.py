@@ -78,6 +78,13 @@ def test_jsonl_errors_name_file_and_line(tmp_path: Path) -> None:
         list(read_records(f))
 
 
+def test_non_utf8_file_is_refused_naming_it(tmp_path: Path) -> None:
+    f = tmp_path / "latin1.txt"
+    f.write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1\.txt is not UTF-8 text"):
+        list(read_records(f, text_unit="line"))
+
+
 def test_bad_paths_and_options(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
         read_records(tmp_path / "nope.txt")
@@ -266,3 +273,19 @@ def test_build_rows_with_no_documents_is_empty() -> None:
     rows = build_rows([], None, 8, 1, "pack")
     assert rows["input_ids"].shape == (0, 8) and set(rows) == {"input_ids", "labels", "position_ids", "document_ids"}
     assert build_rows([], None, 8, 1, "none")["labels"].shape == (0, 8)
+
+
+def test_packing_in_chunks_keeps_every_label(tok_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_moe.data.text_datamodule as tdm
+
+    docs = _docs(40)
+    data = _jsonl(tmp_path / "d.jsonl", docs)
+    whole = TextDataModule(str(tok_dir), str(data), val_files=str(data), seq_len=16, batch_size=1)
+    whole.setup()
+    monkeypatch.setattr(tdm, "PACK_CHUNK_TOKENS", 1)  # every document a chunk: a row (or more) each
+    chunked = TextDataModule(str(tok_dir), str(data), val_files=str(data), seq_len=16, batch_size=1)
+    chunked.setup()
+    rows, ref = chunked.train_dataset.rows, whole.train_dataset.rows
+    check_packed_batch({k: v.long() for k, v in rows.items()})
+    assert len(chunked.train_dataset) >= 40 > len(whole.train_dataset)
+    assert rows["labels"][rows["labels"] != IGNORE_INDEX].tolist() == ref["labels"][ref["labels"] != IGNORE_INDEX].tolist()
