@@ -120,10 +120,18 @@ def check_parallel_options(owner: str, tp: int, sequence_parallel: Any, vocab_pa
 
 
 def check_model_for_context_parallel(owner: str, module: nn.Module, cp: int) -> None:
-    """With ``cp > 1``: no MoE layer may use ``aux_loss="seq"`` (its per-sequence counts would see
-    only this rank's chunks); raises ``ValueError`` naming the layer (no collective)."""
+    """With ``cp > 1``: attention that context parallel cannot wrap raises ``TypeError`` naming the
+    module (``enable_context_parallel``'s check, nothing enabled yet); no MoE layer may use
+    ``aux_loss="seq"`` (its per-sequence counts would see only this rank's chunks): ``ValueError``
+    naming the layer. No collective."""
     if cp == 1:
         return
+    from lightning_moe.parallel.context import enable_context_parallel
+
+    try:
+        enable_context_parallel(module, None)  # checks every attention module; the group stays unset
+    except ValueError:
+        pass  # no attention at all yet: a module that configure_model builds is checked when it is sharded
     for name, m in module.named_modules():
         if isinstance(m, MoELayer) and m.config.aux_loss == "seq":
             raise ValueError(

@@ -72,3 +72,43 @@ def test_token_mean_loss_without_a_group_is_the_mean_over_labelled_tokens() -> N
 def test_no_labelled_token_gives_zero_not_nan() -> None:
     loss, count = token_mean_loss(torch.tensor(0.0), torch.tensor(0), None, 1)
     assert float(loss) == 0.0 and float(count) == 0.0
+
+
+def _strategy_before_processes(model: torch.nn.Module, **kwargs: object) -> tuple[object, list[int]]:
+    """A FoldedMoEStrategy for 4 ranks whose setup_environment runs its checks without processes."""
+    import types
+
+    from lightning_moe.strategies import FoldedMoEStrategy
+
+    strategy = FoldedMoEStrategy(**kwargs)  # type: ignore[arg-type]
+    strategy.parallel_devices = [None] * 4  # type: ignore[list-item]
+    strategy._lightning_module = model
+    called: list[int] = []
+    strategy._setup_distributed = types.MethodType(lambda self: called.append(1), strategy)  # type: ignore[method-assign]
+    return strategy, called
+
+
+def _lm(aux_loss: str = "switch") -> torch.nn.Module:
+    from lightning_moe.config import MoEConfig
+    from lightning_moe.lit import MoELanguageModel
+    from lightning_moe.models.transformer import TransformerConfig
+
+    moe = MoEConfig(hidden_size=32, ffn_hidden_size=16, num_experts=4, top_k=2, aux_loss=aux_loss)
+    return MoELanguageModel(TransformerConfig(vocab_size=32, hidden_size=32, num_layers=1, num_heads=4, moe=moe))
+
+
+def test_cp2_refuses_attention_it_cannot_wrap_before_any_collective() -> None:
+    model = _lm()
+    model.model.layers[0].extra = torch.nn.MultiheadAttention(32, 2, batch_first=True)
+    strategy, called = _strategy_before_processes(model, cp=2, ep=2)
+    with pytest.raises(TypeError, match=r"module 'model\.layers\.0\.extra' \(MultiheadAttention\) is attention"):
+        strategy.setup_environment()  # type: ignore[attr-defined]
+    assert called == []
+    assert all(m.cp_group is None for m in model.modules() if hasattr(m, "cp_group"))  # nothing enabled
+
+
+def test_cp2_refuses_the_per_sequence_aux_loss_before_any_collective() -> None:
+    strategy, called = _strategy_before_processes(_lm("seq"), cp=2, ep=2)
+    with pytest.raises(ValueError, match=r"FoldedMoEStrategy: cp=2 with aux_loss='seq' at 'model\.layers\.0\.ffn'"):
+        strategy.setup_environment()  # type: ignore[attr-defined]
+    assert called == []
