@@ -1,0 +1,240 @@
+"""Every HF MoE family in ``swap_moe_blocks``: same logits and gradients, exact round trip, clear refusals.
+
+Tiny random fp32 configs of GLM-4-MoE, OLMoE, dots1, ERNIE-4.5-MoE, HunYuan-MoE, Granite-MoE,
+DeepSeek-V2 (greedy and group-limited), Qwen3-Next, Qwen3.5-MoE and MiniMax are built here
+(nothing is downloaded); correction biases are randomised so a wrong bias mapping changes the
+routing. PhiMoE, gpt-oss and Llama 4 are refused with the reason. The families of
+``test_hf_swap.py`` (Qwen3, Qwen2, Mixtral, DeepSeek-V3) are not repeated.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+transformers = pytest.importorskip("transformers")
+
+from lightning_moe.models.hf import SUPPORTED_BLOCKS, HFMoELayer, export_moe_blocks, swap_moe_blocks  # noqa: E402
+from lightning_moe.models.hf_families import FAMILIES, family_of  # noqa: E402
+from lightning_moe.moe.utils import find_moe_layers  # noqa: E402
+
+VOCAB = 96
+_BASE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=8, eos_token_id=1, bos_token_id=0, pad_token_id=2)  # fmt: skip
+_V3_LIKE = dict(intermediate_size=64, moe_intermediate_size=16, n_routed_experts=16, n_shared_experts=1,
+                num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1,
+                num_hidden_layers=3)  # fmt: skip
+_V2 = dict(intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1,
+           num_experts_per_tok=2, routed_scaling_factor=1.5, first_k_dense_replace=1, num_hidden_layers=3,
+           q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+           num_key_value_heads=4)  # fmt: skip
+_LINEAR_ATTN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                    full_attention_interval=2)  # fmt: skip
+
+# name -> (model_type, config kwargs, number of MoE layers)
+CONFIGS: dict[str, tuple[str, dict[str, Any], int]] = {
+    "glm4_moe": ("glm4_moe", _V3_LIKE, 2),
+    "olmoe": ("olmoe", dict(intermediate_size=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True), 2),
+    "olmoe_unnormalised": ("olmoe", dict(intermediate_size=16, num_experts=8, num_experts_per_tok=2), 2),
+    "dots1": ("dots1", _V3_LIKE, 2),
+    "ernie4_5_moe": ("ernie4_5_moe", dict(intermediate_size=64, moe_intermediate_size=16, num_experts=8,
+                                          num_experts_per_tok=2, moe_num_shared_experts=1, moe_layer_start_index=0,
+                                          moe_layer_interval=1), 2),
+    "ernie4_5_moe_unshared": ("ernie4_5_moe", dict(intermediate_size=64, moe_intermediate_size=16, num_experts=8,
+                                                   num_experts_per_tok=3, moe_num_shared_experts=0,
+                                                   moe_layer_start_index=1, moe_layer_interval=1), 1),
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", dict(intermediate_size=16, num_experts=8, moe_topk=2), 2),
+    "granitemoe": ("granitemoe", dict(intermediate_size=16, num_local_experts=8, num_experts_per_tok=2), 2),
+    "deepseek_v2": ("deepseek_v2", _V2, 2),
+    "deepseek_v2_grouped": ("deepseek_v2", dict(_V2, topk_method="group_limited_greedy", n_group=4, topk_group=2), 2),
+    "qwen3_next": ("qwen3_next", dict(intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                      num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, **_LINEAR_ATTN), 2),
+    "qwen3_5_moe": ("qwen3_5_moe_text", dict(moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                             num_experts=8, num_experts_per_tok=2, **_LINEAR_ATTN), 2),
+    "minimax": ("minimax", dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+                                layer_types=["linear_attention", "full_attention"], block_size=8), 2),
+}  # fmt: skip
+
+
+def hf_config(name: str, **changes: Any) -> Any:
+    model_type, kwargs, _ = CONFIGS[name]
+    return transformers.AutoConfig.for_model(model_type, **{**_BASE, **kwargs, **changes})
+
+
+def hf_model(name: str, **changes: Any) -> nn.Module:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(name, **changes)).float()
+    with torch.no_grad():
+        for tensor_name, t in [*model.named_buffers(), *model.named_parameters()]:
+            if tensor_name.endswith("e_score_correction_bias"):
+                t.normal_(0.0, 0.05)
+    return model
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def _hf_grads_in_our_layout(block: nn.Module) -> dict[str, torch.Tensor]:
+    """The HF block's gradients under our parameter names (w13 = gate_up^T, shared gate_up = cat)."""
+    fam = family_of(block)
+    assert fam is not None
+    out = {
+        "router.weight": block.get_submodule(fam.router).weight.grad,
+        "experts.w13": block.experts.gate_up_proj.grad.transpose(1, 2),
+        "experts.w2": block.experts.down_proj.grad.transpose(1, 2),
+    }
+    shared = getattr(block, fam.shared, None) if fam.shared else None
+    if shared is not None:
+        out["shared_expert.gate_up.weight"] = torch.cat([shared.gate_proj.weight.grad, shared.up_proj.weight.grad])
+        out["shared_expert.down.weight"] = shared.down_proj.weight.grad
+    if fam.shared_gate:
+        out["shared_expert.gate.weight"] = getattr(block, fam.shared_gate).weight.grad
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_swap_keeps_logits_and_gradients(name: str) -> None:
+    ref = hf_model(name).train()
+    ours = swap_moe_blocks(copy.deepcopy(ref), experts_backend="torch").train()
+    layers = find_moe_layers(ours)
+    assert len(layers) == CONFIGS[name][2]
+    assert all(isinstance(m, HFMoELayer) and m.family == family_of(ref.get_submodule(n)).name for n, m in layers)
+    ids = _ids()
+
+    ref_out, our_out = ref(input_ids=ids, labels=ids), ours(input_ids=ids, labels=ids)
+    torch.testing.assert_close(our_out.logits, ref_out.logits, atol=1e-5, rtol=1e-5)
+    ref_out.loss.backward()
+    our_out.loss.backward()
+    moe_prefixes = tuple(f"{n}." for n, _ in layers)
+    our_params = dict(ours.named_parameters())
+    for pname, p in ref.named_parameters():
+        if pname.startswith(moe_prefixes) or not p.requires_grad:
+            continue
+        torch.testing.assert_close(our_params[pname].grad, p.grad, atol=1e-5, rtol=1e-5, msg=pname)
+    for lname, layer in layers:
+        want = _hf_grads_in_our_layout(ref.get_submodule(lname))
+        got = {k: p.grad for k, p in layer.named_parameters()}
+        assert sorted(got) == sorted(want), lname
+        for key, grad in want.items():
+            torch.testing.assert_close(got[key], grad, atol=1e-5, rtol=1e-5, msg=f"{lname}.{key}")
+
+    with torch.no_grad():  # eval mode too (no jitter, no bias counting)
+        torch.testing.assert_close(ours.eval()(input_ids=ids).logits, ref.eval()(input_ids=ids).logits,
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_swap_then_export_restores_state_dict_bitwise(name: str) -> None:
+    model = hf_model(name)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    classes = {k: type(m) for k, m in model.named_modules()}
+    swap_moe_blocks(model)
+    assert len(find_moe_layers(model)) == CONFIGS[name][2]
+    export_moe_blocks(model)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    for key, value in before.items():
+        assert after[key].dtype == value.dtype and torch.equal(after[key], value), key
+    assert {k: type(m) for k, m in model.named_modules()} == classes
+
+
+def test_export_carries_a_trained_ernie_bias_into_its_two_dimensional_parameter() -> None:
+    model = swap_moe_blocks(hf_model("ernie4_5_moe"))
+    lname, layer = find_moe_layers(model)[0]
+    with torch.no_grad():
+        layer.router.expert_bias.copy_(torch.linspace(-0.5, 0.5, layer.config.num_experts))
+        layer.router.weight.mul_(3.0)
+    expected = model(input_ids=_ids()).logits
+    export_moe_blocks(model)
+    bias = model.get_submodule(lname).gate.moe_statics.e_score_correction_bias
+    assert bias.shape == (1, 8) and torch.equal(bias[0], torch.linspace(-0.5, 0.5, 8))
+    torch.testing.assert_close(model(input_ids=_ids()).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("name", "changes", "routing"),
+    [
+        ("hunyuan_v1_moe", {}, {"score_func": "softmax", "pre_softmax": True, "norm_topk_prob": True}),
+        ("granitemoe", {}, {"score_func": "softmax", "pre_softmax": False}),
+        ("ernie4_5_moe", {}, {"pre_softmax": True, "norm_topk_prob": True, "expert_bias": True}),
+        ("deepseek_v2", {}, {"norm_topk_prob": False, "scaling_factor": 1.5, "num_groups": None}),
+        ("deepseek_v2_grouped", {}, {"num_groups": 4, "group_topk": 2, "scaling_factor": 1.5}),
+        ("glm4_moe", {}, {"score_func": "sigmoid", "num_groups": 4, "group_topk": 2, "expert_bias": True}),
+        ("glm4_moe", {"topk_group": 4, "num_experts_per_tok": 3}, {"num_groups": None, "top_k": 3}),  # all groups kept
+        ("qwen3_5_moe", {}, {"norm_topk_prob": True, "shared_expert_gate": True, "shared_expert_ffn_size": 24}),
+    ],
+    ids=["hunyuan", "granite", "ernie", "v2_greedy", "v2_grouped", "glm4", "glm4_all_groups", "qwen3_5"],
+)
+def test_swapped_layers_carry_the_family_routing(name: str, changes: dict, routing: dict) -> None:
+    layer = find_moe_layers(swap_moe_blocks(hf_model(name, **changes)))[0][1]
+    assert {k: getattr(layer.config, k) for k in routing} == routing
+
+
+def test_minimax_input_jitter_is_kept() -> None:
+    layer = find_moe_layers(swap_moe_blocks(hf_model("minimax", router_jitter_noise=0.1)))[0][1]
+    assert layer.jitter_noise == 0.1
+
+
+# ---- refusals ---------------------------------------------------------------------------------
+
+
+def _refused_model(model_type: str, **kwargs: Any) -> nn.Module:
+    cfg = transformers.AutoConfig.for_model(model_type, **{**_BASE, **kwargs})
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "kwargs", "match"),
+    [
+        ("phimoe", dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2), r"PhimoeSparseMoeBlock.*SparseMixer"),
+        ("gpt_oss", dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, layer_types=None),
+         r"GptOssMLP.*clamped SwiGLU"),
+        ("llama4_text", dict(intermediate_size=16, intermediate_size_mlp=32, num_local_experts=4, num_experts_per_tok=1,
+                             interleave_moe_layer_step=1), r"Llama4TextMoe.*\*input\*"),
+    ],
+    ids=["phimoe", "gpt_oss", "llama4"],
+)  # fmt: skip
+def test_refused_families_name_the_block_and_the_reason(model_type: str, kwargs: dict, match: str) -> None:
+    model = _refused_model(model_type, **kwargs)
+    with pytest.raises(ValueError, match=rf"{match}.*Leave this model unswapped"):
+        swap_moe_blocks(model)
+
+
+@pytest.mark.parametrize(
+    ("name", "changes", "match"),
+    [
+        ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=4, topk_group=1), "scores each expert group by its best"),
+        ("deepseek_v2", dict(mlp_bias=True), "shared expert of .* has biases"),
+        ("hunyuan_v1_moe", dict(moe_topk=1), "num_experts_per_tok=1 with renormalisation"),
+        ("olmoe", dict(num_experts_per_tok=1, norm_topk_prob=True), "num_experts_per_tok=1 with renormalisation"),
+        ("granitemoe", dict(num_experts_per_tok=1), "softmax over one selected logit"),
+        ("dots1", dict(num_experts_per_tok=2, topk_group=2), "num_experts_per_tok=2, topk_group=2"),
+        ("olmoe", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ],
+    ids=["v2_group_best_expert", "v2_mlp_bias", "hunyuan_top1", "olmoe_top1", "granite_top1", "dots1_groups", "gelu"],
+)  # fmt: skip
+def test_inexpressible_configs_are_refused(name: str, changes: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        swap_moe_blocks(hf_model(name, **changes))
+
+
+def test_top1_without_renormalisation_swaps_exactly() -> None:
+    ref = hf_model("olmoe_unnormalised", num_experts_per_tok=1).eval()
+    ours = swap_moe_blocks(copy.deepcopy(ref), experts_backend="torch").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=_ids()).logits, ref(input_ids=_ids()).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_family_table_names_classes_of_this_transformers() -> None:
+    import importlib
+
+    for block, fam in FAMILIES.items():
+        module = importlib.import_module(f"transformers.models.{fam.name}.modeling_{fam.name}")
+        assert hasattr(module, block), (fam.name, block)
+    assert set(SUPPORTED_BLOCKS) == {b for b, f in FAMILIES.items() if f.refused is None}
+    assert {"PhimoeSparseMoeBlock", "GptOssMLP", "Llama4TextMoe"}.isdisjoint(SUPPORTED_BLOCKS)
