@@ -1,6 +1,7 @@
 """Worker: load an HF checkpoint onto meta-initialised folded_moe ranks, each rank its own slices.
 
-``python worker_hf_sharded_load.py MODE HF_DIR OUT_DIR EP`` on 4 ranks.
+``python worker_hf_sharded_load.py MODE HF_DIR OUT_DIR EPS`` on 4 ranks (``EPS``: expert-parallel
+degrees, e.g. ``4,2``, run one after the other in the same processes).
 
 * ``logits``: fp32; rank 0 compares the sharded model's logits with the one-process HF model's,
   then every rank streams its part out (``stream_export_hf``) and rank 0 compares every tensor of
@@ -58,15 +59,17 @@ def _param_bytes(hf_dir: Path) -> tuple[int, int]:
     return dense, experts
 
 
-def _trainer(ep: int) -> pl.Trainer:
+def _trainer(ep: int, batches: int) -> pl.Trainer:
     return pl.Trainer(
         accelerator="cpu", devices=4, strategy=FoldedMoEStrategy(ep=ep, timeout=timedelta(seconds=240)),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=1,
+        limit_val_batches=batches,
     )  # fmt: skip
 
 
-def _loaded(hf_dir: Path, ep: int, dtype: str) -> tuple[HFMoELanguageModel, dict[str, float]]:
+def _loaded(hf_dir: Path, ep: int, dtype: str, batches: int = 1) -> tuple[HFMoELanguageModel, dict[str, float]]:
+    """The module after ``trainer.validate`` (configure_model reads the checkpoint; ``batches=0``
+    stops after the strategy's setup), and the load's resident sizes and seconds."""
     lit = HFMoELanguageModel(pretrained=str(hf_dir), load_sharded=True, dtype=dtype, moe={"experts_backend": "torch"})
     stats: dict[str, float] = {}
     load = lit.configure_model
@@ -81,7 +84,7 @@ def _loaded(hf_dir: Path, ep: int, dtype: str) -> tuple[HFMoELanguageModel, dict
 
     lit.configure_model = measured  # type: ignore[method-assign]
     ids = torch.randint(0, lit.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
-    _trainer(ep).validate(lit, DataLoader([{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}], batch_size=None))
+    _trainer(ep, batches).validate(lit, DataLoader([{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}], batch_size=None))
     return lit.eval(), stats
 
 
@@ -98,7 +101,7 @@ def logits(hf_dir: Path, out: Path, ep: int) -> None:
     with torch.no_grad():
         got = lit(ids)
     got = got.full_tensor() if hasattr(got, "full_tensor") else got
-    export = out / "export"
+    export = out / f"export_ep{ep}"
     stream_export_hf(lit.model, export, group=dist.group.WORLD, max_shard_bytes=50_000)
     if dist.get_rank() == 0:
         ref = AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True, dtype=torch.float32).eval()
@@ -107,7 +110,6 @@ def logits(hf_dir: Path, out: Path, ep: int) -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         a, b = HFCheckpoint(hf_dir), HFCheckpoint(export)
         assert sorted(a.weight_map) == sorted(b.weight_map), set(a.weight_map) ^ set(b.weight_map)
-        files = {json.dumps(sorted(set(b.weight_map.values())))}
         for name in a.weight_map:
             with safe_open(str(hf_dir / a.weight_map[name]), "pt") as fa, safe_open(
                 str(export / b.weight_map[name]), "pt"
@@ -119,12 +121,12 @@ def logits(hf_dir: Path, out: Path, ep: int) -> None:
         again = AutoModelForCausalLM.from_pretrained(str(export), local_files_only=True).float().eval()
         with torch.no_grad():
             torch.testing.assert_close(again(input_ids=ids).logits, want, rtol=0, atol=0)
-        print(f"files {files}", flush=True)
         print("WORKER OK", flush=True)
 
 
 def memory(hf_dir: Path, out: Path, ep: int) -> None:
-    lit, stats = _loaded(hf_dir, ep, "bfloat16")
+    lit, stats = _loaded(hf_dir, ep, "bfloat16", batches=0)
+    assert not any(p.is_meta for p in lit.parameters())
     dense, experts = _param_bytes(hf_dir)
     local = sum(
         (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in lit.parameters()
@@ -143,6 +145,7 @@ def memory(hf_dir: Path, out: Path, ep: int) -> None:
 
 
 if __name__ == "__main__":
-    mode, hf, out_dir, ep_degree = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
-    {"logits": logits, "memory": memory}[mode](hf, out_dir, ep_degree)
+    mode, hf, out_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    for ep_degree in (int(e) for e in sys.argv[4].split(",")):  # one layout after the other
+        {"logits": logits, "memory": memory}[mode](hf, out_dir, ep_degree)
     leave_together()
