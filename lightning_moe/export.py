@@ -2,6 +2,10 @@
 
 ``lightning-moe-export CKPT OUT_DIR [--hf-config DIR_OR_JSON] [--dtype bfloat16] [--etp N]``
 
+``torchrun --nproc_per_node=N -m lightning_moe.export DCP_DIR OUT_DIR --streaming [--ep E]``: no
+process holds the whole model; each rank reads its shards of the DCP folder and writes its own
+safetensors files, rank 0 the index (:func:`~lightning_moe.checkpoint.hf_stream_export.stream_export_dcp`).
+
 Pipeline:
 
 1. read   the model state dict and hyper-parameters from a Lightning ``.ckpt`` file, or from a
@@ -215,10 +219,36 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefix", default="model.", help="LightningModule attribute prefix of the model keys")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="cast before saving")
     parser.add_argument("--etp", type=int, default=1, help="expert tensor-parallel degree of a folded_moe checkpoint")
+    parser.add_argument("--streaming", action="store_true",
+                        help="DCP folder under torchrun: every rank reads and writes only its part")  # fmt: skip
+    parser.add_argument("--ep", type=int, default=None, help="with --streaming: ranks the experts are spread over")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype) if args.dtype else None
+    if args.streaming:
+        _main_streaming(args, dtype)
+        return
     out = export_checkpoint(args.checkpoint, args.out_dir, args.hf_config, args.prefix, dtype, args.etp)
     print(f"exported {args.checkpoint} -> {out}", flush=True)
+
+
+def _main_streaming(args: argparse.Namespace, dtype: torch.dtype | None) -> None:
+    import torch.distributed as dist
+
+    from lightning_moe.checkpoint.hf_stream_export import stream_export_dcp
+
+    if not Path(args.checkpoint).is_dir():
+        raise ValueError(f"export: --streaming reads a DCP folder; {args.checkpoint} is not a directory.")
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo")  # torchrun's environment; one rank without it
+    try:
+        out = stream_export_dcp(args.checkpoint, args.out_dir, group=dist.group.WORLD, hf_config=args.hf_config,
+                                prefix=args.prefix, dtype=dtype, ep=args.ep)  # fmt: skip
+        if dist.get_rank() == 0:
+            print(f"exported {args.checkpoint} -> {out}", flush=True)
+    finally:
+        if started:
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

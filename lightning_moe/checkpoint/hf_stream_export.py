@@ -21,6 +21,9 @@ after the names of every rank are collected (``all_gather_object``), rank 0 writ
 :func:`~lightning_moe.checkpoint.hf_sharded.load_hf_checkpoint_sharded` and exported untouched is
 the same tensors bit for bit. Families whose HF names differ from their module names (Mixtral's
 ``block_sparse_moe.experts.{i}.w1``) are refused: use ``export.export_state_dict`` for them.
+
+:func:`stream_export_dcp` does the same from a ``folded_moe`` DCP folder (``lightning-moe-export
+--streaming`` under ``torchrun``): each rank reads only its shards of the folder and writes them.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_moe.checkpoint.hf_sharded import INDEX_NAME, expert_hf_names
 
-__all__ = ["STREAM_FAMILIES", "hf_tensors", "stream_export_hf"]
+__all__ = ["STREAM_FAMILIES", "hf_tensors", "stream_export_dcp", "stream_export_hf"]
 
 STREAM_FAMILIES = ("qwen3_moe", "qwen2_moe", "deepseek_v3")
 
@@ -252,3 +255,84 @@ def _write_config(model: nn.Module, out: Path, config: Any, dtype: torch.dtype |
         if first is not None:
             config.dtype = first.dtype
     config.save_pretrained(str(out))
+
+
+def _nest(model: nn.Module, prefix: str) -> nn.Module:
+    """A root holding ``model`` under the dotted attribute path ``prefix`` (``"model."``), so its
+    state-dict keys are the LightningModule's."""
+    root = model
+    for attr in reversed([a for a in prefix.split(".") if a]):
+        parent = nn.Module()
+        parent.add_module(attr, root)
+        root = parent
+    return root
+
+
+def stream_export_dcp(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    group: Any,
+    hf_config: Any = None,
+    prefix: str = "model.",
+    dtype: torch.dtype | None = None,
+    ep: int | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> Path:
+    """A ``folded_moe`` DCP folder → HF safetensors, every rank of ``group`` reading and writing its part.
+
+    Collective over ``group`` (the default group: ``torchrun`` ranks on one or more hosts). The
+    swapped HF model is built on ``meta`` from ``hf_config`` or the checkpoint's ``hf_config`` /
+    ``pretrained`` hyper-parameters, laid out with experts over ``ep`` ranks (default: the
+    world size, or the largest divisor of it that divides the expert count) and FSDP2 over the rest,
+    filled from the folder (each rank reads its shards; the manifest is verified first) and written
+    with :func:`stream_export_hf`.
+    """
+    import math
+
+    from transformers import AutoModelForCausalLM
+
+    from lightning_moe.checkpoint.dcp import load_distributed, load_meta
+    from lightning_moe.checkpoint.hf_sharded import reset_nonpersistent_buffers
+    from lightning_moe.export import _hf_config
+    from lightning_moe.models.hf import swap_moe_blocks
+    from lightning_moe.moe.layer import MoELayer
+    from lightning_moe.parallel.layout import FoldedLayout
+    from lightning_moe.parallel.mesh import FoldedMesh
+    from lightning_moe.parallel.parallelize import parallelize_moe_model
+
+    if group is None or not dist.is_initialized():
+        raise ValueError(
+            "stream_export_dcp: needs an initialised process group (run under torchrun); for one process use "
+            "lightning_moe.export.export_checkpoint."
+        )
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise ValueError(f"stream_export_dcp: {str(path)!r} is not a DCP checkpoint directory.")
+    hparams = dict(load_meta(path).get("hyper_parameters", {}))
+    pretrained = None
+    if hf_config is None:
+        hf_config, pretrained = hparams.get("hf_config"), hparams.get("pretrained")
+        if hf_config is None and pretrained is None:
+            raise ValueError(f"stream_export_dcp: {path} names no HF config (no hf_config/pretrained); pass hf_config.")
+    config = _hf_config(hf_config, pretrained)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    swap_moe_blocks(model, **(hparams.get("moe") or {}))
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    world = dist.get_world_size(group)
+    if ep is None:
+        ep = math.gcd(world, *(m.config.num_experts for m in layers)) if layers else 1
+    mesh = FoldedMesh.build(FoldedLayout(world, ep=ep), "cpu")
+    root = _nest(model, prefix)
+    parallelize_moe_model(root, mesh=mesh, dispatcher="alltoall")
+    root.to_empty(device="cpu")
+
+    def broadcast(obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
+
+    load_distributed(path, root, [], strict=True, rank=dist.get_rank(group), broadcast=broadcast)
+    reset_nonpersistent_buffers(model)
+    return stream_export_hf(model, out_dir, group=group, dtype=dtype, max_shard_bytes=max_shard_bytes, config=config)

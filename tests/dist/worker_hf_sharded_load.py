@@ -4,8 +4,9 @@
 degrees, e.g. ``4,2``, run one after the other in the same processes).
 
 * ``logits``: fp32; rank 0 compares the sharded model's logits with the one-process HF model's,
-  then every rank streams its part out (``stream_export_hf``) and rank 0 compares every tensor of
-  the export with the input checkpoint's, bit for bit;
+  then every rank streams its part out (``stream_export_hf``), the Trainer saves a DCP folder that
+  ``lightning-moe-export --streaming`` turns back into HF files at the other EP degree, and rank 0
+  compares every tensor of both exports with the input checkpoint's, bit for bit;
 * ``memory``: bf16; each rank's peak RSS (``VmHWM``, reset before the load) stays under
   ``(dense bytes + expert bytes / 4) * 1.3 + baseline + ALLOWANCE``, where the baseline is the
   resident size just before the load (torch, Lightning and transformers imported, meta model built).
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import lightning_moe  # noqa: F401 - registers the strategy names
+from lightning_moe.export import main as export_main
 from lightning_moe.lit_hf import HFMoELanguageModel
 from lightning_moe.strategies import FoldedMoEStrategy
 
@@ -67,7 +69,9 @@ def _trainer(ep: int, batches: int) -> pl.Trainer:
     )  # fmt: skip
 
 
-def _loaded(hf_dir: Path, ep: int, dtype: str, batches: int = 1) -> tuple[HFMoELanguageModel, dict[str, float]]:
+def _loaded(
+    hf_dir: Path, ep: int, dtype: str, batches: int = 1
+) -> tuple[HFMoELanguageModel, dict[str, float], pl.Trainer]:
     """The module after ``trainer.validate`` (configure_model reads the checkpoint; ``batches=0``
     stops after the strategy's setup), and the load's resident sizes and seconds."""
     lit = HFMoELanguageModel(pretrained=str(hf_dir), load_sharded=True, dtype=dtype, moe={"experts_backend": "torch"})
@@ -84,8 +88,9 @@ def _loaded(hf_dir: Path, ep: int, dtype: str, batches: int = 1) -> tuple[HFMoEL
 
     lit.configure_model = measured  # type: ignore[method-assign]
     ids = torch.randint(0, lit.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
-    _trainer(ep, batches).validate(lit, DataLoader([{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}], batch_size=None))
-    return lit.eval(), stats
+    trainer = _trainer(ep, batches)
+    trainer.validate(lit, DataLoader([{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}], batch_size=None))
+    return lit.eval(), stats, trainer
 
 
 def logits(hf_dir: Path, out: Path, ep: int) -> None:
@@ -95,7 +100,7 @@ def logits(hf_dir: Path, out: Path, ep: int) -> None:
     from lightning_moe.checkpoint.hf_sharded import HFCheckpoint
     from lightning_moe.checkpoint.hf_stream_export import stream_export_hf
 
-    lit, _ = _loaded(hf_dir, ep, "float32")
+    lit, _, trainer = _loaded(hf_dir, ep, "float32")
     assert not any(p.is_meta for p in lit.parameters())
     ids = torch.randint(0, lit.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
@@ -103,29 +108,34 @@ def logits(hf_dir: Path, out: Path, ep: int) -> None:
     got = got.full_tensor() if hasattr(got, "full_tensor") else got
     export = out / f"export_ep{ep}"
     stream_export_hf(lit.model, export, group=dist.group.WORLD, max_shard_bytes=50_000)
+    trainer.save_checkpoint(out / f"ckpt_ep{ep}")  # DCP folder -> HF, every rank its part, through the CLI
+    from_dcp = out / f"dcp_export_ep{ep}"
+    export_main([str(out / f"ckpt_ep{ep}"), str(from_dcp), "--streaming", "--ep", str(6 - ep)])
     if dist.get_rank() == 0:
         ref = AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True, dtype=torch.float32).eval()
         with torch.no_grad():
             want = ref(input_ids=ids).logits
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        a, b = HFCheckpoint(hf_dir), HFCheckpoint(export)
-        assert sorted(a.weight_map) == sorted(b.weight_map), set(a.weight_map) ^ set(b.weight_map)
-        for name in a.weight_map:
-            with safe_open(str(hf_dir / a.weight_map[name]), "pt") as fa, safe_open(
-                str(export / b.weight_map[name]), "pt"
-            ) as fb:
-                x, y = fa.get_tensor(name), fb.get_tensor(name)
-            assert x.dtype == y.dtype and torch.equal(x, y), name
-        writers = {f.split("-")[1] for f in set(b.weight_map.values())}
-        assert len(writers) == 4, writers  # every rank wrote files of its own
-        again = AutoModelForCausalLM.from_pretrained(str(export), local_files_only=True).float().eval()
-        with torch.no_grad():
-            torch.testing.assert_close(again(input_ids=ids).logits, want, rtol=0, atol=0)
+        a = HFCheckpoint(hf_dir)
+        for folder in (export, from_dcp):
+            b = HFCheckpoint(folder)
+            assert sorted(a.weight_map) == sorted(b.weight_map), set(a.weight_map) ^ set(b.weight_map)
+            for name in a.weight_map:
+                with safe_open(str(hf_dir / a.weight_map[name]), "pt") as fa, safe_open(
+                    str(folder / b.weight_map[name]), "pt"
+                ) as fb:
+                    x, y = fa.get_tensor(name), fb.get_tensor(name)
+                assert x.dtype == y.dtype and torch.equal(x, y), (folder.name, name)
+            writers = {f.split("-")[1] for f in set(b.weight_map.values())}
+            assert len(writers) == 4, writers  # every rank wrote files of its own
+            again = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).float().eval()
+            with torch.no_grad():
+                torch.testing.assert_close(again(input_ids=ids).logits, want, rtol=0, atol=0)
         print("WORKER OK", flush=True)
 
 
 def memory(hf_dir: Path, out: Path, ep: int) -> None:
-    lit, stats = _loaded(hf_dir, ep, "bfloat16", batches=0)
+    lit, stats, _ = _loaded(hf_dir, ep, "bfloat16", batches=0)
     assert not any(p.is_meta for p in lit.parameters())
     dense, experts = _param_bytes(hf_dir)
     local = sum(
