@@ -100,6 +100,7 @@ def test_module_shares_the_base_and_saves_every_init_argument() -> None:
         "attn_implementation": "sdpa", "experts_implementation": None, "learning_rate": 3e-3,
         "weight_decay": 0.1, "warmup_steps": 3, "betas": (0.9, 0.95), "log_layer_load": True,
         "optimizer_impl": "foreach", "fused_norms": False, "guard_nonfinite": True, "skip_nonfinite": 0,
+        "load_sharded": False,
     }  # fmt: skip
     assert lit.val_history == [] and lit.device_mesh is None
     with pytest.raises(ValueError, match="HFMoELanguageModel: optimizer_impl='fast' is unknown"):
