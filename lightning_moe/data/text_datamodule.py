@@ -102,18 +102,64 @@ def build_rows(
     """
     if masks is not None and [len(m) for m in masks] != [len(d) for d in documents]:
         raise ValueError("build_rows: masks must hold one entry per token of each document.")
-    groups = [list(range(len(documents)))] if packing == "pack" else [[i] for i in range(len(documents))]
-    parts: list[dict[str, torch.Tensor]] = []
-    for group in groups:
-        rows = pack_documents([documents[i] for i in group], seq_len, eos_id, long_documents)
-        if masks is not None:  # same lengths, so the same layout; the EOS after a document has mask 0
-            keep = pack_documents([masks[i] for i in group], seq_len, 0, long_documents)["labels"] == 1
-            rows["labels"] = torch.where(keep, rows["labels"], IGNORE_INDEX)
-        parts.append(rows)
-    keys = PACKED_KEYS if packing == "pack" else ("input_ids", "labels")
-    if not parts:
-        return {k: torch.empty(0, seq_len, dtype=torch.int64) for k in keys}
-    return {k: torch.cat([p[k] for p in parts]) for k in keys}
+    if packing == "none":
+        return _one_per_row(documents, masks, seq_len, eos_id, long_documents)
+    rows = pack_documents(documents, seq_len, eos_id, long_documents)
+    if masks is not None:  # same lengths, so the same layout; the EOS after a document has mask 0
+        keep = pack_documents(masks, seq_len, 0, long_documents)["labels"] == 1
+        rows["labels"] = torch.where(keep, rows["labels"], IGNORE_INDEX)
+    return rows
+
+
+def _one_per_row(
+    documents: Sequence[Sequence[int] | torch.Tensor],
+    masks: Sequence[Sequence[int] | torch.Tensor] | None,
+    seq_len: int,
+    eos_id: int,
+    long_documents: str,
+) -> dict[str, torch.Tensor]:
+    """``pack_documents`` of each document alone (its EOS, padding with EOS, ``long_documents``), all at once.
+
+    Pieces of a split document overlap by one token, as in ``pack_documents``: piece ``k`` of a row's
+    ``seq_len + 1`` tokens starts at token ``k * seq_len`` of the document and its EOS.
+    """
+    row_len = seq_len + 1
+    lengths = [len(d) + 1 for d in documents]  # with the EOS
+    starts, at = [], 0
+    for n in lengths:
+        starts.append(at)
+        at += n
+    src, take = [], []
+    for index, (start, n) in enumerate(zip(starts, lengths)):
+        if n < 2:  # an empty document: no label, no row
+            continue
+        if n > row_len and long_documents == "error":
+            raise ValueError(
+                f"build_rows: document {index} has {n - 1} tokens ({n} with its EOS), more than a row of "
+                f"seq_len + 1 = {row_len} tokens holds; set long_documents='split' or 'truncate', or raise seq_len."
+            )
+        if n <= row_len or long_documents == "truncate":
+            src.append(start)
+            take.append(min(n, row_len))
+            continue
+        for first in range(0, n - 1, seq_len):  # split
+            src.append(start + first)
+            take.append(min(row_len, n - first))
+    if not src:
+        return {k: torch.empty(0, seq_len, dtype=torch.int64) for k in ("input_ids", "labels")}
+    eos = torch.tensor([eos_id], dtype=torch.int64)
+    stream_T = torch.cat([t for d in documents for t in (torch.as_tensor(d, dtype=torch.int64), eos)])
+    src_R, take_R = torch.tensor(src), torch.tensor(take)
+    col_C = torch.arange(row_len)
+    inside_RC = col_C < take_R[:, None]
+    index_RC = torch.where(inside_RC, src_R[:, None] + col_C, 0)
+    tokens_RC = torch.where(inside_RC, stream_T[index_RC], eos_id)
+    labelled_RS = inside_RC[:, 1:]
+    if masks is not None:  # the EOS after a document has mask 0
+        zero = torch.zeros(1, dtype=torch.int64)
+        mask_T = torch.cat([t for m in masks for t in (torch.as_tensor(m, dtype=torch.int64), zero)])
+        labelled_RS = labelled_RS & (mask_T[index_RC[:, 1:]] == 1)
+    return {"input_ids": tokens_RC[:, :-1], "labels": torch.where(labelled_RS, tokens_RC[:, 1:], IGNORE_INDEX)}
 
 
 class TextDataModule(MoEDataModule):

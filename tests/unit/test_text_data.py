@@ -289,3 +289,25 @@ def test_packing_in_chunks_keeps_every_label(tok_dir: Path, tmp_path: Path, monk
     check_packed_batch({k: v.long() for k, v in rows.items()})
     assert len(chunked.train_dataset) >= 40 > len(whole.train_dataset)
     assert rows["labels"][rows["labels"] != IGNORE_INDEX].tolist() == ref["labels"][ref["labels"] != IGNORE_INDEX].tolist()
+
+
+@pytest.mark.parametrize("long_documents", ["split", "truncate"])
+@pytest.mark.parametrize("sft", [False, True])
+def test_one_document_per_row_equals_pack_documents_of_each_alone(long_documents: str, sft: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(2, 50, (int(n),), generator=g) for n in (3, 0, 7, 8, 9, 20, 1, 16, 17, 33)]
+    masks = [torch.randint(0, 2, (d.numel(),), generator=g) for d in docs] if sft else None
+    got = build_rows(docs, masks, 8, 1, "none", long_documents)
+    ref_rows = []
+    for i, d in enumerate(docs):
+        if d.numel() == 0:
+            continue
+        rows = pack_documents([d], 8, 1, long_documents)
+        if sft:
+            keep = pack_documents([masks[i]], 8, 0, long_documents)["labels"] == 1
+            rows["labels"] = torch.where(keep, rows["labels"], IGNORE_INDEX)
+        ref_rows.append(rows)
+    for k in ("input_ids", "labels"):
+        assert torch.equal(got[k], torch.cat([r[k] for r in ref_rows])), k
+    with pytest.raises(ValueError, match=r"document 4 has 9 tokens \(10 with its EOS\)"):
+        build_rows(docs, masks, 8, 1, "none", "error")
