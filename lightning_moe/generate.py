@@ -275,7 +275,8 @@ def _codec(tokenizer_dir: str | None, loaded: LoadedModel) -> _ByteCodec | _Toke
         tokenizer = load_tokenizer(folder, owner="generate")
         if len(tokenizer) > loaded.vocab_size:
             raise ValueError(f"generate: the tokenizer in {folder!r} has {len(tokenizer)} tokens but the model's "
-                             f"vocab_size is {loaded.vocab_size}; pass the tokenizer the model was trained with.")  # fmt: skip
+                             f"vocab_size is {loaded.vocab_size}; pass the tokenizer the model was trained "
+                             "with.")  # fmt: skip
         return _TokenizerCodec(tokenizer)
     if loaded.vocab_size <= BYTE_VOCAB:
         return _ByteCodec()

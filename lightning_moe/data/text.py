@@ -56,7 +56,9 @@ def _format_of(path: Path, format: str) -> str:
     return "text"
 
 
-def expand_paths(paths: str | Path | Sequence[str | Path], format: str = "auto", owner: str = "read_records") -> list[Path]:
+def expand_paths(
+    paths: str | Path | Sequence[str | Path], format: str = "auto", owner: str = "read_records"
+) -> list[Path]:
     """The files ``paths`` names, in order: a folder becomes its files with the format's suffixes
     (all three formats' for ``"auto"``), sorted by relative path. Raises ``ValueError`` for a
     missing path, an empty folder or an empty list."""

@@ -26,14 +26,13 @@ Batches: ``{"input_ids", "labels"}`` int64 ``[B, S]``, plus ``"position_ids"``, 
 packed. The records stream from disk and each is kept only as its int32 token ids (and a uint8 mask
 in SFT), so the corpus costs about 4 bytes per token in memory (5 in SFT), then as much again in
 int32 rows. Packing runs on runs of documents of about ``PACK_CHUNK_TOKENS`` tokens at a time, which
-bounds its working memory; the last row of each run may be part-filled (one row in a million tokens).
+bounds its working memory; the last row of each run may be part-filled (at most one row per run).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -46,7 +45,6 @@ from lightning_moe.data.datamodule import MoEDataModule
 from lightning_moe.data.packing import (
     IGNORE_INDEX,
     LONG_DOCUMENTS,
-    PACKED_KEYS,
     PACKING_MODES,
     LongDocuments,
     PackingMode,
@@ -268,7 +266,8 @@ class TextDataModule(MoEDataModule):
         self.val_dataset = RowsDataset(self._rows(val, eos))
         if len(self.train_dataset) < self.batch_size:
             raise ValueError(
-                f"TextDataModule: the train split has {len(self.train_dataset)} {self._unit} of seq_len={self.seq_len}, "
+                f"TextDataModule: the train split has {len(self.train_dataset)} {self._unit} of "
+                f"seq_len={self.seq_len}, "
                 f"fewer than batch_size={self.batch_size} (partial batches are dropped); lower batch_size or add data."
             )
 

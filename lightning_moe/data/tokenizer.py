@@ -50,7 +50,8 @@ def eos_token_id(tokenizer: Any, owner: str = "eos_token_id") -> int:
         eos = eos[0] if eos else None
     if not isinstance(eos, int) or isinstance(eos, bool):
         raise ValueError(f"{owner}: the tokenizer has no eos_token (eos_token_id={eos!r}); set one "
-                         "(tokenizer.eos_token = '...') and save it again, packing needs it between documents.")  # fmt: skip
+                         "(tokenizer.eos_token = '...') and save it again: packing puts it between "
+                         "documents.")  # fmt: skip
     return eos
 
 

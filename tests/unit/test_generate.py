@@ -22,7 +22,9 @@ def _config(vocab: int, max_seq_len: int = 64) -> TransformerConfig:
                              max_seq_len=max_seq_len)  # fmt: skip
 
 
-def _checkpoint(tmp_path: Path, vocab: int, max_seq_len: int = 64, name: str = "m.ckpt") -> tuple[Path, MoELanguageModel]:
+def _checkpoint(
+    tmp_path: Path, vocab: int, max_seq_len: int = 64, name: str = "m.ckpt"
+) -> tuple[Path, MoELanguageModel]:
     """A Lightning checkpoint file of a random MoELanguageModel, written the way the Trainer writes one."""
     torch.manual_seed(0)
     lit = MoELanguageModel(_config(vocab, max_seq_len))
@@ -179,8 +181,9 @@ def test_bad_input_exits_with_one_line(tmp_path: Path) -> None:
         main(["--checkpoint", str(byte_ckpt), "--prompt", ""])
 
 
-def test_sft_fit_on_the_command_line_then_generate_the_learned_reply(tmp_path: Path,
-                                                                     capsys: pytest.CaptureFixture) -> None:  # fmt: skip
+def test_sft_fit_on_the_command_line_then_generate_the_learned_reply(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """``lightning-moe fit`` with TextDataModule(task="sft") memorizes one chat; ``generate --chat`` replays it."""
     import json
 
