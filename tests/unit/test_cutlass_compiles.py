@@ -3,7 +3,7 @@
 Like test_csrc_compiles.py this runs on the CPU dev machine: the kernel files include only CUDA
 and CUTLASS headers (bindings.cpp alone sees torch). Needs nvcc and the CUTLASS headers
 (``pip install --no-deps nvidia-cutlass``, as ``.ci/run`` does, or LIGHTNING_MOE_CUTLASS_DIR);
-skipped, saying which is missing, otherwise. A few minutes on two cores (five files).
+skipped, saying which is missing, otherwise. A few minutes on two cores (seven files).
 """
 
 from __future__ import annotations
