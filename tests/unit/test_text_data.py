@@ -312,3 +312,11 @@ def test_one_document_per_row_equals_pack_documents_of_each_alone(long_documents
         assert torch.equal(got[k], torch.cat([r[k] for r in ref_rows])), k
     with pytest.raises(ValueError, match=r"document 4 has 9 tokens \(10 with its EOS\)"):
         build_rows(docs, masks, 8, 1, "none", "error")
+
+
+def test_tokenizer_without_eos_is_refused_for_packing() -> None:
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError, match="has no eos_token"):
+        eos_token_id(SimpleNamespace(eos_token_id=None))
+    assert eos_token_id(SimpleNamespace(eos_token_id=[7, 8])) == 7
