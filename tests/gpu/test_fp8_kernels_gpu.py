@@ -40,7 +40,7 @@ def ops():
 
 
 def _poison(*shapes_dtypes: tuple[tuple[int, ...], torch.dtype]) -> None:
-    blocks = [torch.empty(shape, dtype=torch.uint8 if dt.itemsize == 1 else dt, device=DEV) for shape, dt in shapes_dtypes]
+    blocks = [torch.empty(shape, dtype=dt, device=DEV) for shape, dt in shapes_dtypes]
     for b in blocks:
         b.view(torch.uint8).fill_(0x55)
     del blocks
@@ -104,8 +104,10 @@ def test_permute_quantize_equals_gather_then_quantize(ops, dtype, shape, recipe)
     x = _rows(S, H, dtype, seed=S + H)
     g = torch.Generator().manual_seed(7)
     R = 3 * S + 2
-    src = torch.randint(-1, max(S, 1), (R,), generator=g, dtype=torch.int32) if S else torch.full((R,), -1, dtype=torch.int32)
-    src = src.to(DEV)
+    if S:
+        src = torch.randint(-1, S, (R,), generator=g, dtype=torch.int32).to(DEV)
+    else:
+        src = torch.full((R,), -1, dtype=torch.int32, device=DEV)
     want = kernels.permute_quantize_reference(x, src, recipe, "e4m3")
     _poison(((R, H), torch.uint8), (tuple(want.scale.shape), torch.float32))
     got = kernels.permute_quantize(x, src, recipe, "e4m3")

@@ -56,7 +56,8 @@ int main(int argc, char** argv) {
     std::vector<float> v = load(argv[3]), s = load(argv[4]);
     FILE* o = std::fopen(argv[5], "wb");
     for (size_t i = 0; i < v.size(); ++i) {
-      const unsigned char c = static_cast<unsigned char>(e5 ? quantize_value<true>(v[i], s[i]) : quantize_value<false>(v[i], s[i]));
+      const uint32_t q = e5 ? quantize_value<true>(v[i], s[i]) : quantize_value<false>(v[i], s[i]);
+      const unsigned char c = static_cast<unsigned char>(q);
       std::fwrite(&c, 1, 1, o);
     }
     std::fclose(o);
@@ -126,7 +127,8 @@ def _probe_values(fmt: str) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     rand = torch.exp2(torch.rand(200_000, generator=g) * 50 - 40 + (5 if fmt == "e5m2" else 0))
     m = FP8_MAX[fmt]
-    special = torch.tensor([0.0, m, m * 1.01, m * 1.1, 1e30, torch.finfo(torch.float32).tiny, 1e-45, 3e-39, float("inf")])
+    tiny = torch.finfo(torch.float32).tiny
+    special = torch.tensor([0.0, m, m * 1.01, m * 1.1, 1e30, tiny, 1e-45, 3e-39, float("inf")])
     pos = torch.cat([vals, mids, up, down, rand, special])
     return torch.cat([pos, -pos])
 
@@ -138,7 +140,9 @@ def test_encoding_equals_torch_on_every_value_and_tie(codec, fmt: str) -> None:
     m = FP8_MAX[fmt]
     want = v.clamp(-m, m).to(FP8_DTYPE[fmt]).view(torch.uint8)
     bad = got != want
-    assert not bad.any(), f"{int(bad.sum())} codes differ, e.g. {v[bad][:5].tolist()}: {got[bad][:5]} vs {want[bad][:5]}"
+    assert not bad.any(), (
+        f"{int(bad.sum())} codes differ, e.g. {v[bad][:5].tolist()}: {got[bad][:5]} vs {want[bad][:5]}"
+    )
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])

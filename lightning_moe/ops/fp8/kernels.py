@@ -69,7 +69,8 @@ def _check_rows(t: object, name: str, shape: str) -> torch.Tensor:
 
 
 def _result(data: torch.Tensor, scale: torch.Tensor, recipe: str, fmt: str) -> Fp8Tensor:
-    return Fp8Tensor(data, scale, recipe, fmt, -1, _ROW_TILE if recipe == "blockwise" else None)  # type: ignore[arg-type]
+    tile = _ROW_TILE if recipe == "blockwise" else None
+    return Fp8Tensor(data, scale, recipe, fmt, -1, tile)  # type: ignore[arg-type]
 
 
 def _row_kernels(t: torch.Tensor, recipe: str):
@@ -96,14 +97,21 @@ def quantize_rows_fp8(
 
 def _check_index(src_idx_R: object, S: int) -> torch.Tensor:
     if not isinstance(src_idx_R, torch.Tensor) or src_idx_R.dim() != 1 or src_idx_R.is_floating_point():
-        raise TypeError(f"src_idx_R must be a 1-D integer tensor [R] of source rows (-1: a zero row), got {src_idx_R!r}")
+        raise TypeError(
+            f"src_idx_R must be a 1-D integer tensor [R] of source rows (-1: a zero row), got {src_idx_R!r}"
+        )
     if S > torch.iinfo(torch.int32).max:
         raise ValueError(f"x_SH has {S} rows; int32 row indices address at most {torch.iinfo(torch.int32).max}")
     return src_idx_R
 
 
 def permute_quantize_reference(
-    x_SH: torch.Tensor, src_idx_R: torch.Tensor, recipe: Fp8Recipe, fmt: Fp8Format = "e4m3", *, pow2_scales: bool = False
+    x_SH: torch.Tensor,
+    src_idx_R: torch.Tensor,
+    recipe: Fp8Recipe,
+    fmt: Fp8Format = "e4m3",
+    *,
+    pow2_scales: bool = False,
 ) -> Fp8Tensor:
     """The spec of :func:`permute_quantize`: gather (``-1``: zeros), then ``quantize``."""
     idx = src_idx_R.to(x_SH.device).long()
@@ -116,7 +124,12 @@ def permute_quantize_reference(
 
 
 def permute_quantize(
-    x_SH: torch.Tensor, src_idx_R: torch.Tensor, recipe: Fp8Recipe, fmt: Fp8Format = "e4m3", *, pow2_scales: bool = False
+    x_SH: torch.Tensor,
+    src_idx_R: torch.Tensor,
+    recipe: Fp8Recipe,
+    fmt: Fp8Format = "e4m3",
+    *,
+    pow2_scales: bool = False,
 ) -> Fp8Tensor:
     """Rows ``x_SH[src_idx_R[r]]`` (``-1``: a zero row) quantized along H, in one pass over x.
 
@@ -198,7 +211,10 @@ def _blockwise_operands_ok(a: Fp8Tensor, b: Fp8Tensor) -> str | None:
     if a.grouped or a.data.dim() != 2 or a.reduce_dim != -1 or a.tile != _ROW_TILE:
         return f"a must be 2-D [R, K] rows in (1, 128) tiles along K; got shape {tuple(a.shape)}, tile {a.tile}"
     if b.data.dim() != 3 or b.reduce_dim != -2 or b.tile != _WEIGHT_TILE:
-        return f"b must be [E, K, N] weights in (128, 128) tiles contracted over K; got shape {tuple(b.shape)}, tile {b.tile}"
+        return (
+            f"b must be [E, K, N] weights in (128, 128) tiles contracted over K; got shape {tuple(b.shape)}, "
+            f"tile {b.tile}"
+        )
     if a.shape[1] != b.shape[1]:
         return f"a has K={a.shape[1]} but b has K={b.shape[1]}"
     if a.shape[1] == 0 or b.shape[2] == 0:
