@@ -31,6 +31,8 @@ pytestmark = [
     pytest.mark.skipif(
         INCLUDES is None, reason="CUTLASS headers not found (pip install --no-deps nvidia-cutlass)"
     ),
+    # the shared fixture compiles every kernel file (two at a time) inside the first test's time
+    pytest.mark.timeout(1800),
 ]
 
 
