@@ -240,6 +240,9 @@ class MoEConfig:
         scaling_factor: multiply the routing weights by this value; ``None`` leaves them.
         num_groups: expert groups for group-limited routing (DeepSeek-V3); ``None`` is off.
         group_topk: groups kept per token when ``num_groups`` is set.
+        group_score_topk: how many of a group's best scores sum to its group score; ``None``
+            is ``top_k // group_topk`` (DeepSeek-V3: 2). DeepSeek-V2's ``group_limited_greedy``
+            scores a group by its best expert (1).
         router_dtype: dtype of the router GEMM and scores.
         expert_bias: aux-loss-free balancing bias added to scores for selection only.
         bias_update_rate: step of ``b += rate * sign(mean(c) - c_i)`` after each optimizer step.
@@ -281,6 +284,7 @@ class MoEConfig:
     scaling_factor: float | None = None
     num_groups: int | None = None
     group_topk: int | None = None
+    group_score_topk: int | None = None
     router_dtype: RouterDtype = "float32"
     expert_bias: bool = False
     bias_update_rate: float = 1e-3
@@ -390,6 +394,11 @@ class MoEConfig:
 
     def _check_groups(self) -> None:
         if self.num_groups is None and self.group_topk is None:
+            if self.group_score_topk is not None:
+                raise ValueError(
+                    f"MoEConfig: group_score_topk={self.group_score_topk!r} needs group-limited routing; set "
+                    "num_groups and group_topk, or leave group_score_topk=None."
+                )
             return
         check_int("MoEConfig", "num_groups", self.num_groups, optional=True)
         check_int("MoEConfig", "group_topk", self.group_topk, optional=True)
@@ -408,11 +417,11 @@ class MoEConfig:
                 f"MoEConfig: group_topk={self.group_topk} must be in [1, num_groups={self.num_groups}]; "
                 "lower group_topk."
             )
-        if self.top_k % self.group_topk != 0:
+        if self.group_score_topk is None and self.top_k % self.group_topk != 0:
             raise ValueError(
                 f"MoEConfig: top_k={self.top_k} must be divisible by group_topk={self.group_topk} "
                 "(each kept group scores with its top top_k/group_topk experts); choose group_topk from "
-                f"{[d for d in _divisors(self.top_k) if d <= self.num_groups]}."
+                f"{[d for d in _divisors(self.top_k) if d <= self.num_groups]}, or set group_score_topk."
             )
         experts_per_group = self.num_experts // self.num_groups
         if self.group_topk * experts_per_group < self.top_k:
@@ -420,10 +429,17 @@ class MoEConfig:
                 f"MoEConfig: group_topk={self.group_topk} groups of {experts_per_group} experts hold fewer than "
                 f"top_k={self.top_k} experts; raise group_topk."
             )
-        if self.top_k // self.group_topk > experts_per_group:
+        if self.group_score_topk is None and self.top_k // self.group_topk > experts_per_group:
             raise ValueError(
                 f"MoEConfig: top_k/group_topk={self.top_k // self.group_topk} exceeds the {experts_per_group} "
                 "experts of one group; raise group_topk."
+            )
+        check_int("MoEConfig", "group_score_topk", self.group_score_topk, optional=True,
+                  fix=f"use 1 to {experts_per_group}, or None for top_k // group_topk")  # fmt: skip
+        if self.group_score_topk is not None and self.group_score_topk > experts_per_group:
+            raise ValueError(
+                f"MoEConfig: group_score_topk={self.group_score_topk} exceeds the {experts_per_group} experts of one "
+                f"group; choose 1 to {experts_per_group}, or None for top_k // group_topk."
             )
 
     @property

@@ -26,11 +26,12 @@ ERNIE-4.5-MoE                  softmax over E, selection by softmax + correction
                                (``gate.moe_statics.e_score_correction_bias``), renormalised;
                                optional shared experts
 DeepSeek-V2                    softmax over E, top-k (greedy, or group-limited with groups scored
-                               by their best expert when ``num_experts_per_tok == topk_group``),
-                               not renormalised, times ``routed_scaling_factor``; shared experts
+                               by their best expert: ``group_score_topk=1``), not renormalised,
+                               times ``routed_scaling_factor``; shared experts
 DeepSeek-V3, GLM-4-MoE, dots1  sigmoid scores, ``e_score_correction_bias`` (our ``expert_bias``)
                                for selection only, group-limited top-k (groups scored by their
-                               top-2), renormalised, times ``routed_scaling_factor``; shared experts
+                               top-2: ``group_score_topk=2``), renormalised, times
+                               ``routed_scaling_factor``; shared experts
 =============================  ==============================================================
 
 Refused, with the reason in the ``ValueError``: PhiMoE (SparseMixer routing), gpt-oss (router
@@ -91,6 +92,7 @@ _ROUTING_FIELDS = (
     "scaling_factor",
     "num_groups",
     "group_topk",
+    "group_score_topk",
     "expert_bias",
     "shared_expert_ffn_size",
     "shared_expert_gate",
@@ -234,7 +236,7 @@ def _experts_weights(name: str, experts: nn.Module) -> tuple[torch.Tensor, torch
 def _softmax(num_experts: int, top_k: int, norm: bool, **extra: Any) -> dict[str, Any]:
     out = {"num_experts": num_experts, "top_k": top_k, "score_func": "softmax", "pre_softmax": True,
            "norm_topk_prob": norm, "scaling_factor": None, "num_groups": None, "group_topk": None,
-           "expert_bias": False}  # fmt: skip
+           "group_score_topk": None, "expert_bias": False}  # fmt: skip
     out.update(extra)
     return out
 
@@ -271,29 +273,17 @@ def _routing(name: str, fam: Family, block: nn.Module, num_experts: int) -> dict
     if fam.routing == "softmax_scaled":
         method = _attr("topk_method", *owners, default="greedy")
         groups: tuple[int | None, int | None] = (None, None)
-        if method == "group_limited_greedy" and topk_group < n_group:
-            if top_k != topk_group:
-                raise ValueError(
-                    f"swap_moe_blocks: {name} has topk_method='group_limited_greedy' with num_experts_per_tok={top_k}, "
-                    f"topk_group={topk_group}; transformers scores each expert group by its best expert, MoELayer by "
-                    f"its top top_k/group_topk={max(top_k // topk_group, 1)}. Use num_experts_per_tok == topk_group "
-                    "or topk_method='greedy' to swap this model."
-                )
-            groups = (n_group, topk_group)
-        elif method not in ("greedy", "group_limited_greedy"):
+        if method not in ("greedy", "group_limited_greedy"):
             raise ValueError(
                 f"swap_moe_blocks: {name} has topk_method={method!r}; only 'greedy' and 'group_limited_greedy' "
                 "are known. Leave this model unswapped."
             )
-        return _softmax(num_experts, top_k, False, scaling_factor=scaling, num_groups=groups[0], group_topk=groups[1])
+        if method == "group_limited_greedy" and topk_group < n_group:
+            groups = (n_group, topk_group)  # each group scored by its best expert
+        return _softmax(num_experts, top_k, False, scaling_factor=scaling, num_groups=groups[0], group_topk=groups[1],
+                        group_score_topk=1 if groups[0] else None)  # fmt: skip
     # sigmoid (DeepSeek-V3 family)
     grouped = n_group > 1 and topk_group < n_group  # all groups kept: the grouping selects nothing
-    if grouped and top_k != 2 * topk_group:
-        raise ValueError(
-            f"swap_moe_blocks: {name} has num_experts_per_tok={top_k}, topk_group={topk_group}; transformers "
-            f"scores each expert group by its top-2 experts, MoELayer by its top top_k/group_topk="
-            f"{top_k // topk_group}. Use top_k = 2 * topk_group (DeepSeek-V3: 8 = 2 * 4) to swap this model."
-        )
     if top_k == 1 and norm:
         raise ValueError(
             f"swap_moe_blocks: {name} has num_experts_per_tok=1 with norm_topk_prob=True (HF weight 1.0 per "
@@ -302,7 +292,7 @@ def _routing(name: str, fam: Family, block: nn.Module, num_experts: int) -> dict
     return {"num_experts": num_experts, "top_k": top_k, "score_func": "sigmoid", "pre_softmax": False,
             "norm_topk_prob": norm, "scaling_factor": scaling,
             "num_groups": n_group if grouped else None, "group_topk": topk_group if grouped else None,
-            "expert_bias": True}  # fmt: skip
+            "group_score_topk": 2 if grouped else None, "expert_bias": True}  # fmt: skip
 
 
 def _shared(family: str | Family, block: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:

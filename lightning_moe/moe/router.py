@@ -8,8 +8,9 @@ Workflow of :meth:`TopKRouter.forward`:
 2. ``scores_TE`` for selection: the logits (softmax over the K selected), ``softmax`` over all E
    (``pre_softmax``) or ``sigmoid``; plus ``expert_bias`` (aux-loss-free balancing), which
    steers selection only and never the weights.
-3. Group-limited routing (DeepSeek-V3): group score = sum of the top ``K/group_topk`` scores of
-   each of the G groups; all but the best ``group_topk`` groups are masked to ``-inf``.
+3. Group-limited routing (DeepSeek-V3): group score = sum of the top ``group_score_topk``
+   (default ``K/group_topk``) scores of each of the G groups; all but the best ``group_topk``
+   groups are masked to ``-inf``.
 4. ``topk_ids_TK`` = top-k of the masked scores — or the ids of a routing override (replay).
 5. ``topk_weights_TK`` re-gathered from the *unbiased* live scores at those ids (so a replayed
    route still trains the router): softmax over the K logits, or the scores renormalised when
@@ -90,13 +91,17 @@ def selection_scores(logits_TE: torch.Tensor, score_func: str, pre_softmax: bool
 
 
 def select_topk(
-    scores_TE: torch.Tensor, top_k: int, num_groups: int | None = None, group_topk: int | None = None
+    scores_TE: torch.Tensor,
+    top_k: int,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    group_score_topk: int | None = None,
 ) -> torch.Tensor:
     """Top-k expert ids of selection scores, optionally group-limited (step 3)."""
     if num_groups is not None and group_topk is not None and num_groups > 1:
         T, E = scores_TE.shape
         scores_TGe = scores_TE.view(T, num_groups, E // num_groups)
-        per_group = top_k // group_topk
+        per_group = group_score_topk if group_score_topk is not None else top_k // group_topk
         group_scores_TG = scores_TGe.topk(per_group, dim=-1).values.sum(-1)
         kept_groups_TG = group_scores_TG.topk(group_topk, dim=-1).indices
         group_mask_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, kept_groups_TG, True)
@@ -245,9 +250,12 @@ class TopKRouter(nn.Module):
     def _topk_kernel_args(self) -> tuple | None:
         """The csrc top-k selection's arguments after the logits (``router_topk``, also taken by
         ``route``): expert bias, top_k, score function and its options, groups; ``None`` when the
-        configuration is beyond the kernel's limits (E <= 1024, K <= 32, at most 32 groups)."""
+        configuration is beyond the kernel's limits (E <= 1024, K <= 32, at most 32 groups) or
+        scores groups by other than their top ``K/group_topk`` (``group_score_topk``)."""
         cfg = self.config
         if cfg.num_experts > 1024 or cfg.top_k > 32 or (cfg.num_groups or 0) > 32:
+            return None
+        if cfg.group_score_topk is not None and cfg.group_score_topk != cfg.top_k // (cfg.group_topk or 1):
             return None
         bias = None if self.expert_bias is None else self.expert_bias.float().contiguous()
         return (
@@ -266,7 +274,7 @@ class TopKRouter(nn.Module):
         scores_TE = selection_scores(logits_TE, cfg.score_func, cfg.pre_softmax)
         if self.expert_bias is not None:
             scores_TE = scores_TE + self.expert_bias.to(scores_TE.dtype)
-        return select_topk(scores_TE, cfg.top_k, cfg.num_groups, cfg.group_topk)
+        return select_topk(scores_TE, cfg.top_k, cfg.num_groups, cfg.group_topk, cfg.group_score_topk)
 
     def _checked_override(self, computed_TK: torch.Tensor) -> torch.Tensor:
         forced_TK = self._override(computed_TK)  # type: ignore[misc]

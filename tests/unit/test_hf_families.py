@@ -51,6 +51,11 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], int]] = {
     "granitemoe": ("granitemoe", dict(intermediate_size=16, num_local_experts=8, num_experts_per_tok=2), 2),
     "deepseek_v2": ("deepseek_v2", _V2, 2),
     "deepseek_v2_grouped": ("deepseek_v2", dict(_V2, topk_method="group_limited_greedy", n_group=4, topk_group=2), 2),
+    # groups scored by their best expert while each kept group gives top_k/topk_group = 2 (group_score_topk=1)
+    "deepseek_v2_grouped_k4": ("deepseek_v2", dict(_V2, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                                   num_experts_per_tok=4), 2),
+    # groups scored by their top-2 while top_k/topk_group = 1 (group_score_topk=2)
+    "dots1_top2_groups": ("dots1", dict(_V3_LIKE, num_experts_per_tok=2, topk_group=2), 2),
     "qwen3_next": ("qwen3_next", dict(intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=24,
                                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, **_LINEAR_ATTN), 2),
     "qwen3_5_moe": ("qwen3_5_moe_text", dict(moe_intermediate_size=16, shared_expert_intermediate_size=24,
@@ -163,8 +168,9 @@ def test_export_carries_a_trained_ernie_bias_into_its_two_dimensional_parameter(
         ("granitemoe", {}, {"score_func": "softmax", "pre_softmax": False}),
         ("ernie4_5_moe", {}, {"pre_softmax": True, "norm_topk_prob": True, "expert_bias": True}),
         ("deepseek_v2", {}, {"norm_topk_prob": False, "scaling_factor": 1.5, "num_groups": None}),
-        ("deepseek_v2_grouped", {}, {"num_groups": 4, "group_topk": 2, "scaling_factor": 1.5}),
-        ("glm4_moe", {}, {"score_func": "sigmoid", "num_groups": 4, "group_topk": 2, "expert_bias": True}),
+        ("deepseek_v2_grouped", {}, {"num_groups": 4, "group_topk": 2, "group_score_topk": 1, "scaling_factor": 1.5}),
+        ("glm4_moe", {}, {"score_func": "sigmoid", "num_groups": 4, "group_topk": 2, "group_score_topk": 2,
+                          "expert_bias": True}),
         ("glm4_moe", {"topk_group": 4, "num_experts_per_tok": 3}, {"num_groups": None, "top_k": 3}),  # all groups kept
         ("qwen3_5_moe", {}, {"norm_topk_prob": True, "shared_expert_gate": True, "shared_expert_ffn_size": 24}),
     ],
@@ -208,15 +214,14 @@ def test_refused_families_name_the_block_and_the_reason(model_type: str, kwargs:
 @pytest.mark.parametrize(
     ("name", "changes", "match"),
     [
-        ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=4, topk_group=1), "scores each expert group by its best"),
+        ("deepseek_v2", dict(topk_method="noaux_tc"), "topk_method='noaux_tc'"),
         ("deepseek_v2", dict(mlp_bias=True), "shared expert of .* has biases"),
         ("hunyuan_v1_moe", dict(moe_topk=1), "num_experts_per_tok=1 with renormalisation"),
         ("olmoe", dict(num_experts_per_tok=1, norm_topk_prob=True), "num_experts_per_tok=1 with renormalisation"),
         ("granitemoe", dict(num_experts_per_tok=1), "softmax over one selected logit"),
-        ("dots1", dict(num_experts_per_tok=2, topk_group=2), "num_experts_per_tok=2, topk_group=2"),
         ("olmoe", dict(hidden_act="gelu"), "hidden_act='gelu'"),
     ],
-    ids=["v2_group_best_expert", "v2_mlp_bias", "hunyuan_top1", "olmoe_top1", "granite_top1", "dots1_groups", "gelu"],
+    ids=["v2_topk_method", "v2_mlp_bias", "hunyuan_top1", "olmoe_top1", "granite_top1", "gelu"],
 )  # fmt: skip
 def test_inexpressible_configs_are_refused(name: str, changes: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -238,3 +243,77 @@ def test_family_table_names_classes_of_this_transformers() -> None:
         assert hasattr(module, block), (fam.name, block)
     assert set(SUPPORTED_BLOCKS) == {b for b, f in FAMILIES.items() if f.refused is None}
     assert {"PhimoeSparseMoeBlock", "GptOssMLP", "Llama4TextMoe"}.isdisjoint(SUPPORTED_BLOCKS)
+
+
+# ---- group_score_topk: a group's score from its best `group_score_topk` experts -----------------
+
+
+def _reference_group_topk(scores_TE: torch.Tensor, top_k: int, groups: int, keep: int, per_group: int) -> torch.Tensor:
+    """Plain loops: score each group by the sum of its best ``per_group`` scores, keep the best ``keep``."""
+    T, E = scores_TE.shape
+    size = E // groups
+    out = []
+    for t in range(T):
+        group_score = [sorted(scores_TE[t, g * size : (g + 1) * size].tolist(), reverse=True)[:per_group]
+                       for g in range(groups)]  # fmt: skip
+        kept = sorted(range(groups), key=lambda g: -sum(group_score[g]))[:keep]
+        allowed = [e for e in range(E) if e // size in kept]
+        out.append(sorted(sorted(allowed, key=lambda e: -float(scores_TE[t, e]))[:top_k]))
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize(("top_k", "keep", "per_group"), [(4, 2, 1), (2, 2, 2), (3, 2, 3), (4, 2, None)])
+def test_select_topk_scores_groups_by_group_score_topk(top_k: int, keep: int, per_group: int | None) -> None:
+    from lightning_moe.moe.router import select_topk
+
+    scores_TE = torch.rand(64, 16, generator=torch.Generator().manual_seed(3))
+    got = select_topk(scores_TE, top_k, 4, keep, per_group).sort(-1).values
+    want = _reference_group_topk(scores_TE, top_k, 4, keep, per_group if per_group is not None else top_k // keep)
+    assert torch.equal(got, want)
+
+
+def test_group_score_topk_changes_the_selection_and_the_router_uses_it() -> None:
+    from lightning_moe.config import MoEConfig
+    from lightning_moe.moe.router import TopKRouter
+
+    torch.manual_seed(0)
+    x_TH = torch.randn(256, 16)
+    ids = {}
+    for per_group in (1, None):  # None: top_k // group_topk = 2
+        cfg = MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=16, top_k=4, num_groups=4, group_topk=2,
+                        group_score_topk=per_group, pre_softmax=True)  # fmt: skip
+        router = TopKRouter(cfg)
+        with torch.no_grad():
+            router.weight.copy_(torch.randn(16, 16, generator=torch.Generator().manual_seed(5)))
+        ids[per_group] = router(x_TH).topk_ids_TK.sort(-1).values
+        scores_TE = torch.softmax(x_TH @ router.weight.detach().t(), -1)
+        want = _reference_group_topk(scores_TE, 4, 4, 2, per_group or 2)
+        assert torch.equal(ids[per_group], want)
+    assert not torch.equal(ids[1], ids[None])  # the option is not a no-op on these inputs
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(group_score_topk=1), "group_score_topk=1 needs group-limited routing"),
+        (dict(num_groups=4, group_topk=2, group_score_topk=5), "group_score_topk=5 exceeds the 4 experts"),
+        (dict(num_groups=4, group_topk=2, group_score_topk=0), "group_score_topk"),
+        (dict(num_groups=4, group_topk=2, group_score_topk=True), "group_score_topk"),
+        (dict(num_groups=4, group_topk=4, top_k=3), "or set group_score_topk"),
+    ],
+    ids=["no_groups", "too_many", "zero", "bool", "divisibility_hint"],
+)
+def test_group_score_topk_bad_values_are_refused(kwargs: dict, match: str) -> None:
+    from lightning_moe.config import MoEConfig
+
+    base = dict(hidden_size=16, ffn_hidden_size=8, num_experts=16, top_k=4)
+    with pytest.raises(ValueError, match=match):
+        MoEConfig(**{**base, **kwargs})
+
+
+def test_group_score_topk_lets_top_k_skip_the_divisibility_rule() -> None:
+    from lightning_moe.config import MoEConfig
+
+    cfg = MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=16, top_k=3, num_groups=4, group_topk=2,
+                    group_score_topk=1)  # fmt: skip
+    assert cfg.group_score_topk == 1

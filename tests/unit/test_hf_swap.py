@@ -187,12 +187,15 @@ def test_swap_rejects_model_without_moe_blocks() -> None:
         swap_moe_blocks(nn.Sequential(nn.Linear(4, 4)))
 
 
-def test_swap_rejects_deepseek_groups_not_scored_by_top2() -> None:
+def test_swap_scores_deepseek_groups_by_top2_when_top_k_is_not_twice_topk_group() -> None:
     cfg = _deepseek_v3()
-    cfg.num_experts_per_tok, cfg.topk_group = 2, 2  # HF scores groups by top-2, we would use top-1
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(ValueError, match="num_experts_per_tok=2, topk_group=2"):
-        swap_moe_blocks(model)
+    cfg.num_experts_per_tok, cfg.topk_group = 2, 2  # HF scores groups by top-2, top_k/topk_group is 1
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    ours = swap_moe_blocks(copy.deepcopy(ref), experts_backend="torch")
+    assert {m.config.group_score_topk for _, m in find_moe_layers(ours)} == {2}
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=_ids()).logits, ref(input_ids=_ids()).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_export_rejects_routing_override_hf_cannot_hold() -> None:
