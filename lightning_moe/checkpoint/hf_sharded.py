@@ -6,7 +6,8 @@ Legend: E experts, e local experts, H hidden, F expert FFN width, f = F/etp, F_s
 blocks :func:`~lightning_moe.models.hf.swap_moe_blocks` replaced (on any device; usually a model
 built on ``meta``, sharded by ``parallelize_moe_model`` and materialised empty). For each tensor
 it reads only this rank's part: a DTensor's local box (``Shard`` placements of EP, ETP, TP and
-FSDP2, through ``compute_local_shape_and_global_offset``), a plain tensor whole. Reads go through
+FSDP2, strided ones included, through ``compute_local_shape_and_global_offset``), a plain tensor
+whole. Reads go through
 ``safe_open(...).get_slice(name)[...]`` straight into views of the local tensors, one shard file
 open at a time, so a rank's memory is its own shards plus one slice.
 
@@ -40,7 +41,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 __all__ = [
     "HFCheckpoint",
@@ -76,7 +77,9 @@ class HFCheckpoint:
         if index.is_file():
             weight_map = json.loads(index.read_text()).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
-                raise ValueError(f"HF checkpoint {str(self.path)!r}: {INDEX_NAME} has no weight_map; rewrite the index.")
+                raise ValueError(
+                    f"HF checkpoint {str(self.path)!r}: {INDEX_NAME} has no weight_map; rewrite the index."
+                )
             self.weight_map: dict[str, str] = dict(weight_map)
         elif single.is_file():
             from safetensors import safe_open
@@ -125,14 +128,18 @@ def local_box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     if not isinstance(t, DTensor):
         return t, tuple(slice(0, n) for n in t.shape)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    for p in t.placements:
-        if not (p.is_replicate() or type(p) is Shard):
+    mesh = t.device_mesh
+    # a placement over one rank splits nothing (FSDP2 marks its dim strided even at edp=1)
+    placements = [Replicate() if mesh.size(d) == 1 else p for d, p in enumerate(t.placements)]
+    for p in placements:
+        if not (p.is_replicate() or isinstance(p, (Shard, _StridedShard))):
             raise ValueError(
-                f"load_hf_checkpoint_sharded: placement {p} of a {tuple(t.shape)} parameter is not a plain Shard or "
-                "Replicate; load at a layout without it (e.g. edp=1 with etp>1)."
+                f"load_hf_checkpoint_sharded: placement {p} of a {tuple(t.shape)} parameter is not a Shard or "
+                "Replicate; load it at a layout without it."
             )
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
     local = t.to_local()
     if tuple(local.shape) != tuple(shape):
         raise RuntimeError(f"load_hf_checkpoint_sharded: local shard {tuple(local.shape)} != expected {tuple(shape)}.")
@@ -147,8 +154,10 @@ def _pick(ckpt: HFCheckpoint, prefix: str, alternatives: tuple[str, ...], suffix
 def expert_hf_names(prefix: str, expert: int, ckpt: HFCheckpoint | None = None) -> tuple[str, str, str]:
     """Per-expert HF names ``(gate, up, down)`` of expert ``expert`` under ``prefix`` (``P.experts.``)."""
     if ckpt is None:
-        return tuple(f"{prefix}{expert}.{a[0]}.weight" for a in (_GATE, _UP, _DOWN))  # type: ignore[return-value]
-    return tuple(_pick(ckpt, f"{prefix}{expert}.", a, ".weight") for a in (_GATE, _UP, _DOWN))  # type: ignore[return-value]
+        gate, up, down = (f"{prefix}{expert}.{a[0]}.weight" for a in (_GATE, _UP, _DOWN))
+    else:
+        gate, up, down = (_pick(ckpt, f"{prefix}{expert}.", a, ".weight") for a in (_GATE, _UP, _DOWN))
+    return gate, up, down
 
 
 def _rng(s: slice) -> range:

@@ -10,8 +10,8 @@ layout). Tensors are taken one at a time in the model's order:
   of one layer at a time; one replica of that EP rank writes them per expert, in the layout
   transformers 5 ``save_pretrained`` writes (``P.experts.{i}.gate_proj.weight [F, H]``,
   ``up_proj``, ``down_proj [H, F]``);
-* other DTensors (FSDP2, TP): ``full_tensor`` (one tensor at a time), written by one rank of the
-  mesh, taken in turn; plain tensors by one rank of ``group``, in turn;
+* other tensors (FSDP2 and TP DTensors through ``full_tensor``, one tensor at a time; plain ones
+  as they are): written by one rank of ``group``, each rank in turn;
 * names back to HF's (``router.weight`` → ``gate.weight``, the shared expert's ``gate_up`` split
   into ``gate_proj``/``up_proj``, ...; the inverse of ``checkpoint.hf_sharded``).
 
@@ -84,12 +84,13 @@ class _Turns:
 
 
 def _whole(t: torch.Tensor, turns: _Turns) -> torch.Tensor | None:
-    """``t`` whole on the rank whose turn it is (``None`` elsewhere); collective for DTensors."""
-    if isinstance(t, DTensor):
-        full = t.detach().full_tensor()
-        index, count = _replica_index(t, [False] * t.device_mesh.ndim)
-        return full if turns.mine(index, count) else None
-    return t.detach() if turns.mine(turns.rank, turns.world) else None
+    """``t`` whole on the rank whose turn it is (``None`` elsewhere); collective for DTensors.
+
+    Every rank holds a part or a copy of every tensor that is not an expert weight (ranks outside
+    a DTensor's mesh, e.g. the TP ranks of an FSDP-only weight, hold copies), so the turn goes
+    over the whole group."""
+    full = t.detach().full_tensor() if isinstance(t, DTensor) else t.detach()
+    return full if turns.mine(turns.rank, turns.world) else None
 
 
 def hf_tensors(model: nn.Module, rank: int = 0, world: int = 1) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,8 +1,9 @@
 """An HF checkpoint loads onto meta-initialised folded_moe ranks, each rank reading its own slices.
 
-4 gloo ranks. A small Qwen3-MoE checkpoint (fp32) gives the one-process HF model's logits at EP4
-and at EP2 x EDP2 (experts FSDP-sharded on H, dense weights over 4), and streams back out bit for
-bit. A synthetic 1.53 B-parameter Qwen3-MoE checkpoint (random bf16 weights, about 3.1 GB, written
+4 gloo ranks. A small Qwen3-MoE checkpoint (fp32) gives the one-process HF model's logits at EP4,
+at EP2 x EDP2 (experts FSDP-sharded on H, dense weights over 4), TP2 x ETP2 x EP2 and TP2 x ETP2
+x EDP2, and streams
+back out bit for bit (from the loaded model, and from the DCP folder the Trainer saves). A synthetic 1.53 B-parameter Qwen3-MoE checkpoint (random bf16 weights, about 3.1 GB, written
 tensor by tensor into 256 MB shards, so the test never holds the model) loads at EP4 with each
 rank's peak RSS under ``(dense + experts / 4) * 1.3`` plus its resident size before the load and a
 fixed 256 MB.
@@ -43,16 +44,17 @@ def _config(cfg: dict):
 
 
 def test_sharded_load_equals_one_process_hf_logits_and_exports_bitwise(tmp_path: Path) -> None:
-    """At EP4, then (same processes) at EP2 x EDP2."""
+    """At EP4, then (same processes) at EP2 x EDP2, TP2 x ETP2 x EP2 (blocked w13 columns) and
+    TP2 x ETP2 x EDP2 (w2's F dim split by ETP, then by FSDP: a strided shard)."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(_config(SMALL))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     model.save_pretrained(str(tmp_path / "hf"), max_shard_size="20KB")
-    out = run_torchrun("worker_hf_sharded_load.py", 4, ["logits", str(tmp_path / "hf"), str(tmp_path), "4,2"],
+    out = run_torchrun("worker_hf_sharded_load.py", 4, ["logits", str(tmp_path / "hf"), str(tmp_path), "ep=4,ep=2,tp=2:etp=2:ep=2,tp=2:etp=2"],
                        timeout=240)  # fmt: skip
-    assert out.count("WORKER OK") == 2, out[-3000:]
+    assert out.count("WORKER OK") == 4, out[-3000:]
 
 
 def _write_safetensors(file: Path, tensors: list[tuple[str, tuple[int, ...]]], gen: torch.Generator) -> None:
@@ -86,7 +88,7 @@ def _write_synthetic(path: Path, cfg: dict, shard_bytes: int = 256 * 1024**2) ->
             E, two_F, H = t.shape
             prefix = name[: -len("gate_up_proj")]
             for i in range(E):
-                shapes += [(f"{prefix}{i}.gate_proj.weight", (two_F // 2, H)), (f"{prefix}{i}.up_proj.weight", (two_F // 2, H))]
+                shapes += [(f"{prefix}{i}.{w}_proj.weight", (two_F // 2, H)) for w in ("gate", "up")]
         elif name.endswith("mlp.experts.down_proj"):
             E, H, F = t.shape
             shapes += [(f"{name[: -len('down_proj')]}{i}.down_proj.weight", (H, F)) for i in range(E)]
@@ -122,7 +124,7 @@ def test_large_checkpoint_loads_with_each_rank_under_its_share_of_memory(tmp_pat
         params = _write_synthetic(hf, LARGE)
         print(f"wrote {params / 1e9:.3f} B parameters in {time.perf_counter() - start:.1f} s", flush=True)
         assert params >= 1.5e9, params
-        out = run_torchrun("worker_hf_sharded_load.py", 4, ["memory", str(hf), str(tmp_path), "4"], timeout=240)
+        out = run_torchrun("worker_hf_sharded_load.py", 4, ["memory", str(hf), str(tmp_path), "ep=4"], timeout=240)
         assert "WORKER OK" in out, out[-3000:]
         reports = json.loads((tmp_path / "memory.json").read_text())
         for r in reports:

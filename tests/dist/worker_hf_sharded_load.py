@@ -1,11 +1,11 @@
 """Worker: load an HF checkpoint onto meta-initialised folded_moe ranks, each rank its own slices.
 
-``python worker_hf_sharded_load.py MODE HF_DIR OUT_DIR EPS`` on 4 ranks (``EPS``: expert-parallel
-degrees, e.g. ``4,2``, run one after the other in the same processes).
+``python worker_hf_sharded_load.py MODE HF_DIR OUT_DIR LAYOUTS`` on 4 ranks (``LAYOUTS``: e.g.
+``ep=4,ep=2,tp=2:etp=2:ep=2``, run one after the other in the same processes).
 
 * ``logits``: fp32; rank 0 compares the sharded model's logits with the one-process HF model's,
   then every rank streams its part out (``stream_export_hf``), the Trainer saves a DCP folder that
-  ``lightning-moe-export --streaming`` turns back into HF files at the other EP degree, and rank 0
+  ``lightning-moe-export --streaming`` turns back into HF files at another EP degree, and rank 0
   compares every tensor of both exports with the input checkpoint's, bit for bit;
 * ``memory``: bf16; each rank's peak RSS (``VmHWM``, reset before the load) stays under
   ``(dense bytes + expert bytes / 4) * 1.3 + baseline + ALLOWANCE``, where the baseline is the
@@ -61,16 +61,21 @@ def _param_bytes(hf_dir: Path) -> tuple[int, int]:
     return dense, experts
 
 
-def _trainer(ep: int, batches: int) -> pl.Trainer:
+def _layout(spec: str) -> dict[str, int]:
+    """``"tp=2:etp=2:ep=2"`` -> ``{"tp": 2, "etp": 2, "ep": 2}``."""
+    return {k: int(v) for k, v in (part.split("=") for part in spec.split(":"))}
+
+
+def _trainer(layout: dict[str, int], batches: int) -> pl.Trainer:
     return pl.Trainer(
-        accelerator="cpu", devices=4, strategy=FoldedMoEStrategy(ep=ep, timeout=timedelta(seconds=240)),
+        accelerator="cpu", devices=4, strategy=FoldedMoEStrategy(**layout, timeout=timedelta(seconds=240)),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=batches,
     )  # fmt: skip
 
 
 def _loaded(
-    hf_dir: Path, ep: int, dtype: str, batches: int = 1
+    hf_dir: Path, layout: dict[str, int], dtype: str, batches: int = 1
 ) -> tuple[HFMoELanguageModel, dict[str, float], pl.Trainer]:
     """The module after ``trainer.validate`` (configure_model reads the checkpoint; ``batches=0``
     stops after the strategy's setup), and the load's resident sizes and seconds."""
@@ -88,29 +93,31 @@ def _loaded(
 
     lit.configure_model = measured  # type: ignore[method-assign]
     ids = torch.randint(0, lit.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
-    trainer = _trainer(ep, batches)
+    trainer = _trainer(layout, batches)
     trainer.validate(lit, DataLoader([{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}], batch_size=None))
     return lit.eval(), stats, trainer
 
 
-def logits(hf_dir: Path, out: Path, ep: int) -> None:
+def logits(hf_dir: Path, out: Path, spec: str) -> None:
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     from lightning_moe.checkpoint.hf_sharded import HFCheckpoint
     from lightning_moe.checkpoint.hf_stream_export import stream_export_hf
 
-    lit, _, trainer = _loaded(hf_dir, ep, "float32")
+    layout = _layout(spec)
+    ep, tag = layout.get("ep", 1), spec.replace(":", "_").replace("=", "")
+    lit, _, trainer = _loaded(hf_dir, layout, "float32")
     assert not any(p.is_meta for p in lit.parameters())
     ids = torch.randint(0, lit.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         got = lit(ids)
     got = got.full_tensor() if hasattr(got, "full_tensor") else got
-    export = out / f"export_ep{ep}"
+    export = out / f"export_{tag}"
     stream_export_hf(lit.model, export, group=dist.group.WORLD, max_shard_bytes=50_000)
-    trainer.save_checkpoint(out / f"ckpt_ep{ep}")  # DCP folder -> HF, every rank its part, through the CLI
-    from_dcp = out / f"dcp_export_ep{ep}"
-    export_main([str(out / f"ckpt_ep{ep}"), str(from_dcp), "--streaming", "--ep", str(6 - ep)])
+    trainer.save_checkpoint(out / f"ckpt_{tag}")  # DCP folder -> HF, every rank its part, through the CLI
+    from_dcp = out / f"dcp_export_{tag}"
+    export_main([str(out / f"ckpt_{tag}"), str(from_dcp), "--streaming", "--ep", str(2 if ep == 4 else 4)])
     if dist.get_rank() == 0:
         ref = AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True, dtype=torch.float32).eval()
         with torch.no_grad():
@@ -134,8 +141,8 @@ def logits(hf_dir: Path, out: Path, ep: int) -> None:
         print("WORKER OK", flush=True)
 
 
-def memory(hf_dir: Path, out: Path, ep: int) -> None:
-    lit, stats, _ = _loaded(hf_dir, ep, "bfloat16", batches=0)
+def memory(hf_dir: Path, out: Path, spec: str) -> None:
+    lit, stats, _ = _loaded(hf_dir, _layout(spec), "bfloat16", batches=0)
     assert not any(p.is_meta for p in lit.parameters())
     dense, experts = _param_bytes(hf_dir)
     local = sum(
@@ -156,6 +163,6 @@ def memory(hf_dir: Path, out: Path, ep: int) -> None:
 
 if __name__ == "__main__":
     mode, hf, out_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    for ep_degree in (int(e) for e in sys.argv[4].split(",")):  # one layout after the other
-        {"logits": logits, "memory": memory}[mode](hf, out_dir, ep_degree)
+    for layout_spec in sys.argv[4].split(","):  # one layout after the other
+        {"logits": logits, "memory": memory}[mode](hf, out_dir, layout_spec)
     leave_together()

@@ -152,7 +152,8 @@ def test_each_ranks_box_reads_its_shard_of_experts_and_dense_weights(
             rows = q.shape[0] // (ep * etp * edp)
             local_q = torch.full((rows, q.shape[1]), float("nan"))
             boxes[id(q)] = (local_q, (slice(rank * rows, (rank + 1) * rows), slice(0, q.shape[1])))
-            wants.append((local_q, full.model.layers[i].self_attn.q_proj.weight.detach()[rank * rows : (rank + 1) * rows]))
+            want_q = full.model.layers[i].self_attn.q_proj.weight.detach()[rank * rows : (rank + 1) * rows]
+            wants.append((local_q, want_q))
         monkeypatch.setattr(hs, "local_box", lambda t: boxes.get(id(t)) or real_box(t))
         load_hf_checkpoint_sharded(model, hf)
         for got, want in wants:
