@@ -317,3 +317,16 @@ def test_group_score_topk_lets_top_k_skip_the_divisibility_rule() -> None:
     cfg = MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=16, top_k=3, num_groups=4, group_topk=2,
                     group_score_topk=1)  # fmt: skip
     assert cfg.group_score_topk == 1
+
+
+def test_fused_topk_kernel_arguments_are_withheld_only_for_a_non_default_group_rule() -> None:
+    from lightning_moe.config import MoEConfig
+    from lightning_moe.moe.router import TopKRouter
+
+    def router(per_group: int | None) -> TopKRouter:
+        return TopKRouter(MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=16, top_k=4, num_groups=4,
+                                    group_topk=2, group_score_topk=per_group))  # fmt: skip
+
+    assert router(None)._topk_kernel_args() is not None
+    assert router(2)._topk_kernel_args() is not None  # 4 // 2: the kernel's own rule
+    assert router(1)._topk_kernel_args() is None
