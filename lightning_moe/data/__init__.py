@@ -13,6 +13,10 @@ Pipeline (all deterministic for a given interpreter, path and seed):
            packs them into rows with ``position_ids`` and ``document_ids`` (no label across documents).
 4. order   (``sampler.py``) epoch ``e`` is a permutation seeded ``seed + e``, dealt out over the
            data-parallel ranks; the train loader's position is saved in checkpoints and restored.
+
+Tokenized text (``text_datamodule.py``: ``TextDataModule``) follows the same order and packing
+from local text, jsonl or parquet files and the checkpoint's own tokenizer (``tokenizer.py``),
+with chat fine-tuning that puts the loss on assistant tokens only (``sft.py``).
 """
 
 from lightning_moe.data.corpus import SEPARATOR, TEXT_SUFFIXES, VOCAB_SIZE, load_tokens, stdlib_corpus, stdlib_files
@@ -27,8 +31,10 @@ from lightning_moe.data.packing import (
     position_ids_from_document_ids,
 )
 from lightning_moe.data.sampler import ResumableDataLoader, ResumableSampler
+from lightning_moe.data.text_datamodule import TextDataModule
 
 __all__ = ["SEPARATOR", "TEXT_SUFFIXES", "VOCAB_SIZE", "MoEDataModule", "ResumableDataLoader", "ResumableSampler"]
 __all__ += ["TokenDataset", "load_tokens", "stdlib_corpus", "stdlib_files"]
 __all__ += ["PACKED_KEYS", "PackedDataset", "check_packed_batch", "document_ids_from_lengths", "pack_documents"]
 __all__ += ["position_ids_from_document_ids"]
+__all__ += ["TextDataModule"]
