@@ -216,6 +216,7 @@ _BOOL_FIELDS = (
     "memory_efficient_permute",
     "fuse_wgrad_accumulation",
     "check_finite",
+    "routing_weight_on_input",
 )
 
 
@@ -260,6 +261,9 @@ class MoEConfig:
             the routed path (its token exchange under expert parallelism), forward and backward.
         memory_efficient_permute: apply the routing weight inside the expert activation, so the
             combine is a plain sum and nothing extra is saved for the weight's gradient.
+        routing_weight_on_input: multiply each routed row by its routing weight *before* the
+            experts, ``y = sum_k expert_k(w_k * x)`` (Llama 4), instead of weighting their outputs;
+            runs the dispatch → experts → combine stages separately (not the fused path).
         experts_backend: grouped GEMM backend; ``auto`` picks the fastest importable one.
         fuse_wgrad_accumulation: when an expert weight already holds a gradient (gradient
             accumulation over micro-batches), add the new one into ``.grad`` inside the
@@ -298,6 +302,7 @@ class MoEConfig:
     shared_expert_gate: bool = False
     shared_expert_overlap: bool = False
     memory_efficient_permute: bool = True
+    routing_weight_on_input: bool = False
     experts_backend: ExpertsBackend = "auto"
     fuse_wgrad_accumulation: bool = False
     check_finite: bool = False
@@ -369,6 +374,11 @@ class MoEConfig:
             )
         if self.shared_expert_gate and self.shared_expert_ffn_size is None:
             raise ValueError("MoEConfig: shared_expert_gate=True needs shared_expert_ffn_size; set it or drop the gate.")
+        if self.routing_weight_on_input and self.fp8 is not None:
+            raise ValueError(
+                "MoEConfig: routing_weight_on_input=True with fp8 experts: the FP8 rows are quantized before the "
+                "weight would scale them; set fp8=None or routing_weight_on_input=False."
+            )
         if self.shared_expert_overlap and self.shared_expert_ffn_size is None:
             raise ValueError(
                 "MoEConfig: shared_expert_overlap=True needs a shared expert; set shared_expert_ffn_size or drop "

@@ -32,11 +32,13 @@ DeepSeek-V3, GLM-4-MoE, dots1  sigmoid scores, ``e_score_correction_bias`` (our 
                                for selection only, group-limited top-k (groups scored by their
                                top-2: ``group_score_topk=2``), renormalised, times
                                ``routed_scaling_factor``; shared experts
+Llama 4 (text)                 top-k of the logits, weight ``sigmoid(logit)`` applied to the
+                               expert's input (``routing_weight_on_input``); experts stored
+                               ``[E, H, 2F]`` / ``[E, F, H]``; an ungated shared expert
 =============================  ==============================================================
 
 Refused, with the reason in the ``ValueError``: PhiMoE (SparseMixer routing), gpt-oss (router
-and expert biases, interleaved gate/up, clamped SwiGLU), Llama 4 (the score scales the expert
-input). A softmax family with ``num_experts_per_tok=1`` and renormalisation (HF weight 1.0 per
+and expert biases, interleaved gate/up, clamped SwiGLU). A softmax family with ``num_experts_per_tok=1`` and renormalisation (HF weight 1.0 per
 token) is refused too.
 
 Weight mapping (ours ← HF): ``router.weight ← <router>.weight``; ``experts.w13[e] ←
@@ -96,6 +98,7 @@ _ROUTING_FIELDS = (
     "expert_bias",
     "shared_expert_ffn_size",
     "shared_expert_gate",
+    "routing_weight_on_input",
 )
 _MOE_FIELDS = frozenset(f.name for f in fields(MoEConfig))
 
@@ -209,7 +212,11 @@ def _check_silu(name: str, *owners: Any) -> None:
         )
 
 
-def _experts_weights(name: str, experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+def _transposed(fam: Family, experts: nn.Module) -> bool:
+    return fam.experts_transposed or bool(getattr(experts, "is_transposed", False))
+
+
+def _experts_weights(name: str, experts: nn.Module, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(w13 [E, H, 2F], w2 [E, F, H])`` as new contiguous tensors (gate columns first)."""
     if hasattr(experts, "gate_up_proj"):
         if getattr(experts, "has_bias", False) or not getattr(experts, "is_concatenated", True):
@@ -218,7 +225,7 @@ def _experts_weights(name: str, experts: nn.Module) -> tuple[torch.Tensor, torch
                 "only concatenated [gate | up] without bias is supported."
             )
         gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
-        if getattr(experts, "is_transposed", False):  # stored as [E, H, 2F] and [E, F, H] already
+        if transposed:  # stored as [E, H, 2F] and [E, F, H] already
             return gate_up.contiguous().clone(), down.contiguous().clone()
         return gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
     if isinstance(experts, nn.ModuleList):  # transformers 4.x: one MLP per expert
@@ -236,7 +243,7 @@ def _experts_weights(name: str, experts: nn.Module) -> tuple[torch.Tensor, torch
 def _softmax(num_experts: int, top_k: int, norm: bool, **extra: Any) -> dict[str, Any]:
     out = {"num_experts": num_experts, "top_k": top_k, "score_func": "softmax", "pre_softmax": True,
            "norm_topk_prob": norm, "scaling_factor": None, "num_groups": None, "group_topk": None,
-           "group_score_topk": None, "expert_bias": False}  # fmt: skip
+           "group_score_topk": None, "expert_bias": False, "routing_weight_on_input": False}  # fmt: skip
     out.update(extra)
     return out
 
@@ -267,6 +274,10 @@ def _routing(name: str, fam: Family, block: nn.Module, num_experts: int) -> dict
         # HF divides by clamp(sum, min=moe_norm_min), MoELayer by sum + 1e-20: equal for any sum above 1e-12.
         _single_expert_renormalised(name, top_k, norm)
         return _softmax(num_experts, top_k, norm, expert_bias=True)
+    if fam.routing == "sigmoid_input":  # top-k of the logits = top-k of their sigmoid
+        return {"num_experts": num_experts, "top_k": top_k, "score_func": "sigmoid", "pre_softmax": False,
+                "norm_topk_prob": False, "scaling_factor": None, "num_groups": None, "group_topk": None,
+                "group_score_topk": None, "expert_bias": False, "routing_weight_on_input": True}  # fmt: skip
     n_group = int(_attr("num_group|n_group", *owners, default=1) or 1)
     topk_group = int(_attr("topk_group", *owners, default=1) or 1)
     scaling = float(_attr("routed_scaling_factor", *owners, default=1.0))
@@ -292,7 +303,8 @@ def _routing(name: str, fam: Family, block: nn.Module, num_experts: int) -> dict
     return {"num_experts": num_experts, "top_k": top_k, "score_func": "sigmoid", "pre_softmax": False,
             "norm_topk_prob": norm, "scaling_factor": scaling,
             "num_groups": n_group if grouped else None, "group_topk": topk_group if grouped else None,
-            "group_score_topk": 2 if grouped else None, "expert_bias": True}  # fmt: skip
+            "group_score_topk": 2 if grouped else None, "expert_bias": True,
+            "routing_weight_on_input": False}  # fmt: skip
 
 
 def _shared(family: str | Family, block: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
@@ -352,7 +364,7 @@ def moe_config_from_block(
     if first is not None:
         ffn = _attr("gate_proj|w1", first).weight.shape[0]
     else:
-        ffn = block.experts.down_proj.shape[-1 if not getattr(block.experts, "is_transposed", False) else 1]
+        ffn = block.experts.down_proj.shape[1 if _transposed(fam, block.experts) else -1]
     shared, shared_gate = _shared(fam, block)
     _check_shared(name, shared, shared_gate)
     routing["shared_expert_ffn_size"] = None if shared is None else int(shared.gate_proj.weight.shape[0])
@@ -383,7 +395,7 @@ def _build_layer(name: str, block: nn.Module, hf_config: Any, overrides: dict[st
     config, routing = moe_config_from_block(block, hf_config, name, **overrides)
     gate_w = _router_module(fam, block).weight
     device, requires_grad = gate_w.device, gate_w.requires_grad
-    w13, w2 = _experts_weights(name, block.experts)
+    w13, w2 = _experts_weights(name, block.experts, _transposed(fam, block.experts))
     tensors: dict[str, torch.Tensor] = {"router.weight": gate_w.detach().clone(), "experts.w13": w13, "experts.w2": w2}
     bias = _correction_bias(fam, block)
     shared, shared_gate = _shared(fam, block)
@@ -481,9 +493,11 @@ def _check_exportable(layer: HFMoELayer) -> None:
         )
 
 
-def _write_experts(experts: nn.Module, w13: torch.Tensor, w2: torch.Tensor, requires_grad: bool) -> None:
+def _write_experts(
+    experts: nn.Module, w13: torch.Tensor, w2: torch.Tensor, requires_grad: bool, transposed: bool
+) -> None:
     if hasattr(experts, "gate_up_proj"):
-        if getattr(experts, "is_transposed", False):
+        if transposed:
             experts.gate_up_proj = _param(w13.clone(), requires_grad)
             experts.down_proj = _param(w2.clone(), requires_grad)
         else:
@@ -508,7 +522,8 @@ def _rebuild_block(layer: HFMoELayer) -> nn.Module:
     rg = router_w.requires_grad
     fam = _BY_NAME[layer.family]
     _router_module(fam, block).weight = _param(_full(router_w).detach().clone(), rg)
-    _write_experts(block.experts, _full(layer.experts.w13).detach(), _full(layer.experts.w2).detach(), rg)
+    w13, w2 = _full(layer.experts.w13).detach(), _full(layer.experts.w2).detach()
+    _write_experts(block.experts, w13, w2, rg, _transposed(fam, block.experts))
     hf_bias = _correction_bias(fam, block)
     if hf_bias is not None:
         ours = layer.router.expert_bias

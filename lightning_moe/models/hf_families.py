@@ -22,6 +22,8 @@ Routing rules (what HF computes from the fp32 router logits ``l_TE``):
 ``sigmoid``     ``s = sigmoid(l)``; group-limited top-k of ``s + b`` (groups scored by their
                 top-2), weights from ``s`` renormalised, times ``routed_scaling_factor``
                 (DeepSeek-V3)
+``sigmoid_input``  top-k of ``l``, weight ``sigmoid(l)`` of each selected expert, applied to the
+                expert's *input* (Llama 4: ``routing_weight_on_input``); not renormalised
 ==============  ================================================================================
 """
 
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 
 __all__ = ["FAMILIES", "Family", "ROUTINGS", "family_of"]
 
-ROUTINGS = ("softmax", "softmax_k", "softmax_bias", "softmax_scaled", "sigmoid")
+ROUTINGS = ("softmax", "softmax_k", "softmax_bias", "softmax_scaled", "sigmoid", "sigmoid_input")
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,8 @@ class Family:
         bias: attribute path, from the router module, of the selection-only correction bias.
         shared: attribute of the ungated or gated shared-expert MLP on the block.
         shared_gate: attribute of the shared expert's ``Linear(H, 1)`` sigmoid gate.
+        experts_transposed: the fused expert weights are stored ``gate_up_proj [E, H, 2F]`` and
+            ``down_proj [E, F, H]`` (our layout already; Llama 4) instead of ``[E, 2F, H]`` / ``[E, H, F]``.
         refused: why the block cannot be swapped (``None``: it can).
     """
 
@@ -60,6 +64,7 @@ class Family:
     bias: str | None = None
     shared: str | None = None
     shared_gate: str | None = None
+    experts_transposed: bool = False
     refused: str | None = None
 
     def __post_init__(self) -> None:
@@ -94,9 +99,8 @@ FAMILIES: dict[str, Family] = {
         Family("gpt_oss", "GptOssMLP", router="router", refused=(
             "its router has a bias and its experts have biases, interleaved gate/up columns and a clamped "
             "SwiGLU (alpha, limit), which MoELayer's experts do not compute")),
-        Family("llama4", "Llama4TextMoe", router="router", refused=(
-            "it multiplies the routed expert's *input* by the sigmoid score (top-k sigmoid of the selected "
-            "logits), where MoELayer weights the expert's output")),
+        Family("llama4", "Llama4TextMoe", router="router", routing="sigmoid_input", norm=False,
+               shared="shared_expert", experts_transposed=True),
     )
 }  # fmt: skip
 

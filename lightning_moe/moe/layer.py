@@ -92,6 +92,16 @@ def _summed_counts(counts_E: torch.Tensor, num_tokens: int, group: Any) -> tuple
     return counts_and_num[:-1], counts_and_num[-1]
 
 
+def _check_on_input_dispatcher(dispatcher: Dispatcher, layer_name: str) -> None:
+    from lightning_moe.moe.dispatch.echo import EchoDispatcher
+
+    if isinstance(dispatcher, EchoDispatcher):  # its clone experts weight their outputs inside combine
+        raise ValueError(
+            f"{layer_name}: routing_weight_on_input=True under ECHO expert cloning, whose clone experts weight "
+            "their outputs; drop the ECHO callback or set routing_weight_on_input=False."
+        )
+
+
 class MoELayer(nn.Module):
     """Mixture-of-Experts FFN: ``forward(x[..., H]) -> y[..., H]``.
 
@@ -162,7 +172,8 @@ class MoELayer(nn.Module):
             else None
         )
         shared = _SharedOnSideStream(self.shared_expert, x_TH) if self._overlap_shared(x_TH) else None
-        me = cfg.memory_efficient_permute
+        on_input = cfg.routing_weight_on_input  # the weight scales the expert's input rows (Llama 4)
+        me = cfg.memory_efficient_permute and not on_input
         if me and self.dispatcher.capabilities.runs_experts:  # the dispatcher fuses its three stages (fast path)
             run_experts = self.dispatcher.run_experts  # type: ignore[attr-defined]
             weights_TK = lambda: routing.topk_weights_TK  # noqa: E731  (read after the first expert GEMM's launch)
@@ -176,11 +187,15 @@ class MoELayer(nn.Module):
             dispatched, handle = self.dispatcher.dispatch(
                 x_TH, routing.topk_ids_TK, routing.topk_weights_TK, capacity
             )
+            x_RH = dispatched.x_RH
+            if on_input:
+                _check_on_input_dispatcher(self.dispatcher, self.layer_name)
+                x_RH = x_RH * dispatched.weights_R.unsqueeze(-1).to(x_RH.dtype)
             y_RH = self.experts(
-                dispatched.x_RH, dispatched.tokens_per_expert_e, dispatched.weights_R if me else None,
+                x_RH, dispatched.tokens_per_expert_e, dispatched.weights_R if me else None,
                 x_fp8=getattr(dispatched, "x_fp8", None),  # FP8 rows of an FP8-capable dispatcher
             )
-            y_TH = self.dispatcher.combine(y_RH, handle, weighted=not me)
+            y_TH = self.dispatcher.combine(y_RH, handle, weighted=not (me or on_input))
         y_TH = y_TH.to(x.dtype)
         if shared is not None:
             y_TH = y_TH + shared.join().to(y_TH.dtype)
@@ -240,7 +255,7 @@ class MoELayer(nn.Module):
         """The router's output, the permutation and the moved rows from one extension call
         (``TopKRouter.route_and_permute``) when the single-rank dropless fast path runs; else ``None``."""
         cfg = self.config
-        if not (cfg.memory_efficient_permute and cfg.capacity_factor is None):
+        if not (cfg.memory_efficient_permute and cfg.capacity_factor is None) or cfg.routing_weight_on_input:
             return None
         if not self.dispatcher.capabilities.takes_router_permutation:
             return None

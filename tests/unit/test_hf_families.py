@@ -1,9 +1,10 @@
 """Every HF MoE family in ``swap_moe_blocks``: same logits and gradients, exact round trip, clear refusals.
 
 Tiny random fp32 configs of GLM-4-MoE, OLMoE, dots1, ERNIE-4.5-MoE, HunYuan-MoE, Granite-MoE,
-DeepSeek-V2 (greedy and group-limited), Qwen3-Next, Qwen3.5-MoE and MiniMax are built here
-(nothing is downloaded); correction biases are randomised so a wrong bias mapping changes the
-routing. PhiMoE, gpt-oss and Llama 4 are refused with the reason. The families of
+DeepSeek-V2 (greedy and group-limited), Qwen3-Next, Qwen3.5-MoE, MiniMax and Llama 4 (the
+routing weight scales the expert input) are built here (nothing is downloaded); correction
+biases are randomised so a wrong bias mapping changes the routing. PhiMoE and gpt-oss are
+refused with the reason. The families of
 ``test_hf_swap.py`` (Qwen3, Qwen2, Mixtral, DeepSeek-V3) are not repeated.
 """
 
@@ -60,6 +61,10 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], int]] = {
                                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, **_LINEAR_ATTN), 2),
     "qwen3_5_moe": ("qwen3_5_moe_text", dict(moe_intermediate_size=16, shared_expert_intermediate_size=24,
                                              num_experts=8, num_experts_per_tok=2, **_LINEAR_ATTN), 2),
+    "llama4": ("llama4_text", dict(intermediate_size=16, intermediate_size_mlp=32, num_local_experts=4,
+                                   num_experts_per_tok=1, interleave_moe_layer_step=1), 2),
+    "llama4_top2": ("llama4_text", dict(intermediate_size=16, intermediate_size_mlp=32, num_local_experts=4,
+                                        num_experts_per_tok=2, interleave_moe_layer_step=1), 2),
     "minimax": ("minimax", dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
                                 layer_types=["linear_attention", "full_attention"], block_size=8), 2),
 }  # fmt: skip
@@ -88,10 +93,11 @@ def _hf_grads_in_our_layout(block: nn.Module) -> dict[str, torch.Tensor]:
     """The HF block's gradients under our parameter names (w13 = gate_up^T, shared gate_up = cat)."""
     fam = family_of(block)
     assert fam is not None
+    gate_up, down = block.experts.gate_up_proj.grad, block.experts.down_proj.grad
     out = {
         "router.weight": block.get_submodule(fam.router).weight.grad,
-        "experts.w13": block.experts.gate_up_proj.grad.transpose(1, 2),
-        "experts.w2": block.experts.down_proj.grad.transpose(1, 2),
+        "experts.w13": gate_up if fam.experts_transposed else gate_up.transpose(1, 2),
+        "experts.w2": down if fam.experts_transposed else down.transpose(1, 2),
     }
     shared = getattr(block, fam.shared, None) if fam.shared else None
     if shared is not None:
@@ -200,10 +206,8 @@ def _refused_model(model_type: str, **kwargs: Any) -> nn.Module:
         ("phimoe", dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2), r"PhimoeSparseMoeBlock.*SparseMixer"),
         ("gpt_oss", dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, layer_types=None),
          r"GptOssMLP.*clamped SwiGLU"),
-        ("llama4_text", dict(intermediate_size=16, intermediate_size_mlp=32, num_local_experts=4, num_experts_per_tok=1,
-                             interleave_moe_layer_step=1), r"Llama4TextMoe.*\*input\*"),
     ],
-    ids=["phimoe", "gpt_oss", "llama4"],
+    ids=["phimoe", "gpt_oss"],
 )  # fmt: skip
 def test_refused_families_name_the_block_and_the_reason(model_type: str, kwargs: dict, match: str) -> None:
     model = _refused_model(model_type, **kwargs)
@@ -242,7 +246,7 @@ def test_family_table_names_classes_of_this_transformers() -> None:
         module = importlib.import_module(f"transformers.models.{fam.name}.modeling_{fam.name}")
         assert hasattr(module, block), (fam.name, block)
     assert set(SUPPORTED_BLOCKS) == {b for b, f in FAMILIES.items() if f.refused is None}
-    assert {"PhimoeSparseMoeBlock", "GptOssMLP", "Llama4TextMoe"}.isdisjoint(SUPPORTED_BLOCKS)
+    assert {"PhimoeSparseMoeBlock", "GptOssMLP"}.isdisjoint(SUPPORTED_BLOCKS)
 
 
 # ---- group_score_topk: a group's score from its best `group_score_topk` experts -----------------
@@ -330,3 +334,83 @@ def test_fused_topk_kernel_arguments_are_withheld_only_for_a_non_default_group_r
     assert router(None)._topk_kernel_args() is not None
     assert router(2)._topk_kernel_args() is not None  # 4 // 2: the kernel's own rule
     assert router(1)._topk_kernel_args() is None
+
+
+# ---- routing_weight_on_input: y = sum_k expert_k(w_k * x) ------------------------------------
+
+
+def _reference_weight_on_input(layer: Any, x_TH: torch.Tensor) -> torch.Tensor:
+    """Plain loops over tokens and their slots with the layer's own routing and weights."""
+    out = layer.router(x_TH)
+    w13, w2 = layer.experts.w13, layer.experts.w2
+    F = w2.shape[1]
+    y = torch.zeros_like(x_TH)
+    for t in range(x_TH.shape[0]):
+        for k in range(out.topk_ids_TK.shape[1]):
+            e = int(out.topk_ids_TK[t, k])
+            if e < 0:
+                continue
+            h = (out.topk_weights_TK[t, k] * x_TH[t]) @ w13[e]
+            y[t] = y[t] + (torch.nn.functional.silu(h[:F]) * h[F:]) @ w2[e]
+    return y
+
+
+@pytest.mark.parametrize(
+    ("top_k", "capacity_factor", "memory_efficient_permute"),
+    [(1, None, True), (2, None, True), (2, None, False), (2, 0.5, True), (3, None, True)],
+)
+def test_routing_weight_on_input_scales_the_expert_input(top_k, capacity_factor, memory_efficient_permute) -> None:
+    from lightning_moe.config import MoEConfig
+    from lightning_moe.moe.layer import MoELayer
+
+    torch.manual_seed(0)
+    cfg = MoEConfig(hidden_size=16, ffn_hidden_size=12, num_experts=6, top_k=top_k, score_func="sigmoid",
+                    norm_topk_prob=False, routing_weight_on_input=True, capacity_factor=capacity_factor,
+                    memory_efficient_permute=memory_efficient_permute, aux_loss="none", experts_backend="torch",
+                    init_std=0.3)  # fmt: skip
+    layer = MoELayer(cfg)
+    x = torch.randn(40, 16, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    y = layer(x)
+    x_ref = x.detach().clone().requires_grad_(True)
+    ref_params = copy.deepcopy(layer)
+    y_ref = _reference_weight_on_input(ref_params, x_ref)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(y)
+    (y * g).sum().backward()
+    (y_ref * g).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=1e-5)
+    for (n, p), (_, q) in zip(layer.named_parameters(), ref_params.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5, msg=n)
+    # weighting the output instead is a different function (the option is not a no-op)
+    off = MoELayer(dataclasses_replace(cfg, routing_weight_on_input=False))
+    off.load_state_dict(layer.state_dict())
+    assert not torch.allclose(off(x.detach()), y.detach(), atol=1e-4)
+
+
+def test_routing_weight_on_input_with_zero_tokens() -> None:
+    from lightning_moe.config import MoEConfig
+    from lightning_moe.moe.layer import MoELayer
+
+    layer = MoELayer(MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=1, score_func="sigmoid",
+                               norm_topk_prob=False, routing_weight_on_input=True, aux_loss="none",
+                               experts_backend="torch"))  # fmt: skip
+    x = torch.zeros(0, 8, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    assert y.shape == (0, 8) and x.grad.shape == (0, 8)
+
+
+def test_routing_weight_on_input_refuses_fp8_and_non_bools() -> None:
+    from lightning_moe.config import Fp8Config, MoEConfig
+
+    base = dict(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=1, score_func="sigmoid")
+    with pytest.raises(ValueError, match="routing_weight_on_input=True with fp8 experts"):
+        MoEConfig(**base, routing_weight_on_input=True, fp8=Fp8Config())
+    with pytest.raises(TypeError, match="routing_weight_on_input='yes' is not a bool"):
+        MoEConfig(**base, routing_weight_on_input="yes")
+
+
+def dataclasses_replace(cfg: Any, **changes: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(cfg, **changes)
