@@ -26,20 +26,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import moe_layer  # noqa: E402  (bench(), the shared protocol)
 import peers  # noqa: E402
 
-from lightning_moe import MoEConfig, MoELayer  # noqa: E402
+from lightning_moe import MoELayer  # noqa: E402
 from lightning_moe.config import Fp8Config  # noqa: E402
 
 RECIPES = ("blockwise", "rowwise", "tensorwise")
 
 
 def build(H: int, Fh: int, E: int, k: int, dev: str, fp8: Fp8Config | None, fuse_wgrad: bool) -> MoELayer:
-    cfg = MoEConfig(
-        hidden_size=H, ffn_hidden_size=Fh, num_experts=E, top_k=k, score_func="softmax", pre_softmax=True,
-        norm_topk_prob=True, aux_loss="none", fuse_wgrad_accumulation=fuse_wgrad, fp8=fp8,
-    )  # fmt: skip
-    torch.manual_seed(0)  # every arm gets the same weights
-    with torch.device(dev):
-        return MoELayer(cfg).to(dtype=torch.bfloat16)
+    """``moe_layer.ours`` (the shared protocol's layer, balanced router) with ``fp8``, seeded so that
+    every arm gets the same weights."""
+    torch.manual_seed(0)
+    return moe_layer.ours(H, Fh, E, k, dev, 0.0, fuse_wgrad=fuse_wgrad, fp8=fp8)
 
 
 def output_error(T: int, H: int, Fh: int, E: int, k: int, dev: str, fp8: Fp8Config) -> tuple[float, float]:

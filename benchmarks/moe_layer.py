@@ -31,7 +31,7 @@ from gpu_clocks import ClockSampler  # noqa: E402  (benchmarks/gpu_clocks.py)
 from profiling import device_kernels, step_timeline  # noqa: E402  (benchmarks/profiling.py)
 
 from lightning_moe import MoEConfig, MoELayer  # noqa: E402
-from lightning_moe.config import KernelConfig  # noqa: E402
+from lightning_moe.config import Fp8Config, KernelConfig  # noqa: E402
 from lightning_moe.ops.grouped_gemm import offsets_from_counts  # noqa: E402
 from lightning_moe.ops.permute import build_permutation, permute_rows  # noqa: E402
 
@@ -44,7 +44,7 @@ FUSED = "lightning-moe-fused-wgrad"
 
 def ours(
     H: int, Fh: int, E: int, k: int, dev: str, skew: float, fuse_wgrad: bool = False, keep: bool = False,
-    kernels: KernelConfig | None = None,
+    kernels: KernelConfig | None = None, fp8: Fp8Config | None = None,
 ) -> MoELayer:
     cfg = MoEConfig(
         hidden_size=H,
@@ -57,6 +57,7 @@ def ours(
         aux_loss="none",
         fuse_wgrad_accumulation=fuse_wgrad,
         kernels=kernels or KernelConfig(),
+        fp8=fp8,
     )
     with torch.device(dev):  # initialised where it runs: DeepSeek-V3's experts are 45 GB in fp32
         layer = MoELayer(cfg).to(dtype=torch.bfloat16)
