@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,10 @@ from lightning_moe.parallel.context import (
     enable_context_parallel,
     shard_sequence,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+
+from _saved_bytes import saved_bytes  # noqa: E402  (tests/unit/_saved_bytes.py)
 
 S, D = 32, 8
 DOCS = torch.tensor([[0] * 5 + [1] * 14 + [2] * 1 + [3] * 12, [4] * 32])  # documents cross every chunk boundary
@@ -115,18 +120,6 @@ def model_case(cp: int, group: dist.ProcessGroup, r: int, docs_on: bool) -> None
         grad = p.grad.clone()
         dist.all_reduce(grad, group=group)  # each rank's grads are those of its tokens' losses
         check(f"{label} grad {name}", grad, p_ref.grad)
-
-
-def saved_bytes(fn, *args: torch.Tensor) -> int:  # noqa: ANN001
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*args)
-    return sum(storages.values())
 
 
 def memory_case(group: dist.ProcessGroup, r: int, seq: int = 1024) -> None:

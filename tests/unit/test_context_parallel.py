@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _saved_bytes import saved_bytes
 
 from lightning_moe import MoEConfig
 from lightning_moe.models import MoETransformer, TransformerConfig
@@ -148,28 +149,15 @@ def test_cp_attention_refuses_mismatched_inputs() -> None:
 # ---- what it keeps for backward ----------------------------------------------------------------
 
 
-def _saved_bytes(fn, *args: torch.Tensor) -> int:  # noqa: ANN001
-    """Bytes of the unique storages autograd saves while ``fn`` runs."""
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*args)
-    return sum(storages.values())
-
-
 def test_cp4_keeps_at_most_a_third_of_one_rank_for_backward_at_8k(fake_world) -> None:  # noqa: ANN001
     """S=8192, 2 heads x 16: one rank of a (fake, data-free) 4-rank group against the whole sequence on one."""
     seq, heads, dim = 8192, 2, 16
     q, k, v = (torch.randn(1, heads, seq, dim, requires_grad=True) for _ in range(3))
-    cp1 = _saved_bytes(lambda q, k, v: context_parallel_attention(q, k, v, torch.arange(seq), None), q, k, v)
+    cp1 = saved_bytes(lambda q, k, v: context_parallel_attention(q, k, v, torch.arange(seq), None), q, k, v)
     fake_world(0, 4)
     pos = cp_chunk_positions(seq, 4, 0)
     ql, kl, vl = (t.detach()[:, :, pos].requires_grad_(True) for t in (q, k, v))
-    cp4 = _saved_bytes(lambda q, k, v: context_parallel_attention(q, k, v, pos, dist.group.WORLD), ql, kl, vl)
+    cp4 = saved_bytes(lambda q, k, v: context_parallel_attention(q, k, v, pos, dist.group.WORLD), ql, kl, vl)
     assert cp1 >= 4 * 1 * heads * seq * dim * 4  # q, k, v and the output at least
     assert cp4 <= 0.35 * cp1, (cp4, cp1)
 
