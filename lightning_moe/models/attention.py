@@ -20,14 +20,21 @@ Backends (``TransformerConfig.attention_backend``):
 ``flash_varlen``  ``flash_attn.flash_attn_varlen_func`` on CUDA in fp16/bf16: each document is one
                   variable-length sequence (``cu_seqlens`` from the document ids); order by sequence
                   index only (no positions).
-``auto``          ``sdpa`` on CPU; on CUDA ``flash_varlen`` for packed fp16/bf16 rows when
-                  ``flash_attn`` imports, else ``sdpa``.
+``varlen``        ``torch.nn.attention.varlen.varlen_attn`` (torch's own flash kernel, forward and
+                  backward) on CUDA in fp16/bf16 on a GPU of compute capability 8.0 or newer, head
+                  dim a multiple of 8 up to 256: the same layout as ``flash_varlen``, without the
+                  ``flash_attn`` package. Where that torch has no ``enable_gqa`` argument, key/value
+                  heads are repeated to the query heads before the call.
+``auto``          ``sdpa`` on CPU, and for rows without documents or with positions. On CUDA, for
+                  packed fp16/bf16 rows: ``flash_varlen`` when ``flash_attn`` imports, else ``varlen``
+                  when torch's varlen kernel can run them, else ``flex``, else ``sdpa``.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Literal
@@ -44,10 +51,12 @@ __all__ = [
     "resolve_backend",
 ]
 
-AttentionBackend = Literal["auto", "sdpa", "flex", "flash_varlen"]
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "sdpa", "flex", "flash_varlen")
+AttentionBackend = Literal["auto", "sdpa", "flex", "flash_varlen", "varlen"]
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "sdpa", "flex", "flash_varlen", "varlen")
 
 _HALF = (torch.float16, torch.bfloat16)
+_VARLEN_MAX_HEAD_DIM = 256  # torch's flash kernel: head dims up to 256, multiples of 8
+_VARLEN_MIN_CAPABILITY = (8, 0)
 
 
 def causal_document_mask(
@@ -83,37 +92,78 @@ def cu_seqlens_from_document_ids(document_ids_BS: torch.Tensor) -> tuple[torch.T
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
-def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, packed: bool, positioned: bool) -> str:
+def resolve_backend(
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    packed: bool,
+    positioned: bool,
+    *,
+    head_dim: int | None = None,
+    same_tokens: bool = True,
+) -> str:
     """The backend ``attend`` runs for a requested one (``auto`` picked here); raises ``ValueError``
-    when an explicitly chosen backend cannot run these inputs, naming what to choose instead."""
+    when an explicitly chosen backend cannot run these inputs, naming what to choose instead.
+    ``head_dim`` (the larger of the query/key and value ones) decides whether torch's varlen kernel
+    can run them (``None``: assume it can). ``same_tokens``: queries and keys are the same tokens
+    (one ``[B, S]`` ``document_ids``), which the varlen backends need."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attend: backend={backend!r} is unknown; choose from {list(ATTENTION_BACKENDS)}.")
     if backend == "auto":
-        if device.type == "cuda" and packed and not positioned and dtype in _HALF and _flash_varlen_fn() is not None:
-            return "flash_varlen"
-        return "sdpa"
+        return _auto_backend(device, dtype, packed and same_tokens, positioned, head_dim)
     if backend == "flash_varlen":
         if _flash_varlen_fn() is None:
             raise ValueError(
                 "attend: backend='flash_varlen' needs the flash_attn package, which does not import here; "
-                "install flash-attn, or choose attention_backend='sdpa' (or 'auto')."
+                "install flash-attn, or choose attention_backend='varlen' (torch's kernel) or 'auto'."
             )
-        if device.type != "cuda" or dtype not in _HALF:
-            raise ValueError(
-                f"attend: backend='flash_varlen' runs on CUDA in float16/bfloat16, not on {device.type} in {dtype}; "
-                "choose attention_backend='sdpa' (or 'auto')."
-            )
-        if positioned:
-            raise ValueError(
-                "attend: backend='flash_varlen' orders keys by sequence index and cannot take positions_q/positions_k; "
-                "drop the positions or choose attention_backend='sdpa'."
-            )
+        _check_varlen_inputs("flash_varlen", device, dtype, positioned, same_tokens)
+    if backend == "varlen":
+        _check_varlen_inputs("varlen", device, dtype, positioned, same_tokens)
+        why = _torch_varlen_unavailable_reason(device, head_dim)
+        if why is not None:
+            raise ValueError(f"attend: backend='varlen' cannot run here: {why}; choose attention_backend='auto'.")
     if backend == "flex" and _flex_fn(device) is None:
         raise ValueError(
             "attend: backend='flex' needs torch.nn.attention.flex_attention, which this torch lacks; "
             "choose attention_backend='sdpa' (or 'auto')."
         )
     return backend
+
+
+def _auto_backend(
+    device: torch.device, dtype: torch.dtype, packed: bool, positioned: bool, head_dim: int | None
+) -> str:
+    """``auto``: a kernel that skips the work across documents for packed half-precision rows on CUDA."""
+    if device.type != "cuda" or not packed or positioned or dtype not in _HALF:
+        return "sdpa"
+    if _flash_varlen_fn() is not None:
+        return "flash_varlen"
+    if _torch_varlen_unavailable_reason(device, head_dim) is None:
+        return "varlen"
+    if _flex_fn(device) is not None:
+        return "flex"
+    return "sdpa"
+
+
+def _check_varlen_inputs(
+    name: str, device: torch.device, dtype: torch.dtype, positioned: bool, same_tokens: bool
+) -> None:
+    if device.type != "cuda" or dtype not in _HALF:
+        raise ValueError(
+            f"attend: backend='{name}' runs on CUDA in float16/bfloat16, not on {device.type} in {dtype}; "
+            "choose attention_backend='sdpa' (or 'auto')."
+        )
+    if positioned:
+        raise ValueError(
+            f"attend: backend='{name}' orders keys by sequence index and cannot take positions_q/positions_k; "
+            "drop the positions or choose attention_backend='sdpa'."
+        )
+    if not same_tokens:
+        raise ValueError(
+            f"attend: backend='{name}' needs queries and keys to be the same tokens (one [B, S] document_ids, "
+            "as many keys as queries); choose attention_backend='sdpa' or 'flex' for a (queries, keys) pair."
+        )
 
 
 def attend(
@@ -135,7 +185,11 @@ def attend(
     doc_q, doc_k = _split_documents(document_ids)
     _check_inputs(q_BNQD, k_BNKD, v_BNKD, positions_q, positions_k, doc_q, doc_k)
     packed, positioned = doc_q is not None, positions_q is not None
-    chosen = resolve_backend(backend, q_BNQD.device, q_BNQD.dtype, packed, positioned)
+    same_tokens = not isinstance(document_ids, (tuple, list)) and q_BNQD.shape[2] == k_BNKD.shape[2]
+    head_dim = max(q_BNQD.shape[-1], v_BNKD.shape[-1])
+    chosen = resolve_backend(
+        backend, q_BNQD.device, q_BNQD.dtype, packed, positioned, head_dim=head_dim, same_tokens=same_tokens
+    )
     gqa = q_BNQD.shape[1] != k_BNKD.shape[1]
     if chosen == "sdpa":
         if not packed and not positioned:
@@ -144,6 +198,8 @@ def attend(
         return F.scaled_dot_product_attention(q_BNQD, k_BNKD, v_BNKD, attn_mask=mask_B1QK, scale=scale, enable_gqa=gqa)
     if chosen == "flex":
         return _attend_flex(q_BNQD, k_BNKD, v_BNKD, positions_q, positions_k, doc_q, doc_k, scale, gqa)
+    if chosen == "varlen":
+        return _attend_varlen(q_BNQD, k_BNKD, v_BNKD, doc_q, scale, "varlen", _torch_varlen_kernel)
     return _attend_flash_varlen(q_BNQD, k_BNKD, v_BNKD, doc_q, scale)
 
 
@@ -271,12 +327,28 @@ def _attend_flex(
         return _flex_fn(q.device)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
 
+VarlenKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float | None], torch.Tensor]
+
+
 def _attend_flash_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor | None, scale: float | None
 ) -> torch.Tensor:
+    return _attend_varlen(q, k, v, doc, scale, "flash_varlen", _flash_attn_kernel)
+
+
+def _attend_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    doc: torch.Tensor | None,
+    scale: float | None,
+    name: str,
+    kernel: VarlenKernel,
+) -> torch.Tensor:
+    """Rows flattened to ``[B*S, heads, D]``, each document one sequence of ``kernel`` (causal)."""
     B, N, S, _ = q.shape
     if k.shape[2] != S:
-        raise ValueError(f"attend: backend='flash_varlen' needs as many keys as queries; got {k.shape[2]} and {S}.")
+        raise ValueError(f"attend: backend='{name}' needs as many keys as queries; got {k.shape[2]} and {S}.")
     if doc is None:
         doc = torch.zeros(B, S, dtype=torch.long, device=q.device)
     if q.numel() == 0 or k.numel() == 0:
@@ -286,6 +358,72 @@ def _attend_flash_varlen(
     def flat(x_BNSD: torch.Tensor) -> torch.Tensor:  # [B*S, N, D]: rows one after another
         return x_BNSD.transpose(1, 2).reshape(B * S, x_BNSD.shape[1], x_BNSD.shape[3])
 
-    fn = _flash_varlen_fn()
-    out_TND = fn(flat(q), flat(k), flat(v), cu, cu, max_len, max_len, softmax_scale=scale, causal=True)
+    out_TND = kernel(flat(q), flat(k), flat(v), cu, max_len, scale)
     return out_TND.view(B, S, N, v.shape[-1]).transpose(1, 2)
+
+
+def _flash_attn_kernel(
+    q_TND: torch.Tensor, k_TND: torch.Tensor, v_TND: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float | None
+) -> torch.Tensor:
+    fn = _flash_varlen_fn()
+    return fn(q_TND, k_TND, v_TND, cu, cu, max_len, max_len, softmax_scale=scale, causal=True)
+
+
+# --- torch.nn.attention.varlen ------------------------------------------------------------------
+
+
+@functools.cache
+def _torch_varlen_fn() -> Callable[..., torch.Tensor] | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _torch_varlen_unavailable_reason(device: torch.device, head_dim: int | None) -> str | None:
+    """Why torch's varlen kernel cannot run on ``device`` at ``head_dim``, or ``None`` when it can."""
+    fn = _torch_varlen_fn()
+    if fn is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn"
+    if _varlen_call_style(fn) is None:
+        return "torch.nn.attention.varlen.varlen_attn takes neither is_causal nor window_size"
+    if device.type != "cuda":
+        return f"it runs on CUDA, not on {device.type}"
+    if not _cuda_flash_capable(device):
+        need = ".".join(map(str, _VARLEN_MIN_CAPABILITY))
+        return f"torch's flash kernel needs a CUDA build with flash attention and compute capability >= {need}"
+    if head_dim is not None and (head_dim > _VARLEN_MAX_HEAD_DIM or head_dim % 8):
+        return f"head dim {head_dim} is not a multiple of 8 up to {_VARLEN_MAX_HEAD_DIM}"
+    return None
+
+
+@functools.cache
+def _cuda_flash_capable(device: torch.device) -> bool:
+    if not torch.backends.cuda.is_flash_attention_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= _VARLEN_MIN_CAPABILITY
+
+
+@functools.cache
+def _varlen_call_style(fn: Callable[..., torch.Tensor]) -> tuple[str, bool] | None:
+    """``(how causal is asked for, whether enable_gqa exists)`` for this torch's ``varlen_attn``:
+    ``is_causal=True`` in older releases, ``window_size=(-1, 0)`` in newer ones."""
+    params = inspect.signature(fn).parameters
+    causal = "is_causal" if "is_causal" in params else "window_size" if "window_size" in params else None
+    return None if causal is None else (causal, "enable_gqa" in params)
+
+
+def _torch_varlen_kernel(
+    q_TND: torch.Tensor, k_TND: torch.Tensor, v_TND: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float | None
+) -> torch.Tensor:
+    fn = _torch_varlen_fn()
+    causal, has_gqa = _varlen_call_style(fn)
+    kwargs: dict[str, object] = {"scale": scale}
+    kwargs.update({"is_causal": True} if causal == "is_causal" else {"window_size": (-1, 0)})
+    groups = q_TND.shape[1] // k_TND.shape[1]
+    if groups > 1 and has_gqa:
+        kwargs["enable_gqa"] = True
+    elif groups > 1:  # this torch's varlen_attn takes as many key/value heads as query heads
+        k_TND, v_TND = k_TND.repeat_interleave(groups, dim=1), v_TND.repeat_interleave(groups, dim=1)
+    return fn(q_TND, k_TND, v_TND, cu, cu, max_len, max_len, **kwargs)

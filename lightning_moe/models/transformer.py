@@ -49,7 +49,7 @@ class TransformerConfig:
     ``block``. ``[]`` keeps everything; ``["moe_act", "norm"]`` is the cheap, memory-heavy choice.
 
     ``attention_backend`` picks the single-rank attention kernel (``models/attention.py``):
-    ``auto``, ``sdpa``, ``flex`` or ``flash_varlen``.
+    ``auto``, ``sdpa``, ``flex``, ``flash_varlen`` or ``varlen``.
 
     ``fp8_dense`` runs the dense layers (attention projections, dense MLPs, shared experts) in FP8
     with the experts' ``moe.fp8`` recipe: ``off``, ``on`` (lightning-moe's FP8 linear) or

@@ -11,43 +11,7 @@ from lightning_moe.models import attention as attention_mod
 from lightning_moe.models.attention import attend, causal_document_mask, cu_seqlens_from_document_ids
 from lightning_moe.models.transformer import document_positions, rope_at_positions, rope_tables
 
-# two rows of packed documents: lengths 4, 1, 6, 2 and 13 (one document filling the row)
-DOCS = torch.tensor([[0] * 4 + [1] + [2] * 6 + [3] * 2, [7] * 13])
-B, N, NK, S, D = 2, 4, 2, 13, 8
-
-
-def _reference(q_NSD: torch.Tensor, k_NSD: torch.Tensor, v_NSD: torch.Tensor) -> torch.Tensor:
-    """Causal softmax attention of one sequence written out, kv heads repeated per query group."""
-    n, s = q_NSD.shape[0], q_NSD.shape[1]
-    k_NSD = k_NSD.repeat_interleave(n // k_NSD.shape[0], dim=0)
-    v_NSD = v_NSD.repeat_interleave(n // v_NSD.shape[0], dim=0)
-    scores = q_NSD @ k_NSD.transpose(-1, -2) / q_NSD.shape[-1] ** 0.5
-    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
-    return scores.softmax(-1) @ v_NSD
-
-
-def _inputs(seed: int = 0, b: int = B) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, N, S, D, generator=g) * 2  # large enough that attention is far from uniform
-    k = torch.randn(b, NK, S, D, generator=g) * 2
-    v = torch.randn(b, NK, S, D, generator=g)
-    c = torch.randn(b, N, S, D, generator=g)
-    return q, k, v, c
-
-
-def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(q)
-    for b in range(docs.shape[0]):
-        for doc in docs[b].unique():
-            idx = (docs[b] == doc).nonzero().flatten()
-            out[b, :, idx] = _reference(q[b, :, idx], k[b, :, idx], v[b, :, idx])
-    return out
-
-
-def _grads(fn, q, k, v, c):  # noqa: ANN001, ANN202
-    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    out = fn(*leaves)
-    return (out.detach(), *torch.autograd.grad((out * c).sum(), leaves))
+from _attention_reference import DOCS, B, D, N, NK, S, grads, inputs, per_document, reference
 
 
 def test_causal_document_mask_reads_earlier_keys_of_the_same_document() -> None:
@@ -62,34 +26,34 @@ def test_causal_document_mask_reads_earlier_keys_of_the_same_document() -> None:
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 def test_attend_with_documents_equals_each_document_alone(backend: str) -> None:
-    q, k, v, c = _inputs()
-    want = _grads(lambda q, k, v: _per_document(q, k, v, DOCS), q, k, v, c)
+    q, k, v, c = inputs()
+    want = grads(lambda q, k, v: per_document(q, k, v, DOCS), q, k, v, c)
     if backend == "flex":  # torch's flex_attention has no CPU backward: compare outputs only
         with torch.no_grad():
             got = attend(q, k, v, document_ids=DOCS, backend="flex")
         torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
         return
-    got = _grads(lambda q, k, v: attend(q, k, v, document_ids=DOCS, backend=backend), q, k, v, c)
+    got = grads(lambda q, k, v: attend(q, k, v, document_ids=DOCS, backend=backend), q, k, v, c)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention's backward runs on CUDA, not on CPU")
 def test_flex_gradients_with_documents_equal_each_document_alone_on_cuda() -> None:
-    q, k, v, c = (t.cuda() for t in _inputs())
+    q, k, v, c = (t.cuda() for t in inputs())
     docs = DOCS.cuda()
-    want = _grads(lambda q, k, v: _per_document(q, k, v, docs), q, k, v, c)
-    got = _grads(lambda q, k, v: attend(q, k, v, document_ids=docs, backend="flex"), q, k, v, c)
+    want = grads(lambda q, k, v: per_document(q, k, v, docs), q, k, v, c)
+    got = grads(lambda q, k, v: attend(q, k, v, document_ids=docs, backend="flex"), q, k, v, c)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
 def test_attend_without_documents_is_plain_causal_attention_and_positions_decide_order() -> None:
-    q, k, v, c = _inputs(1)
+    q, k, v, c = inputs(1)
     one_doc = torch.zeros(B, S, dtype=torch.long)
-    want = _grads(lambda q, k, v: _per_document(q, k, v, one_doc), q, k, v, c)
+    want = grads(lambda q, k, v: per_document(q, k, v, one_doc), q, k, v, c)
     for kw in ({}, {"document_ids": one_doc}, {"positions_q": torch.arange(S), "positions_k": torch.arange(S)}):
-        got = _grads(lambda q, k, v, kw=kw: attend(q, k, v, backend="sdpa", **kw), q, k, v, c)
+        got = grads(lambda q, k, v, kw=kw: attend(q, k, v, backend="sdpa", **kw), q, k, v, c)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     # reversed positions: token s reads the keys at and after s
@@ -99,7 +63,7 @@ def test_attend_without_documents_is_plain_causal_attention_and_positions_decide
 
 
 def test_every_token_its_own_document_reads_only_itself() -> None:
-    q, k, v, _ = _inputs(2)
+    q, k, v, _ = inputs(2)
     docs = torch.arange(S).expand(B, S)
     for backend in ("sdpa", "flex"):
         with torch.no_grad():
@@ -109,7 +73,7 @@ def test_every_token_its_own_document_reads_only_itself() -> None:
 
 @pytest.mark.parametrize("backend", ["auto", "sdpa", "flex"])
 def test_empty_batch_gives_an_empty_output(backend: str) -> None:
-    q, k, v, _ = _inputs(b=0)
+    q, k, v, _ = inputs(b=0)
     docs = torch.zeros(0, S, dtype=torch.long)
     with torch.no_grad():
         assert attend(q, k, v, document_ids=docs, backend=backend).shape == (0, N, S, D)
@@ -130,19 +94,19 @@ def test_flash_varlen_layout_equals_each_document_alone(monkeypatch: pytest.Monk
         calls.append((cu_q.tolist(), max_q, causal))
         out = torch.empty_like(q_TND)
         for lo, hi in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
-            out[lo:hi] = _reference(q_TND[lo:hi].transpose(0, 1), k_TND[lo:hi].transpose(0, 1), v_TND[lo:hi].transpose(0, 1)).transpose(0, 1)
+            out[lo:hi] = reference(q_TND[lo:hi].transpose(0, 1), k_TND[lo:hi].transpose(0, 1), v_TND[lo:hi].transpose(0, 1)).transpose(0, 1)
         return out
 
     monkeypatch.setattr(attention_mod, "_flash_varlen_fn", lambda: fake_varlen)
-    q, k, v, _ = _inputs(3)
+    q, k, v, _ = inputs(3)
     got = attention_mod._attend_flash_varlen(q, k, v, DOCS, None)
-    torch.testing.assert_close(got, _per_document(q, k, v, DOCS), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, per_document(q, k, v, DOCS), rtol=1e-5, atol=1e-5)
     assert calls == [([0, 4, 5, 11, 13, 26], 13, True)]
 
 
 def test_unavailable_backends_chosen_explicitly_are_refused_with_the_fix() -> None:
-    q, k, v, _ = _inputs()
-    with pytest.raises(ValueError, match="backend='flash_varlen'.*choose attention_backend='sdpa'"):
+    q, k, v, _ = inputs()
+    with pytest.raises(ValueError, match="backend='flash_varlen' needs the flash_attn package.*choose attention_backend='varlen'"):
         attend(q, k, v, document_ids=DOCS, backend="flash_varlen")
     with pytest.raises(ValueError, match="backend='flex' runs on CPU in forward only"):
         attend(q.requires_grad_(True), k, v, document_ids=DOCS, backend="flex")
