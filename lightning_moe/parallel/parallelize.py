@@ -7,9 +7,12 @@ Stages of :func:`parallelize_moe_model` (collectives named with their group):
 1. checks (no collective): heads divisible by tp, every ETP group inside one TP group (ETP
    ranks must hold the same tokens; not needed with ``sequence_parallel``, where every rank
    routes its own tokens), no parameter left directly on the root module;
-2. TP over ``tp`` (dense mesh): ``q/k/v_proj`` column-parallel, ``o_proj`` row-parallel
+2. TP over ``tp`` (dense mesh), by each attention / dense-MLP class's plan in
+   ``parallel/tp_plans.py``: the query/key/value projections column-parallel by heads
+   (``q/k/v_proj``; DeepSeek's MLA ``q_b_proj``/``kv_b_proj``), the output projection row-parallel
    (all-reduce(TP) of the output in forward, of the input gradient in backward); the same for
-   dense ``gate/up/down_proj`` MLPs. Everything else stays replicated over TP.
+   dense ``gate/up/down_proj`` MLPs. Everything else stays replicated over TP; an attention class
+   without a plan (or a refused one: linear attention) is an error at ``tp > 1``.
    ``sequence_parallel`` (``parallel/sequence.py``): the residual stream, the norms and the MoE
    layers hold ``S/tp`` positions; the embedding output is scattered along the sequence,
    all-gather(TP) before attention and the dense MLP, reduce-scatter(TP) after ``o_proj`` and
@@ -46,7 +49,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lightning_moe.moe.dispatch.allgather import AllGatherDispatcher
 from lightning_moe.moe.dispatch.alltoall import AllToAllDispatcher
@@ -57,6 +60,8 @@ from lightning_moe.parallel.grad import expert_grad_scale, install_expert_grad_s
 from lightning_moe.parallel.layout import FoldedLayout
 from lightning_moe.parallel.mesh import FoldedMesh
 from lightning_moe.parallel.sequence import gather_from_sequence, scatter_to_sequence, sum_grads_over_tp
+from lightning_moe.parallel.tp_apply import apply_attention_plan, apply_mlp_plan, check_tp_plans, tp_targets
+from lightning_moe.parallel.tp_plans import ATTENTION_PLANS, AttentionPlan, MLPPlan
 from lightning_moe.parallel.vocab import VocabParallelEmbedding, mark_vocab_parallel_head
 
 __all__ = [
@@ -79,14 +84,6 @@ def check_dispatcher(dispatcher: str, owner: str = "parallelize_moe_model") -> N
     """An unknown token-exchange name is an error naming the choices (never a silent default)."""
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"{owner}: dispatcher={dispatcher!r} is unknown; choose one of {DISPATCHERS}.")
-
-
-_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
-
-
-def _has_linears(module: nn.Module, names: tuple[str, ...]) -> bool:
-    return all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
 
 
 def shard_expert_weights(
@@ -184,14 +181,13 @@ def check_model_for_layout(
                 "set pad_to_capacity=False or ep=1."
             )
     if layout.tp > 1:
-        for name, m in module.named_modules():
-            if _has_linears(m, _ATTN):
-                heads = m.q_proj.out_features // getattr(m, "head_dim", 1)
-                kv = m.k_proj.out_features // getattr(m, "head_dim", 1)
-                if heads % layout.tp or kv % layout.tp:
+        check_tp_plans(module, layout.tp)
+        if sequence_parallel:
+            for name, m, plan in tp_targets(module):
+                if isinstance(plan, AttentionPlan) and plan != ATTENTION_PLANS["Attention"]:
                     raise ValueError(
-                        f"FoldedMoEStrategy: tp={layout.tp} must divide the {heads} query and {kv} key/value heads "
-                        f"of {name or 'the model'}; choose tp dividing {kv}."
+                        f"FoldedMoEStrategy: sequence_parallel=True is not supported with {name} "
+                        f"({type(m).__name__}); set sequence_parallel=False."
                     )
     if layout.etp > 1 and not sequence_parallel:  # with it, every rank routes its own tokens
         for group in layout.groups("etp"):
@@ -212,19 +208,12 @@ def _apply_tp(module: nn.Module, mesh: FoldedMesh, *, sequence_parallel: bool = 
     tp_mesh = mesh.mesh("tp")
     # with sequence parallel the row-parallel outputs are reduce-scattered along the sequence
     row = (lambda: RowwiseParallel(output_layouts=Shard(1))) if sequence_parallel else RowwiseParallel
-    for m in list(module.modules()):
-        if _has_linears(m, _ATTN):
-            plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel()}
-            # Per-head q/k norms (Qwen3) see only this rank's heads ([B, S, heads, D], heads on
-            # dim 2): their one weight is a TP-replicated DTensor, so its partial gradients are
-            # summed over TP instead of drifting apart rank by rank.
-            for norm in ("q_norm", "k_norm"):
-                if isinstance(getattr(m, norm, None), nn.Module):
-                    plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
-            parallelize_module(m, tp_mesh, plan | {"o_proj": row()})
-        elif _has_linears(m, _MLP):
-            plan = {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": row()}
-            parallelize_module(m, tp_mesh, plan)
+    # each attention / dense-MLP class's own projection names and extra collectives: parallel/tp_plans.py
+    for _, m, plan in tp_targets(module):
+        if isinstance(plan, AttentionPlan):
+            apply_attention_plan(m, plan, tp_mesh, row)
+        elif isinstance(plan, MLPPlan):
+            apply_mlp_plan(m, plan, tp_mesh, row)
         else:
             continue
         if sequence_parallel:  # one all-gather(TP) of the input for all the column-parallel projections
