@@ -56,11 +56,13 @@ Fp8Recipe = Literal["tensorwise", "rowwise", "blockwise"]
 Fp8Format = Literal["e4m3", "e5m2"]
 Fp8Enabled = Literal["on", "auto", "off"]
 Fp8Backend = Literal["auto", "emulate", "torch", "cutlass"]
+Fp8Wgrad = Literal["auto", "fp8", "activation"]
 
 _FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")
 _FP8_FORMATS = ("e4m3", "e5m2")
 _FP8_ENABLED = ("on", "auto", "off")
 _FP8_BACKENDS = ("auto", "emulate", "torch", "cutlass")
+_FP8_WGRAD = ("auto", "fp8", "activation")
 
 
 def check_int(owner: str, name: str, value: Any, minimum: int = 1, *, optional: bool = False, fix: str = "") -> None:
@@ -160,8 +162,8 @@ class Fp8Config:
 
     Both expert projections run forward and backward (data and weight gradients) with FP8
     operands and fp32 accumulation; the master weights, the optimizer and everything outside the
-    expert GEMMs stay as they are. The weights are quantized from the master copy in every forward
-    (and along the other dimension in backward); no FP8 copy outlives the step.
+    expert GEMMs stay as they are. The weights are quantized from the master copy (see
+    ``cache_weights`` for how often).
 
     Args:
         recipe: the scaling units. ``blockwise`` (DeepSeek-V3): 1 x 128 tiles for activations and
@@ -182,6 +184,14 @@ class Fp8Config:
             for backward instead of in the activation dtype (about half the memory).
         dispatch: quantize the rows before the token exchange, where the dispatcher can carry FP8
             rows (half the bytes on the wire); the gradients of the exchange stay in high precision.
+        wgrad: the weight-gradient GEMMs. ``fp8``: both operands quantized along each expert's rows
+            (DeepSeek-V3); ``activation``: the unquantized operands in the activation dtype (the bf16
+            experts' kernel); ``auto``: ``fp8`` on ``backend='emulate'``, ``activation`` on the GPU
+            backends (``lightning_moe.ops.fp8.choice.resolve_wgrad_precision`` has the reason).
+        cache_weights: keep each weight's FP8 copies (forward and data-gradient operands) until the
+            weight changes (its version or an optimizer step), so that backward and the further
+            micro-batches of a step reuse them (about 2 bytes per expert parameter stay allocated);
+            ``False`` quantizes in every call and keeps nothing.
     """
 
     recipe: Fp8Recipe = "blockwise"
@@ -191,6 +201,8 @@ class Fp8Config:
     pow2_scales: bool = False
     save_fp8_activations: bool = True
     dispatch: bool = True
+    wgrad: Fp8Wgrad = "auto"
+    cache_weights: bool = True
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -198,11 +210,12 @@ class Fp8Config:
             ("enabled", _FP8_ENABLED),
             ("backend", _FP8_BACKENDS),
             ("grad_format", _FP8_FORMATS),
+            ("wgrad", _FP8_WGRAD),
         ):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"Fp8Config: {name}={value!r} is not one of {allowed}; choose one of them.")
-        for name in ("pow2_scales", "save_fp8_activations", "dispatch"):
+        for name in ("pow2_scales", "save_fp8_activations", "dispatch", "cache_weights"):
             check_bool("Fp8Config", name, getattr(self, name))
 
 
@@ -217,6 +230,8 @@ _BOOL_FIELDS = (
     "fuse_wgrad_accumulation",
     "check_finite",
     "routing_weight_on_input",
+    "router_bias",
+    "expert_mlp_bias",
 )
 
 
@@ -245,6 +260,8 @@ class MoEConfig:
             is ``top_k // group_topk`` (DeepSeek-V3: 2). DeepSeek-V2's ``group_limited_greedy``
             scores a group by its best expert (1).
         router_dtype: dtype of the router GEMM and scores.
+        router_bias: the router has a learned bias, ``logits = x @ W^T + b`` (gpt-oss); it moves
+            selection and weights alike (unlike ``expert_bias``).
         expert_bias: aux-loss-free balancing bias added to scores for selection only.
         bias_update_rate: step of ``b += rate * sign(mean(c) - c_i)`` after each optimizer step.
         aux_loss: load-balancing loss: ``switch`` (per micro-batch), ``seq`` (per sequence),
@@ -264,6 +281,16 @@ class MoEConfig:
         routing_weight_on_input: multiply each routed row by its routing weight *before* the
             experts, ``y = sum_k expert_k(w_k * x)`` (Llama 4), instead of weighting their outputs;
             runs the dispatch → experts → combine stages separately (not the fused path).
+        expert_mlp_bias: the routed experts' projections have biases, ``y_e = act(x @ W_13 + b_13)
+            @ W_down + b_down`` (gpt-oss; the down bias is weighted with the output); every GEMM
+            backend computes them, FP8 experts do not (refused).
+        swiglu_alpha: the gate's sigmoid scale of the routed experts' SwiGLU,
+            ``act = g * sigmoid(alpha * g) * (u + swiglu_up_offset)`` (1: ``silu``; gpt-oss: 1.702).
+        swiglu_limit: clamp the gate to ``<= limit`` and the up projection to ``[-limit, limit]``
+            before the activation; ``None`` is off (gpt-oss: 7.0).
+        swiglu_up_offset: added to the (clamped) up projection (gpt-oss: 1.0).
+            Any of the three off their defaults runs the activation in torch (not the csrc kernel)
+            and is refused with FP8 experts; the shared expert keeps the plain SwiGLU.
         experts_backend: grouped GEMM backend; ``auto`` picks the fastest importable one.
         fuse_wgrad_accumulation: when an expert weight already holds a gradient (gradient
             accumulation over micro-batches), add the new one into ``.grad`` inside the
@@ -290,6 +317,7 @@ class MoEConfig:
     group_topk: int | None = None
     group_score_topk: int | None = None
     router_dtype: RouterDtype = "float32"
+    router_bias: bool = False
     expert_bias: bool = False
     bias_update_rate: float = 1e-3
     aux_loss: AuxLossType = "switch"
@@ -303,6 +331,10 @@ class MoEConfig:
     shared_expert_overlap: bool = False
     memory_efficient_permute: bool = True
     routing_weight_on_input: bool = False
+    expert_mlp_bias: bool = False
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float | None = None
+    swiglu_up_offset: float = 0.0
     experts_backend: ExpertsBackend = "auto"
     fuse_wgrad_accumulation: bool = False
     check_finite: bool = False
@@ -379,6 +411,12 @@ class MoEConfig:
                 "MoEConfig: routing_weight_on_input=True with fp8 experts: the FP8 rows are quantized before the "
                 "weight would scale them; set fp8=None or routing_weight_on_input=False."
             )
+        if self.fp8 is not None and self.fp8.enabled != "off" and not self.plain_experts:
+            raise ValueError(
+                f"MoEConfig: fp8 experts compute neither expert biases nor a scaled or clamped SwiGLU "
+                f"(expert_mlp_bias={self.expert_mlp_bias}, swiglu_alpha={self.swiglu_alpha}, "
+                f"swiglu_limit={self.swiglu_limit}, swiglu_up_offset={self.swiglu_up_offset}); set fp8=None."
+            )
         if self.shared_expert_overlap and self.shared_expert_ffn_size is None:
             raise ValueError(
                 "MoEConfig: shared_expert_overlap=True needs a shared expert; set shared_expert_ffn_size or drop "
@@ -401,6 +439,14 @@ class MoEConfig:
             "MoEConfig", "scaling_factor", self.scaling_factor, strict=True, optional=True,
             fix="use e.g. 2.5, or None to leave the weights",
         )  # fmt: skip
+        check_float("MoEConfig", "swiglu_alpha", self.swiglu_alpha, strict=True, fix="use e.g. 1.0 (silu) or 1.702")
+        check_float(
+            "MoEConfig", "swiglu_limit", self.swiglu_limit, strict=True, optional=True,
+            fix="use e.g. 7.0, or None for no clamp",
+        )  # fmt: skip
+        offset = self.swiglu_up_offset
+        if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
+            raise ValueError(f"MoEConfig: swiglu_up_offset={offset!r} must be a finite number; use e.g. 0.0 or 1.0.")
 
     def _check_groups(self) -> None:
         if self.num_groups is None and self.group_topk is None:
@@ -451,6 +497,16 @@ class MoEConfig:
                 f"MoEConfig: group_score_topk={self.group_score_topk} exceeds the {experts_per_group} experts of one "
                 f"group; choose 1 to {experts_per_group}, or None for top_k // group_topk."
             )
+
+    @property
+    def plain_experts(self) -> bool:
+        """The routed experts are ``silu(gate) * up`` without biases (what every kernel computes)."""
+        return (
+            not self.expert_mlp_bias
+            and self.swiglu_alpha == 1.0
+            and self.swiglu_limit is None
+            and self.swiglu_up_offset == 0.0
+        )
 
     @property
     def router_torch_dtype(self):  # noqa: ANN201 - torch imported lazily to keep config import-light

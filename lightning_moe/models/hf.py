@@ -35,14 +35,20 @@ DeepSeek-V3, GLM-4-MoE, dots1  sigmoid scores, ``e_score_correction_bias`` (our 
 Llama 4 (text)                 top-k of the logits, weight ``sigmoid(logit)`` applied to the
                                expert's input (``routing_weight_on_input``); experts stored
                                ``[E, H, 2F]`` / ``[E, F, H]``; an ungated shared expert
+gpt-oss                        top-k of the logits (router with a bias: ``router_bias``), softmax
+                               over the K selected; experts with biases (``expert_mlp_bias``),
+                               gate/up columns interleaved, stored ``[E, H, 2F]``; clamped SwiGLU
+                               ``g * sigmoid(alpha * g) * (u + 1)`` (``swiglu_alpha``,
+                               ``swiglu_limit``, ``swiglu_up_offset=1``)
 =============================  ==============================================================
 
-Refused, with the reason in the ``ValueError``: PhiMoE (SparseMixer routing), gpt-oss (router
-and expert biases, interleaved gate/up, clamped SwiGLU). A softmax family with ``num_experts_per_tok=1`` and renormalisation (HF weight 1.0 per
-token) is refused too.
+Refused, with the reason in the ``ValueError``: PhiMoE (SparseMixer routing). A softmax family
+with ``num_experts_per_tok=1`` and renormalisation (HF weight 1.0 per token) is refused too.
 
-Weight mapping (ours ← HF): ``router.weight ← <router>.weight``; ``experts.w13[e] ←
-gate_up_proj[e].T``; ``experts.w2[e] ← down_proj[e].T``; ``router.expert_bias ← <router>.<bias>``;
+Weight mapping (ours ← HF): ``router.weight ← <router>.weight``; ``router.bias ← <router>.bias``;
+``experts.w13[e] ← gate_up_proj[e].T`` (gate columns first: an interleaved ``gate_up_proj`` is
+de-interleaved); ``experts.w2[e] ← down_proj[e].T``; ``experts.b13 ← gate_up_proj_bias`` (gate
+first), ``experts.b2 ← down_proj_bias``; ``router.expert_bias ← <router>.<bias>``;
 ``shared_expert.gate_up ← cat(gate_proj, up_proj)``, ``shared_expert.down ← down_proj``,
 ``shared_expert.gate ← shared_expert_gate``.
 
@@ -99,6 +105,11 @@ _ROUTING_FIELDS = (
     "shared_expert_ffn_size",
     "shared_expert_gate",
     "routing_weight_on_input",
+    "router_bias",
+    "expert_mlp_bias",
+    "swiglu_alpha",
+    "swiglu_limit",
+    "swiglu_up_offset",
 )
 _MOE_FIELDS = frozenset(f.name for f in fields(MoEConfig))
 
@@ -216,18 +227,31 @@ def _transposed(fam: Family, experts: nn.Module) -> bool:
     return fam.experts_transposed or bool(getattr(experts, "is_transposed", False))
 
 
-def _experts_weights(name: str, experts: nn.Module, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w13 [E, H, 2F], w2 [E, F, H])`` as new contiguous tensors (gate columns first)."""
-    if hasattr(experts, "gate_up_proj"):
-        if getattr(experts, "has_bias", False) or not getattr(experts, "is_concatenated", True):
-            raise ValueError(
-                f"swap_moe_blocks: experts of {name} have biases or an interleaved gate/up layout; "
-                "only concatenated [gate | up] without bias is supported."
-            )
-        gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
-        if transposed:  # stored as [E, H, 2F] and [E, F, H] already
-            return gate_up.contiguous().clone(), down.contiguous().clone()
-        return gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+def _interleaved(fam: Family, experts: nn.Module) -> bool:
+    return fam.gate_up_interleaved or not bool(getattr(experts, "is_concatenated", True))
+
+
+def _gate_first(t: torch.Tensor) -> torch.Tensor:
+    """Interleaved ``[g0, u0, g1, u1, ...]`` last-dim columns as ``[gate | up]`` (a new tensor)."""
+    return torch.cat([t[..., ::2], t[..., 1::2]], dim=-1)
+
+
+def _interleave(t: torch.Tensor) -> torch.Tensor:
+    """``[gate | up]`` last-dim columns as ``[g0, u0, g1, u1, ...]`` (inverse of :func:`_gate_first`)."""
+    F = t.shape[-1] // 2
+    out = torch.empty_like(t)
+    out[..., ::2], out[..., 1::2] = t[..., :F], t[..., F:]
+    return out
+
+
+def _expert_biases(experts: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(gate_up_proj_bias [E, 2F], down_proj_bias [E, H])`` of fused HF experts, or ``None``s."""
+    return getattr(experts, "gate_up_proj_bias", None), getattr(experts, "down_proj_bias", None)
+
+
+def _experts_tensors(name: str, fam: Family, experts: nn.Module) -> dict[str, torch.Tensor]:
+    """``experts.w13 [E, H, 2F]``, ``experts.w2 [E, F, H]`` and, with biases, ``experts.b13 [E, 2F]``
+    and ``experts.b2 [E, H]``, as new contiguous tensors (gate columns first)."""
     if isinstance(experts, nn.ModuleList):  # transformers 4.x: one MLP per expert
         w13, w2 = [], []
         for mlp in experts:
@@ -236,8 +260,52 @@ def _experts_weights(name: str, experts: nn.Module, transposed: bool) -> tuple[t
             down = _attr("down_proj|w2", mlp).weight.detach()  # [H, F]
             w13.append(torch.cat([gate, up], dim=0).t())
             w2.append(down.t())
-        return torch.stack(w13).contiguous(), torch.stack(w2).contiguous()
-    raise ValueError(f"swap_moe_blocks: cannot read the experts of {name} ({type(experts).__name__}).")
+        return {"experts.w13": torch.stack(w13).contiguous(), "experts.w2": torch.stack(w2).contiguous()}
+    if not hasattr(experts, "gate_up_proj"):
+        raise ValueError(f"swap_moe_blocks: cannot read the experts of {name} ({type(experts).__name__}).")
+    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+    if not _transposed(fam, experts):  # stored as [E, 2F, H] and [E, H, F]
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    interleaved = _interleaved(fam, experts)
+    copy = torch.contiguous_format
+    out = {"experts.w13": _gate_first(gate_up) if interleaved else gate_up.clone(memory_format=copy),
+           "experts.w2": down.clone(memory_format=copy)}  # fmt: skip
+    b13, b2 = _expert_biases(experts)
+    if (b13 is None) != (b2 is None) or (b13 is None and getattr(experts, "has_bias", False)):
+        raise ValueError(
+            f"swap_moe_blocks: experts of {name} ({type(experts).__name__}) have biases other than gate_up_proj_bias "
+            "and down_proj_bias (both or neither); leave this model unswapped."
+        )
+    if b13 is not None and b2 is not None:
+        b13 = b13.detach()
+        out["experts.b13"] = _gate_first(b13) if interleaved else b13.clone(memory_format=copy)
+        out["experts.b2"] = b2.detach().clone(memory_format=copy)
+    return out
+
+
+def _router_bias(fam: Family, block: nn.Module) -> torch.Tensor | None:
+    bias = getattr(_router_module(fam, block), "bias", None)
+    return bias if isinstance(bias, torch.Tensor) else None
+
+
+def _expert_math(name: str, fam: Family, block: nn.Module, *owners: Any) -> dict[str, Any]:
+    """The MoEConfig fields of the block's router bias, expert biases and activation."""
+    experts = block.experts
+    fields_: dict[str, Any] = {
+        "router_bias": _router_bias(fam, block) is not None,
+        "expert_mlp_bias": not isinstance(experts, nn.ModuleList) and _expert_biases(experts)[0] is not None,
+        "swiglu_alpha": 1.0, "swiglu_limit": None, "swiglu_up_offset": 0.0,
+    }  # fmt: skip
+    if fam.activation == "swiglu_clamped":
+        alpha = _attr("alpha|swiglu_alpha", experts, *owners)
+        limit = _attr("limit|swiglu_limit", experts, *owners)
+        if alpha is None or limit is None:
+            raise ValueError(
+                f"swap_moe_blocks: the clamped SwiGLU of {name} has alpha={alpha!r}, limit={limit!r}; set swiglu_alpha "
+                "and swiglu_limit in the HF config."
+            )
+        fields_.update(swiglu_alpha=float(alpha), swiglu_limit=float(limit), swiglu_up_offset=1.0)
+    return fields_
 
 
 def _softmax(num_experts: int, top_k: int, norm: bool, **extra: Any) -> dict[str, Any]:
@@ -369,6 +437,7 @@ def moe_config_from_block(
     _check_shared(name, shared, shared_gate)
     routing["shared_expert_ffn_size"] = None if shared is None else int(shared.gate_proj.weight.shape[0])
     routing["shared_expert_gate"] = shared_gate is not None
+    routing.update(_expert_math(name, fam, block, experts_cfg, getattr(block, "config", None), hf_config))
     use_aux = bool(getattr(hf_config, "output_router_logits", False))
     derived: dict[str, Any] = {
         "hidden_size": int(hidden),
@@ -395,8 +464,11 @@ def _build_layer(name: str, block: nn.Module, hf_config: Any, overrides: dict[st
     config, routing = moe_config_from_block(block, hf_config, name, **overrides)
     gate_w = _router_module(fam, block).weight
     device, requires_grad = gate_w.device, gate_w.requires_grad
-    w13, w2 = _experts_weights(name, block.experts, _transposed(fam, block.experts))
-    tensors: dict[str, torch.Tensor] = {"router.weight": gate_w.detach().clone(), "experts.w13": w13, "experts.w2": w2}
+    tensors: dict[str, torch.Tensor] = {"router.weight": gate_w.detach().clone()}
+    router_bias = _router_bias(fam, block)
+    if router_bias is not None:
+        tensors["router.bias"] = router_bias.detach().clone()
+    tensors.update(_experts_tensors(name, fam, block.experts))
     bias = _correction_bias(fam, block)
     shared, shared_gate = _shared(fam, block)
     if shared is not None:
@@ -493,16 +565,21 @@ def _check_exportable(layer: HFMoELayer) -> None:
         )
 
 
-def _write_experts(
-    experts: nn.Module, w13: torch.Tensor, w2: torch.Tensor, requires_grad: bool, transposed: bool
-) -> None:
+def _write_experts(layer: HFMoELayer, fam: Family, experts: nn.Module, requires_grad: bool) -> None:
+    w13, w2 = _full(layer.experts.w13).detach(), _full(layer.experts.w2).detach()
     if hasattr(experts, "gate_up_proj"):
-        if transposed:
-            experts.gate_up_proj = _param(w13.clone(), requires_grad)
+        interleaved = _interleaved(fam, experts)
+        gate_up = _interleave(w13) if interleaved else w13.clone()
+        if _transposed(fam, experts):
+            experts.gate_up_proj = _param(gate_up, requires_grad)
             experts.down_proj = _param(w2.clone(), requires_grad)
         else:
-            experts.gate_up_proj = _param(w13.transpose(1, 2).contiguous(), requires_grad)
+            experts.gate_up_proj = _param(gate_up.transpose(1, 2).contiguous(), requires_grad)
             experts.down_proj = _param(w2.transpose(1, 2).contiguous(), requires_grad)
+        if layer.experts.b13 is not None and layer.experts.b2 is not None:
+            b13 = _full(layer.experts.b13).detach()
+            experts.gate_up_proj_bias = _param(_interleave(b13) if interleaved else b13.clone(), requires_grad)
+            experts.down_proj_bias = _param(_full(layer.experts.b2).detach().clone(), requires_grad)
         return
     F = w2.shape[1]
     for e, mlp in enumerate(experts):  # transformers 4.x ModuleList
@@ -522,8 +599,9 @@ def _rebuild_block(layer: HFMoELayer) -> nn.Module:
     rg = router_w.requires_grad
     fam = _BY_NAME[layer.family]
     _router_module(fam, block).weight = _param(_full(router_w).detach().clone(), rg)
-    w13, w2 = _full(layer.experts.w13).detach(), _full(layer.experts.w2).detach()
-    _write_experts(block.experts, w13, w2, rg, _transposed(fam, block.experts))
+    if layer.router.bias is not None:
+        _router_module(fam, block).bias = _param(_full(layer.router.bias).detach().clone(), rg)
+    _write_experts(layer, fam, block.experts, rg)
     hf_bias = _correction_bias(fam, block)
     if hf_bias is not None:
         ours = layer.router.expert_bias

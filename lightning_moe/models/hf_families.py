@@ -6,8 +6,16 @@ One :class:`Family` entry per HF block class: where its router and shared expert
 routing rule it follows (``routing``, one of :data:`ROUTINGS`) and, for blocks whose math
 :class:`MoELayer` cannot reproduce, the reason it is refused. Every supported block stores its
 routed experts as ``experts.gate_up_proj [E, 2F, H]`` (gate rows first) and ``experts.down_proj
-[E, H, F]`` (transformers 5.x) or a ``ModuleList`` of per-expert MLPs (4.x); its shared expert
-(if any) is an ungated or sigmoid-gated SwiGLU MLP with ``gate_proj``/``up_proj``/``down_proj``.
+[E, H, F]`` (transformers 5.x; or transposed, or with gate and up interleaved, as the entry says)
+or a ``ModuleList`` of per-expert MLPs (4.x); its shared expert (if any) is an ungated or
+sigmoid-gated SwiGLU MLP with ``gate_proj``/``up_proj``/``down_proj``. A router bias
+(``<router>.bias``) and expert biases (``experts.gate_up_proj_bias``, ``experts.down_proj_bias``)
+are taken wherever the block has them (``MoEConfig.router_bias`` / ``expert_mlp_bias``).
+
+Activations (``activation``, one of :data:`ACTIVATIONS`): ``swiglu`` is ``silu(gate) * up``;
+``swiglu_clamped`` (gpt-oss) is ``g * sigmoid(alpha * g) * (u + 1)`` with ``g = min(gate, limit)``,
+``u = clamp(up, -limit, limit)``, ``alpha`` and ``limit`` read from the experts (``alpha``,
+``limit``) or the config (``swiglu_alpha``, ``swiglu_limit``).
 
 Routing rules (what HF computes from the fp32 router logits ``l_TE``):
 
@@ -24,6 +32,8 @@ Routing rules (what HF computes from the fp32 router logits ``l_TE``):
                 (DeepSeek-V3)
 ``sigmoid_input``  top-k of ``l``, weight ``sigmoid(l)`` of each selected expert, applied to the
                 expert's *input* (Llama 4: ``routing_weight_on_input``); not renormalised
+
+(gpt-oss follows ``softmax_k``, its logits including the router bias.)
 ==============  ================================================================================
 """
 
@@ -31,9 +41,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["FAMILIES", "Family", "ROUTINGS", "family_of"]
+__all__ = ["ACTIVATIONS", "FAMILIES", "Family", "ROUTINGS", "family_of"]
 
 ROUTINGS = ("softmax", "softmax_k", "softmax_bias", "softmax_scaled", "sigmoid", "sigmoid_input")
+ACTIVATIONS = ("swiglu", "swiglu_clamped")
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,10 @@ class Family:
         shared_gate: attribute of the shared expert's ``Linear(H, 1)`` sigmoid gate.
         experts_transposed: the fused expert weights are stored ``gate_up_proj [E, H, 2F]`` and
             ``down_proj [E, F, H]`` (our layout already; Llama 4) instead of ``[E, 2F, H]`` / ``[E, H, F]``.
+        gate_up_interleaved: the fused ``gate_up_proj`` (and its bias) alternates gate and up
+            columns (gate ``[..., ::2]``, up ``[..., 1::2]``; gpt-oss); the swap stores them gate
+            first and the export interleaves them again.
+        activation: one of :data:`ACTIVATIONS`.
         refused: why the block cannot be swapped (``None``: it can).
     """
 
@@ -65,11 +80,15 @@ class Family:
     shared: str | None = None
     shared_gate: str | None = None
     experts_transposed: bool = False
+    gate_up_interleaved: bool = False
+    activation: str = "swiglu"
     refused: str | None = None
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
             raise ValueError(f"Family {self.name}: routing={self.routing!r} is not one of {ROUTINGS}.")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"Family {self.name}: activation={self.activation!r} is not one of {ACTIVATIONS}.")
 
 
 _V3 = dict(routing="sigmoid", norm=None, bias="e_score_correction_bias", shared="shared_experts")
@@ -96,9 +115,8 @@ FAMILIES: dict[str, Family] = {
         Family("phimoe", "PhimoeSparseMoeBlock", router="router", refused=(
             "its router is SparseMixer (a threshold-masked softmax per choice, sampled in training, with "
             "a custom gradient estimator), which MoELayer's top-k router does not compute")),
-        Family("gpt_oss", "GptOssMLP", router="router", refused=(
-            "its router has a bias and its experts have biases, interleaved gate/up columns and a clamped "
-            "SwiGLU (alpha, limit), which MoELayer's experts do not compute")),
+        Family("gpt_oss", "GptOssMLP", router="router", routing="softmax_k", norm=True, experts_transposed=True,
+               gate_up_interleaved=True, activation="swiglu_clamped"),
         Family("llama4", "Llama4TextMoe", router="router", routing="sigmoid_input", norm=False,
                shared="shared_expert", experts_transposed=True),
     )

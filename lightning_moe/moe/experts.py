@@ -5,7 +5,8 @@ Legend: R rows grouped by expert, H hidden, F expert FFN width, e local experts.
 ``w13 [e, H, 2F]`` holds each expert's gate and up projections side by side (gate first) and
 ``w2 [e, F, H]`` the down projection. One parameter per projection (never a ModuleList of
 Linear): one GEMM launch for all experts, and FSDP never waits on an expert that got no tokens.
-These names are the checkpoint format.
+These names are the checkpoint format. With ``mlp_bias``, ``b13 [e, 2F]`` (gate first) and
+``b2 [e, H]`` are the projections' biases.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_moe.config import ExpertsBackend, Fp8Config, KernelConfig
 from lightning_moe.ops.deferred import Deferred, resolved
+from lightning_moe.ops.expert_bias import placed_columns
 from lightning_moe.ops.expert_mlp import expert_swiglu_mlp
 from lightning_moe.ops.fp8.expert_mlp import (
     Fp8Options,
@@ -29,6 +31,7 @@ from lightning_moe.ops.fp8.expert_mlp import (
 from lightning_moe.ops.fp8.quantize import Fp8Tensor
 from lightning_moe.ops.local_experts import local_experts
 from lightning_moe.ops.permute import Permutation
+from lightning_moe.ops.swiglu import PLAIN_SWIGLU, SwiGLUOptions
 from lightning_moe.ops.grouped_gemm import GemmBackend, offsets_from_counts, resolve_gemm_backend
 
 __all__ = ["GroupedExperts"]
@@ -40,6 +43,11 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 class GroupedExperts(nn.Module):
     """SwiGLU experts: ``y = (silu(x @ W_gate) * (x @ W_up) * w) @ W_down`` per expert.
+
+    ``mlp_bias``: the projections have biases, ``y = w * (act(x @ W_13 + b_13) @ W_down + b_down)``;
+    ``swiglu``: the activation's constants (:class:`~lightning_moe.ops.swiglu.SwiGLUOptions`:
+    gate scale, clamp, up offset). Both are computed by every GEMM backend (the biases are added
+    outside the GEMMs); the FP8 experts compute neither and are refused with them.
 
     ``kernels`` (:class:`~lightning_moe.config.KernelConfig`, default: its defaults) is read here,
     once: its values are kept as plain attributes (``gemm_kernel``, ``gemm_tile``, ``wgrad_kernel``,
@@ -59,10 +67,18 @@ class GroupedExperts(nn.Module):
         init_std: float = 0.02,
         kernels: KernelConfig | None = None,
         fp8: Fp8Config | None = None,
+        mlp_bias: bool = False,
+        swiglu: SwiGLUOptions = PLAIN_SWIGLU,
     ) -> None:
         super().__init__()
         if fp8 is not None and not isinstance(fp8, Fp8Config):
             raise TypeError(f"GroupedExperts: fp8={fp8!r} is not an Fp8Config; pass Fp8Config(...) or None.")
+        if fp8 is not None and fp8.enabled != "off" and (mlp_bias or not swiglu.is_plain):
+            raise ValueError(
+                f"GroupedExperts: the FP8 experts compute neither expert biases nor a scaled or clamped SwiGLU "
+                f"(mlp_bias={mlp_bias}, swiglu={swiglu}); set fp8=None."
+            )
+        self.swiglu = swiglu
         self.fp8 = fp8
         self._fp8_resolved: dict[str, Fp8Options | None] = {}
         kernels = KernelConfig() if kernels is None else kernels
@@ -81,6 +97,11 @@ class GroupedExperts(nn.Module):
         self.init_std = init_std
         self.w13 = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * ffn_hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
+        self.b13 = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden_size)) if mlp_bias else None
+        self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size)) if mlp_bias else None
+        # Under expert tensor parallelism this rank holds columns down_bias_offset: of the down bias
+        # (parallel.parallelize._shard_experts) and adds them to those output columns only.
+        self.down_bias_offset = 0
         self._resolved: dict[tuple[str, torch.dtype], GemmBackend] = {}
         # Fused local path: keep the gathered rows and the activation for backward (False: fast),
         # rebuild them there (True: lean; activation recompute sets it for its call), or None:
@@ -93,6 +114,9 @@ class GroupedExperts(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.w13, std=self.init_std)
         nn.init.normal_(self.w2, std=self.init_std)
+        for bias in (self.b13, self.b2):
+            if bias is not None:
+                nn.init.zeros_(bias)
 
     def gemm_backend(self, device: torch.device, dtype: torch.dtype) -> GemmBackend:
         """Resolved once per (device type, dtype); ``auto`` warns once when it must fall back."""
@@ -140,6 +164,14 @@ class GroupedExperts(nn.Module):
         # runs on this rank's local experts (gradients flow back into the DTensor shard).
         return _local(self.w13).to(dtype), _local(self.w2).to(dtype), dtype
 
+    def _compute_biases(self, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(b13 [e, 2f], b2 [e, H])`` of this rank in ``dtype`` (``None`` without biases); ``b2``
+        is zero outside this rank's columns under expert tensor parallelism."""
+        if self.b13 is None or self.b2 is None:
+            return None, None
+        b2 = placed_columns(_local(self.b2).to(dtype), self.down_bias_offset, self.hidden_size)
+        return _local(self.b13).to(dtype), b2
+
     def forward(
         self,
         x_RH: torch.Tensor,
@@ -166,10 +198,12 @@ class GroupedExperts(nn.Module):
         w13, w2, dtype = self._compute_weights(device_type)
         offs_e = offsets_from_counts(tokens_per_expert_e)
         backend = self.gemm_backend(x_RH.device, dtype)
+        b13, b2 = self._compute_biases(dtype)
         with torch.autocast(device_type=device_type, enabled=False):
             return expert_swiglu_mlp(
-                x_RH.to(dtype), w13, w2, offs_e, weights_R, backend, self.gemm_kernel, self.gemm_tile, self.wgrad_kernel
-            )
+                x_RH.to(dtype), w13, w2, offs_e, weights_R, backend, self.gemm_kernel, self.gemm_tile,
+                self.wgrad_kernel, b13, b2, self.swiglu,
+            )  # fmt: skip
 
     def forward_local(
         self, x_TH: torch.Tensor, perm: Permutation, weights_R: Deferred, x_RH: Deferred | None = None
@@ -188,10 +222,11 @@ class GroupedExperts(nn.Module):
         backend = self.gemm_backend(x_TH.device, dtype)
         args = (x_TH.to(dtype), w13, w2, weights_R, perm, offs_e, backend, self.lean_backward, self.fuse_wgrad_accumulation, x_RH)
         kernels = (self.gemm_kernel, self.gemm_tile, self.wgrad_kernel, self.wgrad_streams)
+        math = (*self._compute_biases(dtype), self.swiglu)
         if not torch.is_autocast_enabled(device_type):  # no context to enter on the path to the first GEMM
-            return local_experts(*args, *kernels)
+            return local_experts(*args, *kernels, *math)
         with torch.autocast(device_type=device_type, enabled=False):
-            return local_experts(*args, *kernels)
+            return local_experts(*args, *kernels, *math)
 
     def _fp8_local(
         self, x_TH: torch.Tensor, perm: Permutation, weights_R: Deferred, x_RH: Deferred | None, opts: Fp8Options
@@ -210,4 +245,6 @@ class GroupedExperts(nn.Module):
             f"ffn_hidden_size={self.ffn_hidden_size}, backend={self.requested_backend!r}, "
             f"gemm={self.gemm_kernel!r}, wgrad={self.wgrad_kernel!r}"
             + ("" if self.fp8 is None else f", fp8={self.fp8.recipe!r}")
+            + ("" if self.b13 is None else ", mlp_bias=True")
+            + ("" if self.swiglu.is_plain else f", swiglu={tuple(self.swiglu)}")
         )

@@ -43,6 +43,7 @@ from lightning_moe.moe.router import RouterOutput, TopKRouter, expert_capacity
 from lightning_moe.ops.deferred import Deferred
 from lightning_moe.ops.permute import Permutation
 from lightning_moe.ops.streams import side_stream
+from lightning_moe.ops.swiglu import SwiGLUOptions
 
 __all__ = ["MoELayer", "SharedExpert", "router_entropy"]
 
@@ -116,7 +117,8 @@ class MoELayer(nn.Module):
         self.router = TopKRouter(config)
         self.experts = GroupedExperts(
             config.num_experts, config.hidden_size, config.ffn_hidden_size, config.experts_backend, config.init_std,
-            kernels=config.kernels, fp8=config.fp8,
+            kernels=config.kernels, fp8=config.fp8, mlp_bias=config.expert_mlp_bias,
+            swiglu=SwiGLUOptions(config.swiglu_alpha, config.swiglu_limit, config.swiglu_up_offset),
         )
         self.experts.fuse_wgrad_accumulation = config.fuse_wgrad_accumulation
         self.shared_expert = (

@@ -4,7 +4,8 @@ Legend: T tokens, H hidden, E experts, G expert groups, K experts per token.
 
 Workflow of :meth:`TopKRouter.forward`:
 
-1. ``logits_TE = x_TH @ weight_EH^T`` in ``router_dtype`` (fp32 by default).
+1. ``logits_TE = x_TH @ weight_EH^T`` (``+ bias_E`` with ``router_bias``) in ``router_dtype``
+   (fp32 by default).
 2. ``scores_TE`` for selection: the logits (softmax over the K selected), ``softmax`` over all E
    (``pre_softmax``) or ``sigmoid``; plus ``expert_bias`` (aux-loss-free balancing), which
    steers selection only and never the weights.
@@ -164,6 +165,7 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.bias = nn.Parameter(torch.zeros(config.num_experts)) if config.router_bias else None
         if config.expert_bias:
             self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
             self.register_buffer(
@@ -178,6 +180,8 @@ class TopKRouter(nn.Module):
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=self.config.init_std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def set_routing_override(self, override: RoutingOverride | None) -> None:
         """``override(topk_ids_TK) -> forced topk_ids_TK``; ``None`` restores normal routing."""
@@ -191,6 +195,8 @@ class TopKRouter(nn.Module):
                 logits_TE = router_logits(x_TH, self.weight, rdtype)
         else:  # no context to enter: this is on the host's path to the first expert GEMM
             logits_TE = router_logits(x_TH, self.weight, rdtype)
+        if self.bias is not None:
+            logits_TE = logits_TE + self.bias.to(rdtype)
         topk_ids_TK = self._select(logits_TE.detach())
         if self._override is not None:
             topk_ids_TK = self._checked_override(topk_ids_TK)
@@ -213,10 +219,12 @@ class TopKRouter(nn.Module):
         ``x_TH``'s rows in expert order (handed over once: whoever takes them holds the only
         reference), all from one extension call (``ops/route.py``); ``None``
         where that call does not apply (then call the router): no CUDA extension, a routing
-        override, capacity, a router dtype other than fp32, autocast, ``x`` and the weight not
-        both bf16 or both fp16, or sizes beyond the kernels' limits."""
+        override, capacity, a router dtype other than fp32, a router bias, autocast, ``x`` and the
+        weight not both bf16 or both fp16, or sizes beyond the kernels' limits."""
         cfg = self.config
         if self._override is not None or cfg.capacity_factor is not None or cfg.router_torch_dtype != torch.float32:
+            return None
+        if self.bias is not None:
             return None
         if x_TH.dtype != self.weight.dtype or x_TH.dtype not in (torch.bfloat16, torch.float16):
             return None

@@ -3,9 +3,9 @@
 Legend: T tokens, H hidden, F expert FFN width, E experts, K top-k, R rows grouped by expert.
 
     x_RH  = x_TH[src_R]                      # permute (each token's row scattered to its K rows)
-    h_R2F = gmm(x_RH, w13)                   # [gate | up]
+    h_R2F = gmm(x_RH, w13) + b13             # [gate | up]; the bias optional
     a_RF  = silu(gate) * up * w_R            # weighted SwiGLU (memory-efficient permutation)
-    y_RH  = gmm(a_RF, w2)
+    y_RH  = gmm(a_RF, w2) + w_R * b2         # the down bias optional, weighted like the output
     y_TH  = sum_k y_RH[slot_row_TK[t, k]]    # combine (gather-sum, the weight is already in)
 
 Why fused: as separate autograd nodes each piece keeps its own inputs alive across the step
@@ -32,10 +32,11 @@ from typing import NamedTuple
 import torch
 
 from lightning_moe.ops.deferred import Deferred, resolved
+from lightning_moe.ops.expert_bias import bias_grad, bias_rows, down_bias_grads, expert_of_rows
 from lightning_moe.ops.grouped_gemm import GemmBackend, gmm, gmm_wgrad
 from lightning_moe.ops.grouped_gemm_cutlass import DEFAULT_TILE
 from lightning_moe.ops.permute import Permutation, _expert_rows_impl, _unpermute_sum_impl
-from lightning_moe.ops.swiglu import weighted_swiglu_backward, weighted_swiglu_forward
+from lightning_moe.ops.swiglu import PLAIN_SWIGLU, SwiGLUOptions, weighted_swiglu_backward, weighted_swiglu_forward
 from lightning_moe.ops.wgrad import WgradFusion, accumulation_target, may_fuse
 
 __all__ = ["local_experts"]
@@ -46,6 +47,14 @@ class _Kernels(NamedTuple):
 
     gemm: tuple[GemmBackend, str, str]
     wgrad: tuple[GemmBackend, str]
+
+
+class _ExpertMath(NamedTuple):
+    """The optional parts of the expert MLP: its activation's constants and, with biases, each row's
+    local expert (``ops.expert_bias.expert_of_rows``)."""
+
+    opts: SwiGLUOptions = PLAIN_SWIGLU
+    expert_R: torch.Tensor | None = None
 
 
 class _PermuteUp(torch.autograd.Function):
@@ -60,9 +69,14 @@ class _PermuteUp(torch.autograd.Function):
         kernels: _Kernels,
         keep_gathered: bool,
         fusion: WgradFusion | None,
+        b13: torch.Tensor | None,
+        math: _ExpertMath,
     ) -> torch.Tensor:
         h_R2F = gmm(x_RH, w13, offs_E, *kernels.gemm)
-        ctx.perm, ctx.kernels, ctx.keep_gathered = perm, kernels, keep_gathered
+        if b13 is not None:
+            h_R2F.add_(bias_rows(b13, math.expert_R))
+        ctx.perm, ctx.kernels, ctx.keep_gathered, ctx.math = perm, kernels, keep_gathered, math
+        ctx.bias_shape = None if b13 is None else (b13.shape[0], b13.dtype)
         # The weight itself, not its saved copy: saved-tensor hooks (offload, checkpoints) may unpack
         # another tensor, and the in-place accumulation needs the leaf whose .grad autograd would fill.
         ctx.fusion, ctx.weight = fusion, (w13 if fusion is not None else None)
@@ -84,7 +98,10 @@ class _PermuteUp(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x_RH = gmm(grad_h_R2F, w13.transpose(1, 2), offs_E, *kernels.gemm)
             grad_x_TH = _unpermute_sum_impl(grad_x_RH, perm.slot_row_TK, None)
-        return grad_x_TH, None, grad_w13, None, None, None, None, None
+        grad_b13 = None
+        if ctx.bias_shape is not None and ctx.needs_input_grad[8]:
+            grad_b13 = bias_grad(grad_h_R2F, ctx.math.expert_R, *ctx.bias_shape)
+        return grad_x_TH, None, grad_w13, None, None, None, None, None, grad_b13, None
 
 
 class _DownCombine(torch.autograd.Function):
@@ -99,33 +116,41 @@ class _DownCombine(torch.autograd.Function):
         kernels: _Kernels,
         keep_activation: bool,
         fusion: WgradFusion | None,
+        b2: torch.Tensor | None,
+        math: _ExpertMath,
     ) -> torch.Tensor:
-        a_RF = weighted_swiglu_forward(h_R2F, w_R)
+        a_RF = weighted_swiglu_forward(h_R2F, w_R, math.opts)
         y_RH = gmm(a_RF, w2, offs_E, *kernels.gemm)
+        if b2 is not None:  # y = w * (a @ w2 + b2), with w already inside a
+            b2_RH = bias_rows(b2, math.expert_R)
+            y_RH.add_(b2_RH if w_R is None else b2_RH * w_R.unsqueeze(-1).to(b2_RH.dtype))
         y_TH = _unpermute_sum_impl(y_RH, perm.slot_row_TK, None)
-        ctx.perm, ctx.kernels = perm, kernels
+        ctx.perm, ctx.kernels, ctx.math = perm, kernels, math
         ctx.fusion, ctx.weight = fusion, (w2 if fusion is not None else None)
-        ctx.save_for_backward(h_R2F, w2, w_R, offs_E, a_RF if keep_activation else None)
+        ctx.save_for_backward(h_R2F, w2, w_R, offs_E, a_RF if keep_activation else None, b2)
         return y_TH
 
     @staticmethod
     def backward(ctx, grad_TH: torch.Tensor):  # type: ignore[override]
-        h_R2F, w2, w_R, offs_E, a_RF = ctx.saved_tensors
+        h_R2F, w2, w_R, offs_E, a_RF, b2 = ctx.saved_tensors
         perm: Permutation = ctx.perm
         kernels: _Kernels = ctx.kernels
+        math: _ExpertMath = ctx.math
         grad_y_RH = _expert_rows_impl(grad_TH, perm)
+        need_b2, need_w = ctx.needs_input_grad[8], ctx.needs_input_grad[2]
+        grad_b2, grad_w_from_b2 = down_bias_grads(grad_y_RH, w_R, b2, math.expert_R, need_b2, need_w)
         grad_w2 = None
         if ctx.needs_input_grad[1]:  # before grad_a_RF exists: a_RF is freed first (lower peak)
             if a_RF is None:
-                a_RF = weighted_swiglu_forward(h_R2F, w_R)
+                a_RF = weighted_swiglu_forward(h_R2F, w_R, math.opts)
             grad_w2 = _weight_grad(ctx, a_RF, grad_y_RH, offs_E, "w2")
             del a_RF
         grad_a_RF = gmm(grad_y_RH, w2.transpose(1, 2), offs_E, *kernels.gemm)
         del grad_y_RH
-        grad_h_R2F, grad_w_R = weighted_swiglu_backward(h_R2F, w_R, grad_a_RF, ctx.needs_input_grad[2])
+        grad_h_R2F, grad_w_R = weighted_swiglu_backward(h_R2F, w_R, grad_a_RF, ctx.needs_input_grad[2], math.opts)
         if grad_w_R is not None:
-            grad_w_R = grad_w_R.to(w_R.dtype)
-        return grad_h_R2F, grad_w2, grad_w_R, None, None, None, None, None
+            grad_w_R = (grad_w_R if grad_w_from_b2 is None else grad_w_R + grad_w_from_b2).to(w_R.dtype)
+        return grad_h_R2F, grad_w2, grad_w_R, None, None, None, None, None, grad_b2, None
 
 
 def _weight_grad(ctx, x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor, weight: str) -> torch.Tensor | None:  # noqa: ANN001
@@ -173,6 +198,9 @@ def local_experts(
     gemm_tile: str = DEFAULT_TILE,
     wgrad_kernel: str = "auto",
     wgrad_streams: tuple[int, int] = (2, 2),
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    opts: SwiGLUOptions = PLAIN_SWIGLU,
 ) -> torch.Tensor:
     """``y_TH`` of all experts on this rank, routing weights applied inside the SwiGLU.
 
@@ -193,6 +221,9 @@ def local_experts(
 
     ``gemm_kernel``, ``gemm_tile``, ``wgrad_kernel``, ``wgrad_streams`` (``w13``, ``w2``): the
     resolved ``KernelConfig`` values (``ops/grouped_gemm.py`` and ``ops/wgrad/`` say what they choose).
+
+    ``b13 [E, 2F]``, ``b2 [E, H]``: optional biases of the two projections; ``opts``: the
+    activation's constants (:class:`~lightning_moe.ops.swiglu.SwiGLUOptions`).
     """
     # The rows are moved first: the device copies them while the host sets up the fusion and the
     # autograd node below (host time before the first GEMM's launch is time the GPU sits idle).
@@ -207,9 +238,11 @@ def local_experts(
     if fuse_wgrad and may_fuse(wgrad_kernel, w13, w2, x_TH):
         fusion = WgradFusion(offs_E, x_TH, (w13, w2), wgrad_kernel, wgrad_streams)
     kernels = _Kernels((backend, gemm_kernel, gemm_tile), (backend, wgrad_kernel))
-    h_R2F = _PermuteUp.apply(x_TH, x_RH, w13, perm, offs_E, kernels, not rebuild_x, fusion)
+    biased = b13 is not None or b2 is not None
+    math = _ExpertMath(opts, expert_of_rows(offs_E, x_RH.shape[0]) if biased else None)
+    h_R2F = _PermuteUp.apply(x_TH, x_RH, w13, perm, offs_E, kernels, not rebuild_x, fusion, b13, math)
     del x_RH  # held by the node only when it keeps the gathered rows
     if fusion is not None:
         fusion.copy_offsets()
     w_R = resolved(w_R)  # deferred by the caller until the first GEMM is launched
-    return _DownCombine.apply(h_R2F, w2, w_R, perm, offs_E, kernels, not rebuild_a, fusion)
+    return _DownCombine.apply(h_R2F, w2, w_R, perm, offs_E, kernels, not rebuild_a, fusion, b2, math)

@@ -1,10 +1,12 @@
 """Every HF MoE family in ``swap_moe_blocks``: same logits and gradients, exact round trip, clear refusals.
 
 Tiny random fp32 configs of GLM-4-MoE, OLMoE, dots1, ERNIE-4.5-MoE, HunYuan-MoE, Granite-MoE,
-DeepSeek-V2 (greedy and group-limited), Qwen3-Next, Qwen3.5-MoE, MiniMax and Llama 4 (the
-routing weight scales the expert input) are built here (nothing is downloaded); correction
-biases are randomised so a wrong bias mapping changes the routing. PhiMoE and gpt-oss are
-refused with the reason. The families of
+DeepSeek-V2 (greedy and group-limited), Qwen3-Next, Qwen3.5-MoE, MiniMax, Llama 4 (the
+routing weight scales the expert input) and gpt-oss (router and expert biases, interleaved
+gate/up, clamped SwiGLU; its attention sinks and sliding window stay HF's) are built here
+(nothing is downloaded); correction biases, router and expert biases are randomised so a wrong
+bias mapping changes the result, and gpt-oss's ``swiglu_limit`` is set low enough that the clamp
+is active on these inputs. PhiMoE is refused with the reason. The families of
 ``test_hf_swap.py`` (Qwen3, Qwen2, Mixtral, DeepSeek-V3) are not repeated.
 """
 
@@ -67,7 +69,13 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], int]] = {
                                         num_experts_per_tok=2, interleave_moe_layer_step=1), 2),
     "minimax": ("minimax", dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
                                 layer_types=["linear_attention", "full_attention"], block_size=8), 2),
+    # swiglu_limit 0.15: about 12 % of the gate and 20 % of the up values are clamped on these inputs
+    "gpt_oss": ("gpt_oss", dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                swiglu_limit=0.15), 2),
+    "gpt_oss_top3": ("gpt_oss", dict(intermediate_size=16, num_local_experts=8, num_experts_per_tok=3,
+                                     sliding_window=8, swiglu_limit=0.15, swiglu_alpha=1.2), 2),
 }  # fmt: skip
+_RANDOM_BIASES = ("e_score_correction_bias", "router.bias", "gate_up_proj_bias", "down_proj_bias")
 
 
 def hf_config(name: str, **changes: Any) -> Any:
@@ -80,7 +88,7 @@ def hf_model(name: str, **changes: Any) -> nn.Module:
     model = transformers.AutoModelForCausalLM.from_config(hf_config(name, **changes)).float()
     with torch.no_grad():
         for tensor_name, t in [*model.named_buffers(), *model.named_parameters()]:
-            if tensor_name.endswith("e_score_correction_bias"):
+            if tensor_name.endswith(_RANDOM_BIASES):
                 t.normal_(0.0, 0.05)
     return model
 
@@ -89,16 +97,28 @@ def _ids() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
 
 
+def _gate_columns_first(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1) if interleaved else t
+
+
 def _hf_grads_in_our_layout(block: nn.Module) -> dict[str, torch.Tensor]:
-    """The HF block's gradients under our parameter names (w13 = gate_up^T, shared gate_up = cat)."""
+    """The HF block's gradients under our parameter names (w13 = gate_up^T, gate columns first;
+    shared gate_up = cat)."""
     fam = family_of(block)
     assert fam is not None
     gate_up, down = block.experts.gate_up_proj.grad, block.experts.down_proj.grad
+    router = block.get_submodule(fam.router)
     out = {
-        "router.weight": block.get_submodule(fam.router).weight.grad,
-        "experts.w13": gate_up if fam.experts_transposed else gate_up.transpose(1, 2),
+        "router.weight": router.weight.grad,
+        "experts.w13": _gate_columns_first(gate_up if fam.experts_transposed else gate_up.transpose(1, 2),
+                                           fam.gate_up_interleaved),
         "experts.w2": down if fam.experts_transposed else down.transpose(1, 2),
-    }
+    }  # fmt: skip
+    if getattr(router, "bias", None) is not None:
+        out["router.bias"] = router.bias.grad
+    if getattr(block.experts, "gate_up_proj_bias", None) is not None:
+        out["experts.b13"] = _gate_columns_first(block.experts.gate_up_proj_bias.grad, fam.gate_up_interleaved)
+        out["experts.b2"] = block.experts.down_proj_bias.grad
     shared = getattr(block, fam.shared, None) if fam.shared else None
     if shared is not None:
         out["shared_expert.gate_up.weight"] = torch.cat([shared.gate_proj.weight.grad, shared.up_proj.weight.grad])
@@ -204,10 +224,8 @@ def _refused_model(model_type: str, **kwargs: Any) -> nn.Module:
     ("model_type", "kwargs", "match"),
     [
         ("phimoe", dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2), r"PhimoeSparseMoeBlock.*SparseMixer"),
-        ("gpt_oss", dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, layer_types=None),
-         r"GptOssMLP.*clamped SwiGLU"),
     ],
-    ids=["phimoe", "gpt_oss"],
+    ids=["phimoe"],
 )  # fmt: skip
 def test_refused_families_name_the_block_and_the_reason(model_type: str, kwargs: dict, match: str) -> None:
     model = _refused_model(model_type, **kwargs)
@@ -246,7 +264,7 @@ def test_family_table_names_classes_of_this_transformers() -> None:
         module = importlib.import_module(f"transformers.models.{fam.name}.modeling_{fam.name}")
         assert hasattr(module, block), (fam.name, block)
     assert set(SUPPORTED_BLOCKS) == {b for b, f in FAMILIES.items() if f.refused is None}
-    assert {"PhimoeSparseMoeBlock", "GptOssMLP"}.isdisjoint(SUPPORTED_BLOCKS)
+    assert "PhimoeSparseMoeBlock" not in SUPPORTED_BLOCKS and "GptOssMLP" in SUPPORTED_BLOCKS
 
 
 # ---- group_score_topk: a group's score from its best `group_score_topk` experts -----------------
