@@ -43,6 +43,7 @@ import json
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -282,7 +283,8 @@ def build_lightning_moe_hf(shape: Shape, device: str) -> tuple[L.LightningModule
     return lit, {}
 
 
-def build_lightning_moe(shape: Shape, device: str) -> tuple[L.LightningModule, dict[str, Any]]:
+def build_lightning_moe(shape: Shape, device: str, **config: Any) -> tuple[L.LightningModule, dict[str, Any]]:
+    """Our model at ``shape``; ``config``: more ``TransformerConfig`` fields (``recompute``, ``attention_backend``)."""
     from lightning_moe.config import MoEConfig
     from lightning_moe.lit import MoELanguageModel
     from lightning_moe.models.transformer import TransformerConfig
@@ -293,7 +295,8 @@ def build_lightning_moe(shape: Shape, device: str) -> tuple[L.LightningModule, d
                     aux_loss="switch", aux_loss_coeff=shape.aux_loss_coeff)  # fmt: skip
     kwargs: dict[str, Any] = {"vocab_size": shape.vocab, "hidden_size": shape.hidden, "num_layers": shape.layers,
                                   "num_heads": shape.heads, "num_kv_heads": shape.kv_heads, "moe": moe,
-                                  "max_seq_len": shape.seq_len, "rope_theta": 1e6, "norm_eps": 1e-6}  # fmt: skip
+                                  "max_seq_len": shape.seq_len, "rope_theta": 1e6, "norm_eps": 1e-6,
+                                  **config}  # fmt: skip
     names = {f.name for f in fields(TransformerConfig)}
     if "head_dim" in names:
         kwargs["head_dim"] = shape.head_dim
@@ -341,28 +344,43 @@ def _head_dim(lit: L.LightningModule, shape: Shape, notes: dict[str, Any]) -> in
     return int(notes.get("head_dim", shape.head_dim))
 
 
-def run_one(name: str, shape: Shape, device: str, strategy: str, profile_steps: int = 0) -> dict[str, Any]:
-    """Build, train ``warmup + steps`` steps, and measure one contender (then ``profile_steps`` profiled)."""
+def run_one(
+    name: str,
+    shape: Shape,
+    device: str,
+    strategy: str,
+    profile_steps: int = 0,
+    *,
+    builder: Callable[[Shape, str], tuple[L.LightningModule, dict[str, Any]]] | None = None,
+    dataset: Dataset | None = None,
+    callbacks: tuple[Callback, ...] = (),
+) -> dict[str, Any]:
+    """Build, train ``warmup + steps`` steps, and measure one contender (then ``profile_steps`` profiled).
+
+    ``builder`` (default ``BUILDERS[name]``), ``dataset`` (default random tokens; at least
+    ``(warmup + steps + profile_steps) * batch_size`` items, read in order) and ``callbacks`` (added
+    to the Trainer's) let other benchmarks run their own variants through the same loop.
+    """
     torch.manual_seed(0)
     gc.collect()
     # What an earlier contender left allocated is not this one's: the peak is taken above it.
     held_before = torch.cuda.memory_allocated() if device == "cuda" else 0
-    lit, notes = BUILDERS[name](shape, device)
+    lit, notes = (builder or BUILDERS[name])(shape, device)
     n_active = active_params(lit, shape.top_k, shape.experts)
     timer = StepTimer()
     total_steps = shape.warmup + shape.steps
-    callbacks: list[Callback] = [timer]
+    trainer_callbacks: list[Callback] = [timer, *callbacks]
     if profile_steps:
         profiler = StepProfiler(start=total_steps, steps=profile_steps)
-        callbacks.append(profiler)
+        trainer_callbacks.append(profiler)
         total_steps += profile_steps
-    data = DataLoader(
-        RandomTokens(total_steps * shape.batch_size, shape.seq_len, shape.vocab), batch_size=shape.batch_size
-    )
+    if dataset is None:
+        dataset = RandomTokens(total_steps * shape.batch_size, shape.seq_len, shape.vocab)
+    data = DataLoader(dataset, batch_size=shape.batch_size)
     trainer = L.Trainer(
         accelerator="gpu" if device == "cuda" else "cpu", devices=1, strategy=strategy, precision=shape.precision,
         max_steps=total_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=trainer_callbacks,
     )  # fmt: skip
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -390,7 +408,7 @@ def run_one(name: str, shape: Shape, device: str, strategy: str, profile_steps: 
         result["profile"]["profiled_step_ms"] = [round(1e3 * t, 2) for t in timer.times[-profile_steps:]]
     # Lightning gives every callback the module's bound log methods; the timer outliving the Trainer
     # would keep the module (and its optimizer) alive under strategies that do not take them back.
-    del trainer, lit, data, callbacks, timer
+    del trainer, lit, data, trainer_callbacks, timer
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
