@@ -64,6 +64,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_moe.moe.dispatch import DispatchedTokens, DispatcherCapabilities, LocalDispatcher, row_weights
 from lightning_moe.moe.layer import MoELayer
 from lightning_moe.ops.deferred import resolved
+from lightning_moe.ops.expert_bias import bias_rows, expert_of_rows
 from lightning_moe.ops.grouped_gemm import gmm, offsets_from_counts
 from lightning_moe.ops.permute import Permutation, build_permutation, permute_rows_reference
 
@@ -319,7 +320,7 @@ class _MoEActDispatcher:
 def _hidden_recipe(
     experts: nn.Module, source: Callable[[], torch.Tensor], perm: Permutation, dtype: torch.dtype
 ) -> Callable[[], torch.Tensor]:
-    """``h_R2F = gmm(x_TH[src_R], w13)``, exactly as ``GroupedExperts.forward_local`` computes it."""
+    """``h_R2F = gmm(x_TH[src_R], w13) (+ b13)``, exactly as ``GroupedExperts.forward_local`` computes it."""
 
     def rebuild() -> torch.Tensor:
         w13 = experts.w13
@@ -329,7 +330,12 @@ def _hidden_recipe(
         x_RH = permute_rows_reference(x_TH, perm.src_token_R)  # a gather: the same bits as the kernel's
         with torch.no_grad():
             offs = offsets_from_counts(perm.tokens_per_expert_E)
-            return gmm(x_RH, w13, offs, backend, experts.gemm_kernel, experts.gemm_tile)  # type: ignore[arg-type]
+            h_R2F = gmm(x_RH, w13, offs, backend, experts.gemm_kernel, experts.gemm_tile)  # type: ignore[arg-type]
+            b13 = getattr(experts, "b13", None)
+            if b13 is not None:
+                b13 = (b13.to_local() if isinstance(b13, DTensor) else b13).to(dtype)
+                h_R2F.add_(bias_rows(b13, expert_of_rows(offs, x_RH.shape[0])))
+            return h_R2F
 
     return rebuild
 

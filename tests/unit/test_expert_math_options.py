@@ -284,3 +284,46 @@ def test_fp8_grouped_experts_refuse_the_options_at_construction(kwargs: dict) ->
 def test_fp8_switched_off_takes_the_options() -> None:
     assert isinstance(_config(fp8=Fp8Config(enabled="off")), MoEConfig)
     assert isinstance(GroupedExperts(4, H, FF, fp8=Fp8Config(enabled="off"), mlp_bias=True), nn.Module)
+
+
+# ---- with activation recompute ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_local_path", "dispatch_experts_combine"])
+def test_moe_act_recompute_rebuilds_the_biased_hidden_state_bitwise(fused: bool) -> None:
+    import torch.nn.functional as F
+
+    from lightning_moe.models.transformer import MoETransformer, TransformerConfig
+
+    def step(recompute: list[str]) -> dict[str, torch.Tensor]:
+        moe = _config(hidden_size=32, ffn_hidden_size=16, num_experts=4, memory_efficient_permute=fused,
+                      experts_backend="loop")  # fmt: skip
+        cfg = TransformerConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, moe=moe, max_seq_len=16,
+                                recompute=recompute)  # type: ignore[arg-type]  # fmt: skip
+        torch.manual_seed(0)
+        model = MoETransformer(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("experts.b13", "experts.b2", "router.bias")):
+                    p.normal_(0.0, 0.5)
+        ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+        loss = F.cross_entropy(model(ids).flatten(0, 1), ids.roll(-1, 1).flatten())
+        loss.backward()
+        return {"loss": loss.detach(), **{n: p.grad for n, p in model.named_parameters()}}
+
+    plain, rebuilt = step([]), step(["moe_act"])
+    for name, value in plain.items():
+        assert torch.equal(rebuilt[name], value), name
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(mlp_bias=True), dict(swiglu=SwiGLUOptions(alpha=1.702))], ids=["biases", "scaled_swiglu"]
+)
+def test_echo_clones_refuse_experts_with_the_options(kwargs: dict) -> None:
+    from types import SimpleNamespace
+
+    from lightning_moe.moe.dispatch.echo import EchoDispatcher
+
+    experts = GroupedExperts(8, 16, 8, backend="loop", **kwargs)
+    with pytest.raises(NotImplementedError, match="clone experts compute the plain SwiGLU.*drop the ECHO callback"):
+        EchoDispatcher(SimpleNamespace(etp_group=None), experts, 1)  # type: ignore[arg-type]

@@ -111,6 +111,11 @@ class EchoDispatcher:
             )
         if spare_slots < 1:
             raise ValueError(f"EchoDispatcher: spare_slots={spare_slots} must be >= 1.")
+        if experts.b13 is not None or not experts.swiglu.is_plain:
+            raise NotImplementedError(
+                "EchoDispatcher: the clone experts compute the plain SwiGLU without biases, these experts have "
+                f"mlp_bias={experts.b13 is not None}, swiglu={tuple(experts.swiglu)}; drop the ECHO callback."
+            )
         self.base = base
         self.experts = experts
         self.spare_slots = spare_slots
