@@ -5,6 +5,8 @@
 #   bash benchmarks/h200.sh fp8        # the FP8 layer (every recipe, and auto) beside our bf16 layer
 #   bash benchmarks/h200.sh e2e        # the 4-layer Qwen3-30B-A3B-shaped model vs HF transformers
 #   bash benchmarks/h200.sh callbacks  # recompute, CPU offload, CUDA graphs
+#   bash benchmarks/h200.sh packed     # packed rows (varlen attention) vs one padded document per row
+#   bash benchmarks/h200.sh long       # longest trainable sequence under a 48 GiB cap, ours vs HF
 #   bash benchmarks/h200.sh multi      # 2+ GPUs: NCCL parity tests, EP scaling, the token exchange
 # Results (JSON and logs) go to $RESULTS (default: results/).
 set -euo pipefail
@@ -36,6 +38,16 @@ case "${1:-layer}" in
   callbacks)
     python3 benchmarks/callbacks_bench.py --out "$RESULTS/callbacks.json" | tee "$RESULTS/callbacks.log"
     ;;
+  packed)
+    python3 -m pytest tests/gpu/test_varlen_attention_gpu.py -q -p no:cacheprovider -rs \
+      | tee "$RESULTS/varlen_attention_gpu.log" || echo "h200.sh: varlen attention GPU tests failed; see the log" >&2
+    python3 benchmarks/packed_vs_padded.py --out "$RESULTS/packed_vs_padded.json" | tee "$RESULTS/packed_vs_padded.log"
+    ;;
+  long)
+    # each contender's search stops starting trials after 100 s (the bracket reached is reported)
+    python3 benchmarks/long_context.py --cap-gib 48 --time-budget-s 100 --out "$RESULTS/long_context.json" \
+      | tee "$RESULTS/long_context.log"
+    ;;
   multi)
     N=$(nvidia-smi -L | wc -l)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
@@ -55,7 +67,7 @@ case "${1:-layer}" in
     done
     ;;
   *)
-    echo "h200.sh: mode='$1' is not one of tests, layer, fp8, e2e, callbacks, multi; fix." >&2
+    echo "h200.sh: mode='$1' is not one of tests, layer, fp8, e2e, callbacks, packed, long, multi; fix." >&2
     exit 2
     ;;
 esac

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -162,10 +163,13 @@ def run(shape: Shape, *, min_len: int, packed_steps: int, seed: int, attention_b
     print(f"corpus: {int((padded.real_tokens() > 0).sum())} documents (log-uniform {min_len}..{shape.seq_len} tokens), "
           f"{int(packed.real_tokens().sum()):,} labelled tokens; padded {padded.num} rows, packed {packed.num} rows",
           flush=True)  # fmt: skip
+    had_process_group = dist.is_available() and dist.is_initialized()
     results: dict[str, Any] = {}
     for arm in arms:
         timed = padded if arm == "padded" else packed
         results[arm] = run_arm(arm, shape, timed, min_len, seed, device, strategy, attention_backend)
+        if not had_process_group and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()  # the strategy made one; leave the process as we found it
         r = results[arm]
         peak = "n/a" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.2f} GiB"
         print(f"[{arm}] {r['real_tokens_per_s']:,.0f} real tokens/s over {r['timed_steps']} steps  "

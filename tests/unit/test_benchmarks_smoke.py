@@ -261,3 +261,81 @@ def test_fp8_layer_benchmark_quick_runs_and_compares_to_bf16(tmp_path: Path) -> 
         r = results[f"fp8[{recipe}]"]
         assert 0 < r["output_rel_err_vs_bf16"] < 0.1 and 0 < r["output_cos_dist_vs_bf16"] < 0.01, r
     assert results["fp8[auto]"]["output_rel_err_vs_bf16"] == 0.0  # auto keeps the tiny shape in bf16
+
+
+def test_packed_vs_padded_quick_trains_both_arms_on_the_same_real_tokens(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    had_process_group = dist.is_initialized()
+    bench = _load("packed_vs_padded")
+    out = tmp_path / "packed.json"
+    report = bench.main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text())["results"].keys() == {"padded", "packed"}
+    padded, packed = report["results"]["padded"], report["results"]["packed"]
+    assert padded["real_tokens"] == packed["real_tokens"] > 0
+    assert padded["rows"] > packed["rows"] and packed["row_fill"] > padded["row_fill"]
+    assert padded["timed_steps"] == len(padded["step_ms"]) and packed["timed_steps"] == len(packed["step_ms"])
+    assert padded["real_tokens_per_s"] > 0 and packed["real_tokens_per_s"] > 0
+    assert padded["attention_backend"] == packed["attention_backend"] == "sdpa"  # CPU
+    assert report["packed_over_padded_real_tokens_per_s"] > 0
+    assert dist.is_initialized() == had_process_group
+
+
+def test_packed_vs_padded_rows_hold_every_document_once() -> None:
+    bench = _load("packed_vs_padded")
+    docs = bench.corpus(2000, 16, 256, 100, seed=3)
+    assert [d.tolist() for d in docs] == [d.tolist() for d in bench.corpus(2000, 16, 256, 100, seed=3)]
+    assert all(16 <= d.numel() <= 256 for d in docs) and sum(d.numel() for d in docs) >= 2000
+    padded = bench.whole_batches(bench.padded_rows(docs, 256), 4)
+    packed = bench.whole_batches(bench.packed_rows(docs, 256), 4)
+    assert padded.num % 4 == 0 and packed.num % 4 == 0 and padded.num >= len(docs)
+    # one label per document token (the last one predicts EOS) in both layouts
+    want = sum(d.numel() for d in docs)
+    assert int(padded.real_tokens().sum()) == int(packed.real_tokens().sum()) == want
+    assert set(padded.rows) == {"input_ids", "labels"} and "document_ids" in packed.rows
+    with pytest.raises(ValueError, match="min_len <= max_len"):
+        bench.corpus(10, 300, 256, 100, seed=0)
+
+
+def test_long_context_search_doubles_then_bisects_and_stops_where_told() -> None:
+    lc = _load("long_context")
+
+    def limited(limit: int, seen: list[int], error_at: int | None = None):  # noqa: ANN202
+        def trial(n: int):  # noqa: ANN202
+            seen.append(n)
+            if error_at is not None and n >= error_at:
+                return lc.Trial(n, ok=False, error="RuntimeError: not a memory problem")
+            return lc.Trial(n, ok=n <= limit, oom=n > limit, tokens_per_s=1.0 if n <= limit else None)
+
+        return trial
+
+    seen: list[int] = []
+    r = lc.search(limited(40000, seen), 4096, 4096, 131072)
+    assert (r.largest_ok, r.smallest_failed) == (36864, 40960)
+    assert seen == [4096, 8192, 16384, 32768, 65536, 49152, 40960, 36864]
+    assert r.best() is not None and r.best().seq_len == 36864
+    seen = []
+    r = lc.search(limited(10**9, seen), 4096, 4096, 100000)  # the cap: the last length is 98304
+    assert seen == [4096, 8192, 16384, 32768, 65536, 98304] and r.largest_ok == 98304 and r.smallest_failed is None
+    seen = []
+    r = lc.search(limited(0, seen), 4096, 4096, 131072)  # even the first length fails
+    assert seen == [4096] and r.largest_ok is None and r.best() is None
+    seen = []
+    r = lc.search(limited(10**9, seen, error_at=30000), 4096, 4096, 131072)  # not out of memory: no bisection
+    assert seen == [4096, 8192, 16384, 32768] and r.largest_ok == 16384
+    seen = []
+    r = lc.search(limited(10**9, seen), 4096, 4096, 131072, out_of_time=lambda: len(seen) >= 2)
+    assert seen == [4096, 8192] and r.stopped_by_time_budget and r.largest_ok == 8192
+    with pytest.raises(ValueError, match="multiple of granularity"):
+        lc.search(limited(1, []), 1000, 4096, 131072)
+
+
+def test_long_context_quick_runs_trials_in_subprocesses(tmp_path: Path) -> None:
+    lc = _load("long_context")
+    out = tmp_path / "long.json"
+    report = lc.main(["--quick", "--contenders", "lightning_moe", "--out", str(out)])
+    assert json.loads(out.read_text())["fake_limit_tokens"] == 40
+    r = report["results"]["lightning_moe"]
+    assert (r["largest_seq_len"], r["smallest_failed_seq_len"]) == (32, 64), r["trials"]
+    assert r["tokens_per_s_at_largest"] > 0 and [t["ok"] for t in r["trials"]] == [True, False]
+    assert r["trials"][1]["oom"] and r["trials"][1]["error"] is None
