@@ -11,18 +11,28 @@ whole. Reads go through
 ``safe_open(...).get_slice(name)[...]`` straight into views of the local tensors, one shard file
 open at a time, so a rank's memory is its own shards plus one slice.
 
-HF names and layouts read (ours ← HF, ``P`` the block's prefix):
+HF names and layouts read (ours ← HF; the names per family: :mod:`~lightning_moe.checkpoint.hf_names`,
+``P`` the block's checkpoint prefix, e.g. ``model.layers.0.mlp.`` or Mixtral's
+``model.layers.0.block_sparse_moe.``):
 
-* ``P.experts.w13 [E, H, 2F]`` (ETP: column blocks ``[gate_j | up_j]``) ← per expert
-  ``P.experts.{i}.gate_proj.weight`` / ``up_proj.weight`` ``[F, H]`` (what transformers 5
-  ``save_pretrained`` writes; ``w1``/``w3`` too), or fused ``P.experts.gate_up_proj [E, 2F, H]``;
-* ``P.experts.w2 [E, F, H]`` ← ``P.experts.{i}.down_proj.weight [H, F]`` (``w2``) or fused
-  ``P.experts.down_proj [E, H, F]``;
-* ``P.router.weight`` ← ``P.gate.weight``; ``P.router.expert_bias`` ← ``P.gate.e_score_correction_bias``;
-* ``P.shared_expert.gate_up.weight [2F_s, H]`` ← ``gate_proj`` over ``up_proj`` of
-  ``P.shared_expert`` / ``P.shared_experts``; ``P.shared_expert.down.weight`` ← their
-  ``down_proj``; ``P.shared_expert.gate.weight`` ← ``P.shared_expert_gate.weight``;
+* ``experts.w13 [E, H, 2F]`` (ETP: column blocks ``[gate_j | up_j]``) ← per expert
+  ``P.experts.{i}.gate_proj.weight`` / ``up_proj.weight`` ``[F, H]`` (Mixtral's ``w1``/``w3``; what
+  transformers 5 ``save_pretrained`` writes for most families), or a fused ``[E, 2F, H]`` tensor
+  (``P.experts.gate_up_proj`` as held in memory; Granite's ``P.input_linear.weight``), or
+  ``[E, H, 2F]`` (Llama 4);
+* ``experts.w2 [E, F, H]`` ← ``P.experts.{i}.down_proj.weight [H, F]`` (``w2``) or fused
+  ``[E, H, F]`` (``P.experts.down_proj``, ``P.output_linear.weight``), ``[E, F, H]`` (Llama 4);
+* ``router.weight`` ← the family's router (``P.gate.weight``, ``P.router.weight``,
+  ``P.gate.wg.weight``, Granite's ``P.router.layer.weight``); ``router.expert_bias`` ← its correction
+  bias (``P.gate.e_score_correction_bias``, ERNIE's ``P.moe_statics.e_score_correction_bias``);
+* ``shared_expert.gate_up.weight [2F_s, H]`` ← ``gate_proj`` over ``up_proj`` of the family's
+  shared expert (``shared_expert``, ``shared_experts``, ``shared_mlp``); ``shared_expert.down.weight``
+  ← its ``down_proj``; ``shared_expert.gate.weight`` ← ``P.shared_expert_gate.weight``;
 * everything else under its own name.
+
+A layer is read under the names ``save_pretrained`` writes when its router is found there, else
+under its module names (a ``state_dict`` saved as it is). A family without checkpoint names is
+refused naming it.
 
 Bad input raises ``ValueError`` before any weight changes: a hub id or missing directory (nothing is
 downloaded), missing shard files or index entries (named), a shape that does not match (key,
@@ -35,7 +45,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +53,16 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from lightning_moe.checkpoint.hf_names import (
+    LayerNames,
+    family_named,
+    module_layer_names,
+    saved_layer_names,
+    stored_bias_shape,
+)
+
 __all__ = [
     "HFCheckpoint",
-    "expert_hf_names",
     "load_hf_checkpoint_sharded",
     "local_box",
     "reset_nonpersistent_buffers",
@@ -53,7 +70,6 @@ __all__ = [
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-_GATE, _UP, _DOWN = ("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")
 
 
 class HFCheckpoint:
@@ -146,20 +162,6 @@ def local_box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     return local, tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
-def _pick(ckpt: HFCheckpoint, prefix: str, alternatives: tuple[str, ...], suffix: str) -> str:
-    names = [f"{prefix}{a}{suffix}" for a in alternatives]
-    return next((n for n in names if n in ckpt), names[0])
-
-
-def expert_hf_names(prefix: str, expert: int, ckpt: HFCheckpoint | None = None) -> tuple[str, str, str]:
-    """Per-expert HF names ``(gate, up, down)`` of expert ``expert`` under ``prefix`` (``P.experts.``)."""
-    if ckpt is None:
-        gate, up, down = (f"{prefix}{expert}.{a[0]}.weight" for a in (_GATE, _UP, _DOWN))
-    else:
-        gate, up, down = (_pick(ckpt, f"{prefix}{expert}.", a, ".weight") for a in (_GATE, _UP, _DOWN))
-    return gate, up, down
-
-
 def _rng(s: slice) -> range:
     return range(s.start, s.stop)
 
@@ -201,6 +203,13 @@ class _Planner:
         if self._check(name, tuple(t.shape)):
             self.reads.append(_Read(name, box, False, local))
 
+    def reshaped(self, name: str, t: torch.Tensor, stored: tuple[int, ...] | None) -> None:
+        """``t`` whole (a plain tensor) from ``name`` stored as ``stored`` (same elements, e.g. ``[1, E]``)."""
+        if stored is None or tuple(stored) == tuple(t.shape) or isinstance(t, DTensor):
+            self.direct(name, t)
+        elif self._check(name, stored):
+            self.reads.append(_Read(name, tuple(slice(0, n) for n in stored), False, t.view(stored)))
+
     def stacked(self, names: tuple[str, str], t: torch.Tensor) -> None:
         """``t`` = ``cat([hf[names[0]], hf[names[1]]], dim=0)``, halves of equal size."""
         local, box = local_box(t)
@@ -213,15 +222,15 @@ class _Planner:
                 dest = local[a - box[0].start : b - box[0].start]
                 self.reads.append(_Read(name, (slice(a - k * half, b - k * half), *box[1:]), False, dest))
 
-    def experts(self, prefix: str, w13: torch.Tensor, w2: torch.Tensor, etp: int, transposed: bool) -> None:
+    def experts(self, names: LayerNames, w13: torch.Tensor, w2: torch.Tensor, etp: int) -> None:
         E, H, two_F = w13.shape
         F = two_F // 2
         l13, (e13, h13, c13) = local_box(w13)
         l2, (e2, f2, h2) = local_box(w2)
-        fused_up, fused_down = f"{prefix}gate_up_proj", f"{prefix}down_proj"
-        if fused_up in self.ckpt or fused_down in self.ckpt:
-            up_shape = (E, H, 2 * F) if transposed else (E, 2 * F, H)
-            ok13 = self._check(fused_up, up_shape)
+        if names.fused is not None:
+            fused_up, fused_down = names.fused
+            transposed = names.transposed
+            ok13 = self._check(fused_up, (E, H, 2 * F) if transposed else (E, 2 * F, H))
             ok2 = self._check(fused_down, (E, F, H) if transposed else (E, H, F))
             if ok13:
                 for is_up, start, d0, n in _w13_column_runs(c13, F, etp):
@@ -233,14 +242,14 @@ class _Planner:
                 self.reads.append(_Read(fused_down, index, not transposed, l2))
             return
         for i in _rng(e13):
-            gate, up, _ = expert_hf_names(prefix, i, self.ckpt)
+            gate, up, _ = names.expert(i)
             ok = [self._check(n, (F, H)) for n in (gate, up)]
             for is_up, start, d0, n in _w13_column_runs(c13, F, etp):
                 if ok[is_up]:
                     dest = l13[i - e13.start, :, d0 : d0 + n]
                     self.reads.append(_Read((gate, up)[is_up], (slice(start, start + n), h13), True, dest))
         for i in _rng(e2):
-            down = expert_hf_names(prefix, i, self.ckpt)[2]
+            down = names.expert(i)[2]
             if self._check(down, (H, F)):
                 self.reads.append(_Read(down, (h2, f2), True, l2[i - e2.start]))
 
@@ -251,9 +260,23 @@ def _moe_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, HFMoELayer)}
 
 
-def _shared_prefix(ckpt: HFCheckpoint, prefix: str) -> str:
-    plural = f"{prefix}shared_experts."
-    return plural if any(n.startswith(plural) for n in ckpt.weight_map) else f"{prefix}shared_expert."
+def _layer_names(ckpt: HFCheckpoint, layer_name: str, layer: Any) -> LayerNames:
+    """Each tensor under the name ``save_pretrained`` writes if the checkpoint has it there, else
+    under its module name (module doc); the experts as a whole one way or the other."""
+    from lightning_moe.models.hf import _transposed
+
+    owner = "load_hf_checkpoint_sharded"
+    saved = saved_layer_names(layer_name, layer.family, owner)
+    module = module_layer_names(layer_name, layer.family, owner)
+    # the in-memory layout of this transformers version (Llama 4's [E, H, 2F], or a flag on the experts)
+    module = replace(module, transposed=_transposed(family_named(layer.family, owner), layer.hf_block.experts))
+    first = saved.fused[0] if saved.fused is not None else saved.expert(0)[0]
+    experts = saved if first in ckpt else module
+
+    def pick(a: str | None, b: str | None) -> str | None:
+        return a if a is None or a in ckpt or b not in ckpt else b
+
+    return replace(experts, router=pick(saved.router, module.router), bias=pick(saved.bias, module.bias))
 
 
 def _plan(model: nn.Module, ckpt: HFCheckpoint) -> _Planner:
@@ -267,23 +290,22 @@ def _plan(model: nn.Module, ckpt: HFCheckpoint) -> _Planner:
     done: set[str] = set()
     for layer_name, layer in layers.items():
         p = f"{layer_name}."
+        names = _layer_names(ckpt, layer_name, layer)
         ex = layer.experts
-        transposed = bool(getattr(layer.hf_block.experts, "is_transposed", False))
-        plan.experts(f"{p}experts.", ex.w13, ex.w2, int(getattr(ex, "etp", 1)), transposed)
+        plan.experts(names, ex.w13, ex.w2, int(getattr(ex, "etp", 1)))
         done |= {f"{p}experts.w13", f"{p}experts.w2"}
-        plan.direct(f"{p}gate.weight", layer.router.weight)
+        plan.direct(names.router, layer.router.weight)
         done.add(f"{p}router.weight")
-        if f"{p}router.expert_bias" in tensors:
-            plan.direct(f"{p}gate.e_score_correction_bias", tensors[f"{p}router.expert_bias"])
+        if f"{p}router.expert_bias" in tensors and names.bias is not None:
+            plan.reshaped(names.bias, tensors[f"{p}router.expert_bias"], stored_bias_shape(layer))
             done.add(f"{p}router.expert_bias")
-        sp = _shared_prefix(ckpt, p)
-        if f"{p}shared_expert.gate_up.weight" in tensors:
-            names = (f"{sp}gate_proj.weight", f"{sp}up_proj.weight")
-            plan.stacked(names, tensors[f"{p}shared_expert.gate_up.weight"])
+        if f"{p}shared_expert.gate_up.weight" in tensors and names.shared is not None:
+            sp = names.shared
+            plan.stacked((f"{sp}gate_proj.weight", f"{sp}up_proj.weight"), tensors[f"{p}shared_expert.gate_up.weight"])
             plan.direct(f"{sp}down_proj.weight", tensors[f"{p}shared_expert.down.weight"])
             done |= {f"{p}shared_expert.gate_up.weight", f"{p}shared_expert.down.weight"}
-        if f"{p}shared_expert.gate.weight" in tensors:
-            plan.direct(f"{p}shared_expert_gate.weight", tensors[f"{p}shared_expert.gate.weight"])
+        if f"{p}shared_expert.gate.weight" in tensors and names.shared_gate is not None:
+            plan.direct(names.shared_gate, tensors[f"{p}shared_expert.gate.weight"])
             done.add(f"{p}shared_expert.gate.weight")
     for name, t in tensors.items():
         if name in done:

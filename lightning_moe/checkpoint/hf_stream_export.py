@@ -9,18 +9,22 @@ layout). Tensors are taken one at a time in the model's order:
   shards, ETP's column blocks, undone with ``unblock_w13``), so each EP rank holds only its experts
   of one layer at a time; one replica of that EP rank writes them per expert, in the layout
   transformers 5 ``save_pretrained`` writes (``P.experts.{i}.gate_proj.weight [F, H]``,
-  ``up_proj``, ``down_proj [H, F]``);
+  ``up_proj``, ``down_proj [H, F]``, or the family's names);
 * other tensors (FSDP2 and TP DTensors through ``full_tensor``, one tensor at a time; plain ones
   as they are): written by one rank of ``group``, each rank in turn;
-* names back to HF's (``router.weight`` → ``gate.weight``, the shared expert's ``gate_up`` split
-  into ``gate_proj``/``up_proj``, ...; the inverse of ``checkpoint.hf_sharded``).
+* names back to the ones transformers' ``save_pretrained`` writes for the family
+  (``checkpoint.hf_names``: ``router.weight`` → ``gate.weight`` / ``router.weight`` / Granite's
+  ``router.layer.weight``, Mixtral's ``block_sparse_moe.experts.{i}.w1``, the shared expert's
+  ``gate_up`` split into ``gate_proj``/``up_proj``, ...; the inverse of ``checkpoint.hf_sharded``);
+  families saved with fused experts (Granite's ``input_linear``, Llama 4's ``experts.gate_up_proj``)
+  get each expert tensor whole, gathered over every mesh dim and written by one rank in turn.
 
 A rank writes ``model-rank{r}-{k}.safetensors`` files of at most ``max_shard_bytes`` each; then,
 after the names of every rank are collected (``all_gather_object``), rank 0 writes
 ``model.safetensors.index.json`` and ``config.json``. A checkpoint loaded with
 :func:`~lightning_moe.checkpoint.hf_sharded.load_hf_checkpoint_sharded` and exported untouched is
-the same tensors bit for bit. Families whose HF names differ from their module names (Mixtral's
-``block_sparse_moe.experts.{i}.w1``) are refused: use ``export.export_state_dict`` for them.
+the same tensors bit for bit. A family without checkpoint names (gpt-oss's interleaved gate/up)
+is refused naming it: use ``export.export_state_dict`` for it.
 
 :func:`stream_export_dcp` does the same from a ``folded_moe`` DCP folder (``lightning-moe-export
 --streaming`` under ``torchrun``): each rank reads only its shards of the folder and writes them.
@@ -38,11 +42,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lightning_moe.checkpoint.hf_sharded import INDEX_NAME, expert_hf_names
+from lightning_moe.checkpoint.hf_names import LayerNames, saved_layer_names, stored_bias_shape
+from lightning_moe.checkpoint.hf_sharded import INDEX_NAME
 
-__all__ = ["STREAM_FAMILIES", "hf_tensors", "stream_export_dcp", "stream_export_hf"]
-
-STREAM_FAMILIES = ("qwen3_moe", "qwen2_moe", "deepseek_v3")
+__all__ = ["hf_tensors", "stream_export_dcp", "stream_export_hf"]
 
 
 def _replica_index(t: DTensor, keep: list[bool]) -> tuple[int, int]:
@@ -93,27 +96,43 @@ def _whole(t: torch.Tensor, turns: _Turns) -> torch.Tensor | None:
     return full if turns.mine(turns.rank, turns.world) else None
 
 
+def _layer_names(layers: dict[str, Any]) -> dict[str, LayerNames]:
+    """``save_pretrained``'s names of every layer (``checkpoint.hf_names``); unknown families and
+    layers the HF block cannot hold are refused before any collective."""
+    from lightning_moe.models.hf import _check_exportable
+
+    names = {}
+    for name, layer in layers.items():
+        names[f"{name}."] = saved_layer_names(name, layer.family, "stream_export_hf")
+        _check_exportable(layer)
+    return names
+
+
+def _fused_experts(rest: str, full: torch.Tensor, names: LayerNames, etp: int) -> tuple[str, torch.Tensor]:
+    """A family saved with fused experts: the whole ``[E, H, 2F]`` / ``[E, F, H]`` tensor in its layout."""
+    from lightning_moe.parallel.parallelize import unblock_w13
+
+    assert names.fused is not None
+    if rest == "experts.w13":
+        full = unblock_w13(full, etp)
+    name = names.fused[0] if rest == "experts.w13" else names.fused[1]
+    return name, (full if names.transposed else full.transpose(1, 2))
+
+
 def hf_tensors(model: nn.Module, rank: int = 0, world: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
     """``(HF name, tensor)`` this rank writes, in order; collective for sharded models (every rank
     iterates to the end)."""
-    from lightning_moe.models.hf import HFMoELayer, _check_exportable
+    from lightning_moe.models.hf import HFMoELayer
 
     layers = {n: m for n, m in model.named_modules() if isinstance(m, HFMoELayer)}
-    for name, layer in layers.items():
-        if layer.family not in STREAM_FAMILIES:
-            raise ValueError(
-                f"stream_export_hf: layer {name} is {layer.family!r}, whose HF checkpoint names differ from its "
-                f"module names; streaming export supports {STREAM_FAMILIES}. Use lightning_moe.export "
-                "(export_state_dict) for this model."
-            )
-        _check_exportable(layer)
+    by_layer = _layer_names(layers)
+    hf_bias_shapes = {f"{n}.": stored_bias_shape(layer) for n, layer in layers.items()}  # ERNIE's [1, E]
     skip: set[str] = set()
     for module_name, m in model.named_modules():
         skip |= {f"{module_name}.{b}" if module_name else b for b in m._non_persistent_buffers_set}
     tensors = dict(model.named_parameters())
     tensors.update({n: b for n, b in model.named_buffers() if n not in skip})
     turns = _Turns(rank, world)
-    by_layer = {f"{n}.": layer for n, layer in layers.items()}
     for key, t in tensors.items():
         prefix = next((p for p in by_layer if key.startswith(p)), None)
         if prefix is None:
@@ -121,7 +140,13 @@ def hf_tensors(model: nn.Module, rank: int = 0, world: int = 1) -> Iterator[tupl
             if full is not None:
                 yield key, full
             continue
-        layer, rest = by_layer[prefix], key[len(prefix) :]
+        names, rest = by_layer[prefix], key[len(prefix) :]
+        etp = int(getattr(layers[prefix[:-1]].experts, "etp", 1))
+        if rest in ("experts.w13", "experts.w2") and names.fused is not None:
+            full = _whole(t, turns)  # one tensor holds every expert: written whole by one rank
+            if full is not None:
+                yield _fused_experts(rest, full, names, etp)
+            continue
         if rest in ("experts.w13", "experts.w2"):
             local, first, index, count = _gather_experts(t)
             if not turns.mine(index, count):
@@ -129,10 +154,10 @@ def hf_tensors(model: nn.Module, rank: int = 0, world: int = 1) -> Iterator[tupl
             if rest == "experts.w13":
                 from lightning_moe.parallel.parallelize import unblock_w13
 
-                local = unblock_w13(local, int(getattr(layer.experts, "etp", 1)))
+                local = unblock_w13(local, etp)
                 F = local.shape[-1] // 2
             for i in range(local.shape[0]):
-                gate, up, down = expert_hf_names(f"{prefix}experts.", first + i)
+                gate, up, down = names.expert(first + i)
                 if rest == "experts.w13":
                     yield gate, local[i, :, :F].t()
                     yield up, local[i, :, F:].t()
@@ -142,19 +167,18 @@ def hf_tensors(model: nn.Module, rank: int = 0, world: int = 1) -> Iterator[tupl
         full = _whole(t, turns)
         if full is None:
             continue
-        shared = f"{prefix}{'shared_experts' if layer.family == 'deepseek_v3' else 'shared_expert'}."
         if rest == "router.weight":
-            yield f"{prefix}gate.weight", full
-        elif rest == "router.expert_bias":
-            yield f"{prefix}gate.e_score_correction_bias", full
-        elif rest == "shared_expert.gate_up.weight":
+            yield names.router, full
+        elif rest == "router.expert_bias" and names.bias is not None:
+            yield names.bias, full.view(hf_bias_shapes[prefix] or full.shape)
+        elif rest == "shared_expert.gate_up.weight" and names.shared is not None:
             Fs = full.shape[0] // 2
-            yield f"{shared}gate_proj.weight", full[:Fs]
-            yield f"{shared}up_proj.weight", full[Fs:]
-        elif rest == "shared_expert.down.weight":
-            yield f"{shared}down_proj.weight", full
-        elif rest == "shared_expert.gate.weight":
-            yield f"{prefix}shared_expert_gate.weight", full
+            yield f"{names.shared}gate_proj.weight", full[:Fs]
+            yield f"{names.shared}up_proj.weight", full[Fs:]
+        elif rest == "shared_expert.down.weight" and names.shared is not None:
+            yield f"{names.shared}down_proj.weight", full
+        elif rest == "shared_expert.gate.weight" and names.shared_gate is not None:
+            yield names.shared_gate, full
         else:
             yield key, full
 

@@ -198,11 +198,10 @@ def test_streaming_export_refuses_what_it_cannot_write(tmp_path: Path) -> None:
     from lightning_moe.checkpoint.hf_stream_export import stream_export_dcp
     from lightning_moe.export import main as export_main
 
-    mixtral = {"model_type": "mixtral", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 16,
-               "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
-               "num_experts_per_tok": 2}  # fmt: skip
-    with pytest.raises(ValueError, match=r"'mixtral'.*streaming export supports \('qwen3_moe'"):
-        stream_export_hf(swap_moe_blocks(_hf_model(mixtral)), tmp_path / "m")
+    unknown = swap_moe_blocks(_hf_model(TINY))
+    unknown.model.layers[0].mlp.family = "made_up"
+    with pytest.raises(ValueError, match=r"stream_export_hf: family 'made_up' has no HF checkpoint names here"):
+        stream_export_hf(unknown, tmp_path / "m")
     with pytest.raises(ValueError, match="max_shard_bytes=0 must be a positive int"):
         stream_export_hf(swap_moe_blocks(_hf_model(TINY)), tmp_path / "q", max_shard_bytes=0)
     with pytest.raises(ValueError, match="needs an initialised process group"):
