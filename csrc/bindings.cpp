@@ -217,6 +217,37 @@ at::Tensor weighted_swiglu_fwd_op(const at::Tensor& h, const std::optional<at::T
   return a;
 }
 
+// Rotary embedding of x [T, N, D] (token-major heads) with fp32 tables cos, sin [P, D/2]: token t
+// reads row t % P. backward=true applies the transposed rotation (the gradient of the forward).
+at::Tensor rope_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward) {
+  constexpr const char* op = "rope";
+  const at::Device dev = x.device();
+  check_tensor(x, op, "x", dev);
+  check_dim(x, op, "x", 3, "[T, N, D]");
+  TORCH_CHECK(x.size(2) % 2 == 0, "lightning_moe_C.", op, ": x has head dim ", num(x.size(2)),
+              "; rotary embedding needs an even D.");
+  const DType dt = activation_dtype(x, op, "x");
+  const int64_t T = x.size(0), N = x.size(1), half = x.size(2) / 2;
+  const auto check_table = [&](const at::Tensor& t, const char* name) {
+    check_tensor(t, op, name, dev);
+    check_dtype(t, op, name, at::kFloat);
+    TORCH_CHECK(t.dim() == 2 && t.size(1) == half && t.size(0) > 0, "lightning_moe_C.", op, ": ", name,
+                " has shape ", dims(t.sizes()), "; expected [P, D/2] = [P, ", num(half), "] with P > 0.");
+  };
+  check_table(cos, "cos");
+  check_table(sin, "sin");
+  TORCH_CHECK(sin.size(0) == cos.size(0), "lightning_moe_C.", op, ": cos has ", num(cos.size(0)),
+              " rows but sin has ", num(sin.size(0)), "; pass tables of one length.");
+  TORCH_CHECK(T % cos.size(0) == 0, "lightning_moe_C.", op, ": x has ", num(T), " tokens, not a multiple of the ",
+              num(cos.size(0)), " table rows; pass one row per position [S, D/2] or per token [T, D/2].");
+  const c10::cuda::CUDAGuard guard(dev);
+  at::Tensor out = at::empty_like(x);
+  check_launch(rope(x.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), out.data_ptr(), T * N, half, N,
+                    cos.size(0), backward, dt, current_stream()),
+               op);
+  return out;
+}
+
 // (grad_h[R, 2F], grad_w[R] fp32 or None). grad_w is computed iff need_grad_w.
 std::tuple<at::Tensor, std::optional<at::Tensor>> weighted_swiglu_bwd_op(
     const at::Tensor& h, const std::optional<at::Tensor>& w, const at::Tensor& grad_a,
@@ -473,6 +504,7 @@ TORCH_LIBRARY(lightning_moe_C, m) {
   m.def("unpermute_sum(Tensor y, Tensor slot_row, Tensor? weights=None) -> Tensor");
   m.def("unpermute_weight_grad(Tensor grad_out, Tensor y, Tensor slot_row) -> Tensor");
   m.def("weighted_swiglu_fwd(Tensor h, Tensor? w=None) -> Tensor");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, bool backward=False) -> Tensor");
   m.def(
       "weighted_swiglu_bwd(Tensor h, Tensor? w, Tensor grad_a, bool need_grad_w) "
       "-> (Tensor, Tensor?)");
@@ -506,6 +538,7 @@ TORCH_LIBRARY(lightning_moe_C, m) {
   m.impl("unpermute_weight_grad", &lightning_moe::unpermute_weight_grad_op);    \
   m.impl("weighted_swiglu_fwd", &lightning_moe::weighted_swiglu_fwd_op);        \
   m.impl("weighted_swiglu_bwd", &lightning_moe::weighted_swiglu_bwd_op);        \
+  m.impl("rope", &lightning_moe::rope_op);                                      \
   m.impl("build_permutation", &lightning_moe::build_permutation_op);            \
   m.impl("router_topk", &lightning_moe::router_topk_op);                        \
   m.impl("router_logits", &lightning_moe::router_logits_op);                    \

@@ -77,6 +77,18 @@ cudaError_t weighted_swiglu_bwd(const void* h, const float* w, const void* grad_
                                 cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------
+// rope.cu
+
+// Rotary embedding of R head rows of width D = 2 * half (rows token-major: row r is token r / heads):
+//   forward:  out = [x1 * c - x2 * s, x2 * c + x1 * s]
+//   backward: out = [x1 * c + x2 * s, x2 * c - x1 * s]   (x holding the output's gradient)
+// with c, s the fp32 row (r / heads) % table_rows of cos_t / sin_t [table_rows, half]; fp32 math,
+// each product and sum rounded separately, one rounding to x's dtype at the store.
+cudaError_t rope(const void* x, const float* cos_t, const float* sin_t, void* out, int64_t num_rows,
+                 int64_t half, int64_t heads, int64_t table_rows, bool backward, DType dtype,
+                 cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
 // routing.cu
 
 // Bytes of scratch that build_permutation needs for (num_slots = T*K, num_experts); 16-byte

@@ -26,6 +26,7 @@ from lightning_moe.models.attention import ATTENTION_BACKENDS, AttentionBackend,
 from lightning_moe.models.fp8_dense import DENSE_FP8_CHOICES, DenseFp8, convert_linears_to_fp8
 from lightning_moe.models.recompute import RecomputePlan, RecomputeScope, RecomputeTarget, guarded_checkpoint
 from lightning_moe.moe.layer import MoELayer
+from lightning_moe.ops.rope import rope
 
 __all__ = [
     "TransformerConfig",
@@ -208,8 +209,8 @@ class Attention(nn.Module):
         q, k, v = (_heads(proj(x_BSH), self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, cos_SD, sin_SD), rope(k, cos_SD, sin_SD)  # on [B, S, N, D]: one kernel each on CUDA
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rope(q, cos_SD, sin_SD), apply_rope(k, cos_SD, sin_SD)
         if self.cp_group is not None:
             if position_ids_BS is None:
                 raise ValueError(
