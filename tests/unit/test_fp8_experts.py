@@ -311,9 +311,13 @@ def test_fp8_rows_are_not_quantized_again(monkeypatch: pytest.MonkeyPatch) -> No
     seen: list[tuple[int, ...]] = []
     original = fp8_mlp.quantize_rows
     monkeypatch.setattr(fp8_mlp, "quantize_rows", lambda t, *a: (seen.append(tuple(t.shape)), original(t, *a))[1])
+    fused = fp8_mlp.kernels.swiglu_quantize
+    monkeypatch.setattr(
+        fp8_mlp.kernels, "swiglu_quantize", lambda h, *a, **k: (seen.append(("swiglu", *h.shape)), fused(h, *a, **k))[1]
+    )
     experts(torch.zeros(()).expand(*x.shape), counts, w_R, x_fp8=x_fp8)
-    assert (x.shape[0], H) not in seen  # a [R, F] for its GEMM and the saved h [R, 2F]; never the rows
-    assert seen == [(x.shape[0], F_), (x.shape[0], 2 * F_)]
+    assert (x.shape[0], H) not in seen  # a [R, F] from the SwiGLU for its GEMM and the saved h [R, 2F]; never the rows
+    assert seen == [("swiglu", x.shape[0], 2 * F_), (x.shape[0], 2 * F_)]
 
 
 def test_fp8_rows_for_bf16_experts_are_dequantized_with_the_gradient_passed_on() -> None:

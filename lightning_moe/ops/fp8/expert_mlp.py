@@ -39,8 +39,12 @@ from typing import NamedTuple
 import torch
 
 from lightning_moe.ops.deferred import Deferred, resolved
+from lightning_moe.ops.fp8 import kernels
+from lightning_moe.ops.fp8.choice import local_rows_plan, resolve_wgrad_precision
 from lightning_moe.ops.fp8.gemm import fp8_grouped_mm, fp8_grouped_wgrad, resolve_fp8_backend
-from lightning_moe.ops.fp8.quantize import Fp8Tensor, quantize, quantize_grouped_rows
+from lightning_moe.ops.fp8.quantize import Fp8Tensor, quantize_grouped_rows
+from lightning_moe.ops.fp8.weight_cache import WeightUse, quantized_weight
+from lightning_moe.ops.grouped_gemm import gmm_wgrad, resolve_gemm_backend
 from lightning_moe.ops.permute import Permutation, _expert_rows_impl, _unpermute_sum_impl
 from lightning_moe.ops.swiglu import weighted_swiglu_backward, weighted_swiglu_forward
 from lightning_moe.ops.wgrad import accumulation_target
@@ -87,6 +91,8 @@ class Fp8Options(NamedTuple):
     pow2_scales: bool
     backend: str  # resolved: "emulate", "torch" or "cutlass"
     save_fp8_activations: bool
+    wgrad: str = "fp8"  # resolved (ops/fp8/choice.py): "fp8" or "activation"
+    cache_weights: bool = False  # reuse FP8 weights until the weight changes (ops/fp8/weight_cache.py)
 
 
 def fp8_options(fp8: object, device: torch.device, hidden_size: int, ffn_hidden_size: int) -> Fp8Options | None:
@@ -111,7 +117,10 @@ def fp8_options(fp8: object, device: torch.device, hidden_size: int, ffn_hidden_
             return None
     else:
         backend = resolve_fp8_backend(fp8.backend, device, fp8.recipe)
-    return Fp8Options(fp8.recipe, fp8.grad_format, fp8.pow2_scales, backend, fp8.save_fp8_activations)
+    wgrad = resolve_wgrad_precision(fp8.wgrad, backend)
+    return Fp8Options(
+        fp8.recipe, fp8.grad_format, fp8.pow2_scales, backend, fp8.save_fp8_activations, wgrad, fp8.cache_weights
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,13 +128,32 @@ def fp8_options(fp8: object, device: torch.device, hidden_size: int, ffn_hidden_
 
 
 def quantize_rows(t_RK: torch.Tensor, opts: Fp8Options, fmt: str = "e4m3") -> Fp8Tensor:
-    """An activation or gradient ``[R, K]`` for a GEMM contracting over K (blockwise: 1 x 128 tiles)."""
-    return quantize(t_RK, opts.recipe, fmt, reduce_dim=-1, pow2_scales=opts.pow2_scales)
+    """An activation or gradient ``[R, K]`` for a GEMM contracting over K (blockwise: 1 x 128 tiles);
+    the csrc row kernel on CUDA, ``quantize`` elsewhere (the same numbers)."""
+    return kernels.quantize_rows_fp8(t_RK, opts.recipe, fmt, pow2_scales=opts.pow2_scales)  # type: ignore[arg-type]
 
 
-def quantize_weight(w_EKN: torch.Tensor, opts: Fp8Options) -> Fp8Tensor:
-    """An expert weight ``[E, K, N]`` for a GEMM contracting over K (blockwise: 128 x 128 tiles)."""
-    return quantize(w_EKN, opts.recipe, "e4m3", reduce_dim=-2, pow2_scales=opts.pow2_scales)
+def quantize_weight(w_EKN: torch.Tensor, opts: Fp8Options, use: WeightUse = "fprop") -> Fp8Tensor:
+    """An expert weight ``[E, K, N]`` as the forward's operand (contracted over K) or, ``use="dgrad"``,
+    its transpose ``[E, N, K]`` as the data gradient's (blockwise: 128 x 128 tiles); cached per
+    weight version with ``opts.cache_weights``."""
+    return quantized_weight(w_EKN, use, opts.recipe, opts.pow2_scales, opts.cache_weights)
+
+
+def activation_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """``x_e^T @ dy_e`` per expert in the activation dtype: the bf16 experts' weight-gradient GEMM
+    (``ops.grouped_gemm.gmm_wgrad``, its ``auto`` kernel), no host sync on the torch backend."""
+    backend, _ = resolve_gemm_backend("auto", x_RK.device, x_RK.dtype, (x_RK.shape[1], dy_RN.shape[1]))
+    return gmm_wgrad(x_RK.contiguous(), dy_RN.contiguous(), offs_E, backend)
+
+
+def _wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, offs_E: torch.Tensor, opts: Fp8Options, out_dtype: torch.dtype) -> torch.Tensor:
+    """One weight gradient ``[E, K, N]`` in ``out_dtype``, at ``opts.wgrad``'s precision."""
+    if opts.wgrad == "activation":
+        return activation_wgrad(x_RK, dy_RN, offs_E).to(out_dtype)
+    x_seg = quantize_segments(x_RK, offs_E, opts)
+    dy_seg = quantize_segments(dy_RN, offs_E, opts, opts.grad_format)
+    return fp8_grouped_wgrad(x_seg, dy_seg, offs_E, out_dtype, opts.backend)
 
 
 def quantize_segments(t_RK: torch.Tensor, offs_E: torch.Tensor, opts: Fp8Options, fmt: str = "e4m3") -> Fp8Tensor:
@@ -201,18 +229,17 @@ class _Fp8Up(torch.autograd.Function):
                 x_RH = saved.dequantize(ctx.act_dtype)
             else:
                 x_RH = first if perm is None else _expert_rows_impl(first, perm)
-            x_seg = quantize_segments(x_RH, offs_E, opts)
+            grad = _wgrad(x_RH, grad_h_R2F, offs_E, opts, w13.dtype)
             del x_RH
-            grad_seg = quantize_segments(grad_h_R2F, offs_E, opts, opts.grad_format)
-            grad = fp8_grouped_wgrad(x_seg, grad_seg, offs_E, w13.dtype, opts.backend)
-            del x_seg, grad_seg
             grad_w13 = _weight_grad(ctx, ctx.weight if ctx.fuse_wgrad else w13, grad)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            w13_t = quantize_weight(w13.transpose(1, 2), opts)  # contracted over 2F now
-            grad_x = fp8_grouped_mm(quantize_rows(grad_h_R2F, opts, opts.grad_format), w13_t, offs_E, ctx.x_dtype, opts.backend)
+            w13_t = quantize_weight(w13, opts, "dgrad")  # contracted over 2F now
+            # in the activation dtype, as the bf16 experts write it (a cast back to x's dtype after)
+            grad_x = fp8_grouped_mm(quantize_rows(grad_h_R2F, opts, opts.grad_format), w13_t, offs_E, ctx.act_dtype, opts.backend)
             if perm is not None:
                 grad_x = _unpermute_sum_impl(grad_x, perm.slot_row_TK, None)
+            grad_x = grad_x.to(ctx.x_dtype)
         return grad_x, grad_w13, None, None, None, None, None, None, None
 
 
@@ -228,9 +255,10 @@ class _Fp8Down(torch.autograd.Function):
         opts: Fp8Options,
         fuse_wgrad: bool,
     ) -> torch.Tensor:
-        a_RF = weighted_swiglu_forward(h_R2F, w_R)
-        y = fp8_grouped_mm(quantize_rows(a_RF, opts), quantize_weight(w2, opts), offs_E, h_R2F.dtype, opts.backend)
-        del a_RF
+        # the SwiGLU written straight to FP8 (the csrc fused kernel on CUDA): a_RF is never stored
+        a_fp8 = kernels.swiglu_quantize(h_R2F, w_R, opts.recipe, "e4m3", pow2_scales=opts.pow2_scales)  # type: ignore[arg-type]
+        y = fp8_grouped_mm(a_fp8, quantize_weight(w2, opts), offs_E, h_R2F.dtype, opts.backend)
+        del a_fp8
         if perm is not None:
             y = _unpermute_sum_impl(y, perm.slot_row_TK, None)
         ctx.perm, ctx.opts, ctx.fuse_wgrad = perm, opts, fuse_wgrad
@@ -253,13 +281,10 @@ class _Fp8Down(torch.autograd.Function):
         grad_w2 = None
         if ctx.needs_input_grad[1]:
             a_RF = weighted_swiglu_forward(h_R2F, w_R)
-            a_seg = quantize_segments(a_RF, offs_E, opts)
+            grad = _wgrad(a_RF, grad_y_RH, offs_E, opts, w2.dtype)
             del a_RF
-            dy_seg = quantize_segments(grad_y_RH, offs_E, opts, opts.grad_format)
-            grad = fp8_grouped_wgrad(a_seg, dy_seg, offs_E, w2.dtype, opts.backend)
-            del a_seg, dy_seg
             grad_w2 = _weight_grad(ctx, ctx.weight if ctx.fuse_wgrad else w2, grad)
-        w2_t = quantize_weight(w2.transpose(1, 2), opts)  # contracted over H now
+        w2_t = quantize_weight(w2, opts, "dgrad")  # contracted over H now
         grad_a_RF = fp8_grouped_mm(quantize_rows(grad_y_RH, opts, opts.grad_format), w2_t, offs_E, ctx.act_dtype, opts.backend)
         del grad_y_RH, w2_t
         need_w = w_R is not None and ctx.needs_input_grad[2]
@@ -340,11 +365,6 @@ def fp8_expert_swiglu_mlp(
     return _Fp8Down.apply(h_R2F, w2, w_R, None, offs_E, opts, fuse_wgrad)
 
 
-def _row_local(recipe: str) -> bool:
-    """Units that never span rows: the rows of a quantized ``x_TH`` can be gathered with their scales."""
-    return recipe in ("rowwise", "blockwise")
-
-
 def fp8_local_experts(
     x_TH: torch.Tensor,
     w13: torch.Tensor,
@@ -365,10 +385,14 @@ def fp8_local_experts(
     needed); tensorwise quantizes the gathered rows ``x_RH`` (moved here when ``None``).
     ``w_R`` may be a function: it is called once the first expert GEMM is launched.
     """
-    if _row_local(opts.recipe):
+    plan = local_rows_plan(opts.recipe, opts.save_fp8_activations)
+    if plan == "gather_quantized_tokens":
         x_TK_fp8 = quantize_rows(x_TH.detach(), opts)
         x_fp8 = x_TK_fp8.index_rows(perm.src_token_R)
-        saved = x_TK_fp8 if opts.save_fp8_activations else None  # T rows, gathered again in backward
+        saved = x_TK_fp8  # T rows, gathered again in backward
+    elif plan == "permute_quantize":
+        x_fp8 = kernels.permute_quantize(x_TH.detach(), perm.src_token_R, opts.recipe, "e4m3", pow2_scales=opts.pow2_scales)  # type: ignore[arg-type]
+        saved = None
     else:
         if x_RH is None or x_RH.dtype != x_TH.dtype:
             x_RH = _expert_rows_impl(x_TH.detach(), perm)

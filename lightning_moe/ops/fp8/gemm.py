@@ -40,6 +40,7 @@ two byte transposes). Quantizing the [R, K] rows takes 0.8 ms, the weights 1.2 m
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -50,6 +51,8 @@ from lightning_moe.ops.fp8.recipe import BLOCK
 
 __all__ = [
     "Fp8GemmBackend",
+    "auto_fp8_backend",
+    "grouped_mm_route",
     "fp8_grouped_mm",
     "fp8_grouped_wgrad",
     "fp8_mm",
@@ -91,7 +94,33 @@ def resolve_fp8_backend(requested: str, device: torch.device | str, recipe: str)
         if recipe != "blockwise":
             raise ValueError(f"the cutlass FP8 backend runs the blockwise recipe only, not {recipe!r}; use backend='torch'")
         return "cutlass"
+    if requested == "torch":
+        return "torch"
+    return auto_fp8_backend(recipe, cap, _cutlass_ready)
+
+
+def _cutlass_ready() -> bool:
+    from lightning_moe.ops.fp8 import kernels  # the optional CUTLASS build
+
+    return kernels.cutlass_blockwise_available()
+
+
+def auto_fp8_backend(recipe: str, capability: tuple[int, int], cutlass_ready: Callable[[], bool]) -> Fp8GemmBackend:
+    """``auto`` on a GPU of ``capability`` (8.9+): ``cutlass`` for the blockwise recipe on sm_90 where
+    the CUTLASS kernel builds (``cutlass_ready()``, asked only then), else ``torch``, whose blockwise
+    GEMM is one ``_scaled_mm`` per expert (a host sync)."""
+    if recipe == "blockwise" and capability == (9, 0) and cutlass_ready():
+        return "cutlass"
     return "torch"
+
+
+def grouped_mm_route(backend: str, cutlass_takes: bool) -> Fp8GemmBackend:
+    """Who runs one ``fp8_grouped_mm``: the resolved ``backend``, except that ``cutlass`` hands what
+    its kernel does not take (``cutlass_takes`` False: an output dtype other than bf16, operands that
+    are not blockwise e4m3) to ``torch``."""
+    if backend == "cutlass" and not cutlass_takes:
+        return "torch"
+    return backend  # type: ignore[return-value]
 
 
 # ---- operand checks ------------------------------------------------------------------------------
@@ -511,7 +540,8 @@ def fp8_grouped_mm(
     if backend == "cutlass":
         from lightning_moe.ops.fp8 import kernels  # the optional CUTLASS build
 
-        return kernels.cutlass_blockwise_grouped_mm(a, b, offs, out_dtype)
+        if grouped_mm_route(backend, kernels.cutlass_blockwise_takes(a, b, out_dtype)) == "cutlass":
+            return kernels.cutlass_blockwise_grouped_mm(a, b, offs, out_dtype)
     return _torch_grouped_mm(a, b, offs, out_dtype)
 
 

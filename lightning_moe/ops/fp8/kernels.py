@@ -41,8 +41,10 @@ from lightning_moe.ops.fp8.quantize import Fp8Tensor, quantize
 from lightning_moe.ops.fp8.recipe import BLOCK, FP8_DTYPE, Fp8Format, Fp8Recipe, check_format, check_recipe
 
 __all__ = [
+    "cutlass_blockwise_available",
     "cutlass_blockwise_grouped_mm",
     "cutlass_blockwise_supported",
+    "cutlass_blockwise_takes",
     "permute_quantize",
     "permute_quantize_reference",
     "quantize_rows_fp8",
@@ -75,7 +77,7 @@ def _result(data: torch.Tensor, scale: torch.Tensor, recipe: str, fmt: str) -> F
 
 def _row_kernels(t: torch.Tensor, recipe: str):
     """The csrc extension when ``t``'s rows can be quantized by it (row units on CUDA), else ``None``."""
-    if recipe == "tensorwise":
+    if recipe == "tensorwise" or t.numel() == 0:
         return None
     return csrc_extension(t)
 
@@ -222,13 +224,22 @@ def _blockwise_operands_ok(a: Fp8Tensor, b: Fp8Tensor) -> str | None:
     return None
 
 
-def cutlass_blockwise_supported(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether :func:`cutlass_blockwise_grouped_mm` runs these operands here (cheap checks, the build last)."""
+def cutlass_blockwise_takes(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the kernel's contract admits these operands (shapes, recipe, formats, bf16 out, CUDA);
+    the build is not asked."""
     if _blockwise_operands_ok(a, b) is not None or out_dtype != torch.bfloat16:
         return False
-    if not a.data.is_cuda or a.device != b.device:
-        return False
+    return a.data.is_cuda and a.device == b.device
+
+
+def cutlass_blockwise_available() -> bool:
+    """Whether the CUTLASS FP8 grouped GEMM is built and loaded here (builds it on first call)."""
     return _cutlass_ops() is not None
+
+
+def cutlass_blockwise_supported(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether :func:`cutlass_blockwise_grouped_mm` runs these operands here (cheap checks, the build last)."""
+    return cutlass_blockwise_takes(a, b, out_dtype) and cutlass_blockwise_available()
 
 
 def _pad_last(t: torch.Tensor, to: int) -> torch.Tensor:

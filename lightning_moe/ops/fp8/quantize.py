@@ -34,7 +34,7 @@ from lightning_moe.ops.fp8.recipe import (
     default_tile,
 )
 
-__all__ = ["Fp8Tensor", "fake_quantize", "grouped_row_units", "quantize", "quantize_grouped_rows"]
+__all__ = ["Fp8Tensor", "fake_quantize", "gather_fp8_rows", "grouped_row_units", "quantize", "quantize_grouped_rows"]
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -80,6 +80,8 @@ class Fp8Tensor:
         if self.offs is not None:
             return _dequantize_grouped(self).to(dtype)
         dim_tile = _dim_tile(self.recipe, self.reduce_dim, self.tile)
+        if _divides_grid(self.data.shape, dim_tile):
+            return _dequantize_exact_grid(self.data, self.scale, dim_tile, dtype)
         return _per_unit(self.data.float(), self.scale, dim_tile, "mul").to(dtype).contiguous()
 
     def index_rows(self, idx: torch.Tensor) -> Fp8Tensor:
@@ -92,10 +94,10 @@ class Fp8Tensor:
                 f"got shape {tuple(self.shape)}, reduce_dim={self.reduce_dim}, grouped={self.grouped}"
             )
         if self.recipe == "tensorwise":
-            return Fp8Tensor(self.data[idx], self.scale, self.recipe, self.fmt, self.reduce_dim, self.tile)
+            return Fp8Tensor(gather_fp8_rows(self.data, idx), self.scale, self.recipe, self.fmt, self.reduce_dim, self.tile)
         if not row_units:
             raise ValueError(f"index_rows needs units of one row; tile {self.tile} spans {self.tile[0]} rows")
-        return Fp8Tensor(self.data[idx], self.scale[idx], self.recipe, self.fmt, self.reduce_dim, self.tile)
+        return Fp8Tensor(gather_fp8_rows(self.data, idx), self.scale[idx], self.recipe, self.fmt, self.reduce_dim, self.tile)
 
     def transpose(self) -> Fp8Tensor:
         """The same units with the last two dims swapped (a view of data and scale): ``reduce_dim``
@@ -113,6 +115,16 @@ class Fp8Tensor:
             -1 if self.reduce_dim == -2 else -2,
             self.tile,
         )
+
+
+def gather_fp8_rows(data_SK: torch.Tensor, idx_R: torch.Tensor) -> torch.Tensor:
+    """``data_SK[idx_R]`` for FP8 rows, moved as 8-byte words where the rows allow (a gather of
+    one-byte elements moves a byte per index step)."""
+    K = data_SK.shape[1]
+    if K % 8 == 0 and K > 0 and data_SK.is_contiguous() and data_SK.data_ptr() % 8 == 0:
+        words = data_SK.view(torch.uint8).view(torch.int64)
+        return words.index_select(0, idx_R.to(device=data_SK.device, dtype=torch.long)).view(torch.uint8).view(data_SK.dtype)
+    return data_SK[idx_R]
 
 
 # ---- units of a dense tensor ---------------------------------------------------------------------
@@ -238,9 +250,46 @@ def quantize(
     return _quantize_last(x, recipe, fmt, tl, pow2_scales)
 
 
+def _divides_grid(shape: torch.Size, dim_tile: tuple[int | None, int | None]) -> bool:
+    """Whether the units tile the last two dims exactly (no padding) and there is data."""
+    M, K = shape[-2:]
+    if M == 0 or K == 0:
+        return False
+    return all(t is None or size % t == 0 for size, t in zip((M, K), dim_tile))
+
+
+def _quantize_exact_grid(x: torch.Tensor, dim_tile, fmt: str, pow2_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Data and scales of ``x`` whose units tile it exactly, in two passes over ``x`` in its own dtype.
+
+    The same numbers as the padded path: the amax is exact in any float dtype (the larger of
+    ``amax`` and ``-amin``; NaN propagates), and ``x / scale`` is divided in fp32 and rounded once to
+    the format on store. The clamp is not needed: with ``scale >= amax / FP8_MAX`` (correctly
+    rounded), ``|x / scale| <= FP8_MAX * (1 + 2**-23)``, which rounds to ``FP8_MAX``."""
+    blocks, _ = _blocks(x.detach(), dim_tile)  # a view: splitting dims never copies
+    dims = (-3, -1)
+    amax = torch.maximum(blocks.amax(dim=dims), blocks.amin(dim=dims).neg()).float()
+    scale = scales_from_amax(amax, fmt, pow2_scales)
+    data = torch.empty(x.shape, dtype=FP8_DTYPE[fmt], device=x.device)
+    torch.div(blocks, scale.unsqueeze(-1).unsqueeze(-3), out=data.view(blocks.shape))
+    return data, scale
+
+
+def _dequantize_exact_grid(data: torch.Tensor, scale: torch.Tensor, dim_tile, dtype: torch.dtype) -> torch.Tensor:
+    """``data.float() * scale`` rounded to ``dtype``, for units that tile ``data`` exactly: the FP8
+    values widened to bf16 (exact: both formats fit) and multiplied in fp32 on store, two passes."""
+    wide, _ = _blocks(data.to(torch.bfloat16), dim_tile)
+    out = torch.empty(data.shape, dtype=dtype, device=data.device)
+    torch.mul(wide, scale.unsqueeze(-1).unsqueeze(-3), out=out.view(wide.shape))
+    return out
+
+
 def _quantize_last(x: torch.Tensor, recipe: str, fmt: str, tile, pow2_scales: bool) -> Fp8Tensor:
     """``quantize`` with reduce_dim=-1 (the data row-major)."""
-    blocks, (M, K) = _blocks(x.float(), _dim_tile(recipe, -1, tile))
+    dim_tile = _dim_tile(recipe, -1, tile)
+    if _divides_grid(x.shape, dim_tile):
+        data, scale = _quantize_exact_grid(x, dim_tile, fmt, pow2_scales)
+        return Fp8Tensor(data, scale, recipe, fmt, -1, tile)  # type: ignore[arg-type]
+    blocks, (M, K) = _blocks(x.float(), dim_tile)
     amax = blocks.abs().amax(dim=(-3, -1))  # [..., G0, G1]; NaN propagates
     scale = scales_from_amax(amax, fmt, pow2_scales)
     q = _to_fp8(blocks / scale.unsqueeze(-1).unsqueeze(-3), fmt)
