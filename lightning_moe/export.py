@@ -63,12 +63,13 @@ def _load_dcp_model_state(path: Path) -> dict[str, torch.Tensor]:
 
 def join_w13(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``<name>.w13.gate`` and ``<name>.w13.up`` (how ``folded_moe`` stores the experts in a DCP
-    folder, any layout) as one ``<name>.w13`` ``[gate | up]``, the one-process layout."""
+    folder, any layout) as one ``<name>.w13`` ``[gate | up]``, the one-process layout; the same for
+    the experts' bias ``<name>.b13``."""
     out: dict[str, torch.Tensor] = {}
     for key, value in state_dict.items():
-        if key.endswith(".w13.gate"):
+        if key.endswith((".w13.gate", ".b13.gate")):
             out[key[: -len(".gate")]] = torch.cat([value, state_dict[key[: -len(".gate")] + ".up"]], dim=-1)
-        elif not key.endswith(".w13.up"):
+        elif not key.endswith((".w13.up", ".b13.up")):
             out[key] = value
     return out
 
@@ -159,7 +160,8 @@ def export_state_dict(
     if etp > 1:
         from lightning_moe.parallel.parallelize import unblock_w13
 
-        state_dict = {k: unblock_w13(v, etp) if k.endswith("experts.w13") else v for k, v in state_dict.items()}
+        blocked = ("experts.w13", "experts.b13")
+        state_dict = {k: unblock_w13(v, etp) if k.endswith(blocked) else v for k, v in state_dict.items()}
     config = _hf_config(hf_config, pretrained)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)

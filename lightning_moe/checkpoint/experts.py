@@ -4,7 +4,9 @@ In memory ``w13 [E, H, 2F]`` is sharded over ETP as column blocks ``[gate_j | up
 (``parallelize.shard_expert_weights``), so the global tensor DCP sees depends on the ETP degree
 and a reshard over F scrambles gate and up. Split into halves, each is an ordinary ``Shard(2)``
 DTensor (rank j holds columns ``j*f:(j+1)*f`` of gate and of up) and DCP reshards it correctly
-to any ETP, EP, EDP and to one process. :func:`split_model_state` / :func:`split_optimizer_state`
+to any ETP, EP, EDP and to one process. The experts' up-projection bias ``b13 [E, 2F]``
+(``expert_mlp_bias``), sharded the same way, is split the same way (``<fqn>.gate``, ``<fqn>.up``,
+each ``[E, F]``). :func:`split_model_state` / :func:`split_optimizer_state`
 rewrite a state dict before a save or load; :func:`join_model_state` /
 :func:`join_optimizer_state` put ``w13`` back in this process's layout after a load.
 """
@@ -33,8 +35,14 @@ GATE, UP = "gate", "up"
 
 
 def w13_names(module: nn.Module) -> set[str]:
-    """State-dict names of every ``GroupedExperts.w13`` under ``module``."""
-    return {f"{name}.w13" if name else "w13" for name, m in module.named_modules() if isinstance(m, GroupedExperts)}
+    """State-dict names of every ``GroupedExperts.w13`` (and ``b13``, where the experts have biases)
+    under ``module``: the tensors whose last dimension is ``[gate | up]``."""
+    names = set()
+    for name, m in module.named_modules():
+        if isinstance(m, GroupedExperts):
+            prefix = f"{name}." if name else ""
+            names |= {f"{prefix}w13"} | ({f"{prefix}b13"} if m.b13 is not None else set())
+    return names
 
 
 def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +91,7 @@ def join_model_state(loaded: dict[str, Any], like: dict[str, Any], names: set[st
 
 
 def _is_w13_state(value: Any, param: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() == 3 and tuple(value.shape) == tuple(param)
+    return isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape) == tuple(param)
 
 
 def split_optimizer_state(state: dict[str, Any], names: set[str], shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:

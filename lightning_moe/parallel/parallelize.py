@@ -23,7 +23,9 @@ Stages of :func:`parallelize_moe_model` (collectives named with their group):
    rank's experts and become DTensors over the expert mesh (``Shard(0)`` on ep; with ETP,
    ``w13`` column-parallel — each of the gate and up halves sharded, so the local block is
    ``[gate_j | up_j]`` — and ``w2`` row-parallel ``Shard(1)``; with ``sequence_parallel`` the
-   dispatcher all-gathers the rows over ETP); ``layer.dispatcher`` is
+   dispatcher all-gathers the rows over ETP; expert biases, ``expert_mlp_bias``: ``b13`` like
+   ``w13``'s columns, ``b2 [E, H]`` ``Shard(1)`` over ETP, each rank adding its columns only, so the
+   summed partial outputs hold it once); ``layer.dispatcher`` is
    *replaced* by the ``dispatcher`` kind's (default ``"alltoall_dedup"``: a :class:`FlexDispatcher`
    over :class:`~lightning_moe.moe.dispatch.exchange_alltoall_dedup.AllToAllTokenExchange`; ``"alltoall"``: an
    :class:`AllToAllDispatcher`; or :class:`AllGatherDispatcher`, or a library exchange);
@@ -72,6 +74,7 @@ __all__ = [
     "check_model_for_layout",
     "init_experts_by_id",
     "parallelize_moe_model",
+    "shard_expert_biases",
     "shard_expert_weights",
     "unblock_w13",
 ]
@@ -98,6 +101,27 @@ def shard_expert_weights(
     w13_local = torch.cat([w13_e[..., :F][..., cols], w13_e[..., F:][..., cols]], dim=-1).contiguous()
     w2_local = w2[ep_rank * e : (ep_rank + 1) * e, cols].contiguous()
     return w13_local, w2_local
+
+
+def shard_expert_biases(
+    b13: torch.Tensor, b2: torch.Tensor, *, ep_rank: int, ep: int, etp_rank: int, etp: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's local ``b13 [e, 2f]`` (``[gate_j | up_j]``, as ``w13``'s columns) and ``b2 [e, H/etp]``
+    (columns ``etp_rank*H/etp:``) of full biases."""
+    E, two_F = b13.shape
+    H = b2.shape[-1]
+    if H % etp:
+        raise ValueError(
+            f"shard_expert_biases: hidden size {H} is not divisible by etp={etp} (the down bias is split over its "
+            "columns); choose an etp that divides the hidden size."
+        )
+    e, F = E // ep, two_F // 2
+    f, h = F // etp, H // etp
+    b13_e = b13[ep_rank * e : (ep_rank + 1) * e]
+    cols = slice(etp_rank * f, (etp_rank + 1) * f)
+    b13_local = torch.cat([b13_e[..., :F][..., cols], b13_e[..., F:][..., cols]], dim=-1).contiguous()
+    b2_local = b2[ep_rank * e : (ep_rank + 1) * e, etp_rank * h : (etp_rank + 1) * h].contiguous()
+    return b13_local, b2_local
 
 
 def unblock_w13(w13_blocked: torch.Tensor, etp: int) -> torch.Tensor:
@@ -279,7 +303,15 @@ def _shard_experts(experts: GroupedExperts, mesh: FoldedMesh) -> None:
     )
     place13 = [Shard(0)] if lay.etp == 1 else [Shard(0), Shard(2)]
     place2 = [Shard(0)] if lay.etp == 1 else [Shard(0), Shard(1)]
-    for name, local, placements in (("w13", w13, place13), ("w2", w2, place2)):
+    shards = [("w13", w13, place13), ("w2", w2, place2)]
+    if experts.b13 is not None and experts.b2 is not None:
+        b13, b2 = shard_expert_biases(
+            experts.b13.detach(), experts.b2.detach(), ep_rank=ep_rank, ep=lay.ep, etp_rank=etp_rank, etp=lay.etp
+        )
+        place_b = [Shard(0)] if lay.etp == 1 else [Shard(0), Shard(1)]
+        shards += [("b13", b13, place_b), ("b2", b2, place_b)]
+        experts.down_bias_offset = etp_rank * b2.shape[-1]
+    for name, local, placements in shards:
         full = getattr(experts, name)
         dt = DTensor.from_local(
             local, shard_mesh, placements, run_check=False, shape=full.shape, stride=full.stride()

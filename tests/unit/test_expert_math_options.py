@@ -327,3 +327,65 @@ def test_echo_clones_refuse_experts_with_the_options(kwargs: dict) -> None:
     experts = GroupedExperts(8, 16, 8, backend="loop", **kwargs)
     with pytest.raises(NotImplementedError, match="clone experts compute the plain SwiGLU.*drop the ECHO callback"):
         EchoDispatcher(SimpleNamespace(etp_group=None), experts, 1)  # type: ignore[arg-type]
+
+
+# ---- sharding and checkpoint layout -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("ep", "etp"), [(2, 1), (1, 2), (2, 2)])
+def test_sharded_biases_sum_to_the_full_experts_over_etp_ranks(ep: int, etp: int) -> None:
+    """Each (EP, ETP) rank's experts on its rows, with its local weights and biases as
+    ``_shard_experts`` lays them out; the ETP partial outputs (summed, as the dispatchers reduce
+    them) equal the full experts' output: the down bias is added once, not once per ETP rank."""
+    from lightning_moe.parallel.parallelize import shard_expert_biases, shard_expert_weights
+
+    E, counts = 4, [3, 0, 5, 2]
+    full = GroupedExperts(E, H, FF, backend="loop", mlp_bias=True, swiglu=GPT_OSS)
+    with torch.no_grad():
+        for p in full.parameters():
+            p.normal_(0.0, 0.5)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(sum(counts), H, generator=g)
+    w_R = torch.rand(sum(counts), generator=g) + 0.1
+    want = full(x, torch.tensor(counts), w_R)
+    e = E // ep
+    for ep_rank in range(ep):
+        rows = slice(sum(counts[: ep_rank * e]), sum(counts[: (ep_rank + 1) * e]))
+        local_counts = torch.tensor(counts[ep_rank * e : (ep_rank + 1) * e])
+        partial = 0
+        for etp_rank in range(etp):
+            rank = dict(ep_rank=ep_rank, ep=ep, etp_rank=etp_rank, etp=etp)
+            local = GroupedExperts(e, H, FF // etp, backend="loop", mlp_bias=True, swiglu=GPT_OSS)
+            tensors = (*shard_expert_weights(full.w13.detach(), full.w2.detach(), **rank),
+                       *shard_expert_biases(full.b13.detach(), full.b2.detach(), **rank))  # fmt: skip
+            local.b2 = nn.Parameter(tensors[3])  # [e, H/etp]: this rank's columns of the down bias
+            local.hidden_size = H
+            local.down_bias_offset = etp_rank * (H // etp)
+            with torch.no_grad():
+                for name, value in zip(("w13", "w2", "b13"), tensors[:3]):
+                    getattr(local, name).copy_(value)
+            partial = partial + local(x[rows], local_counts, w_R[rows])
+        _close(partial, want[rows], f"ep_rank {ep_rank}")
+
+
+def test_shard_expert_biases_refuses_a_hidden_size_etp_does_not_divide() -> None:
+    from lightning_moe.parallel.parallelize import shard_expert_biases
+
+    with pytest.raises(ValueError, match="hidden size 6 is not divisible by etp=4"):
+        shard_expert_biases(torch.zeros(4, 8), torch.zeros(4, 6), ep_rank=0, ep=1, etp_rank=0, etp=4)
+
+
+def test_checkpoint_splits_and_joins_the_up_projection_bias_like_w13() -> None:
+    from lightning_moe.checkpoint.experts import join_model_state, split_model_state, w13_names
+    from lightning_moe.export import join_w13
+
+    layer = _random_layer(_config())
+    names = w13_names(layer)
+    assert names == {"experts.w13", "experts.b13"}
+    state = layer.state_dict()
+    split = split_model_state(state, names)
+    assert torch.equal(split["experts.b13.gate"], state["experts.b13"][:, :FF])
+    assert torch.equal(split["experts.b13.up"], state["experts.b13"][:, FF:])
+    for joined in (join_model_state(split, state, names), join_w13(split)):
+        assert sorted(joined) == sorted(state) and all(torch.equal(joined[k], v) for k, v in state.items())
+    assert w13_names(MoELayer(MoEConfig(hidden_size=H, ffn_hidden_size=FF, num_experts=4, top_k=2))) == {"experts.w13"}
