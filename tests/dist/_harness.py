@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["Launch", "Suite", "free_port", "launch_torchrun", "run_torchrun"]
+__all__ = [
+    "Launch", "Suite", "ValidationLoss", "free_port", "launch_torchrun", "run_cli_fit", "run_torchrun",
+    "run_torchrun_module", "validation_loss",
+]
 
 HERE = Path(__file__).resolve().parent
 
@@ -51,21 +54,26 @@ _PORT_TAKEN = ("EADDRINUSE", "Address already in use")
 _TEARDOWN_ABORT = ("terminate called without an active exception",)
 
 
-def launch_torchrun(script: str, world_size: int, args: list[str], timeout: float, cwd: Path | None = None) -> Launch:
+def launch_torchrun(
+    script: str, world_size: int, args: list[str], timeout: float, cwd: Path | None = None, module: bool = False
+) -> Launch:
     """Run ``tests/dist/<script>`` on ``world_size`` CPU ranks; never raises for the job's outcome.
 
     ``free_port`` releases its port before torchrun binds it; a job that lost that race runs once
     more on a new port, and so does a job whose only trouble was a C++ abort in gloo's teardown
-    (``_TEARDOWN_ABORT``). Any other failure, or a second one, is the test's.
+    (``_TEARDOWN_ABORT``). Any other failure, or a second one, is the test's. ``module=True`` runs
+    the Python module ``script`` (``torchrun -m lightning_moe.export``) instead of a worker file.
     """
-    job = _launch_once(script, world_size, args, timeout, cwd)
+    job = _launch_once(script, world_size, args, timeout, cwd, module)
     retry_markers = _PORT_TAKEN + _TEARDOWN_ABORT
     if job.returncode not in (0, None) and any(marker in job.output for marker in retry_markers):
-        job = _launch_once(script, world_size, args, timeout, cwd)
+        job = _launch_once(script, world_size, args, timeout, cwd, module)
     return job
 
 
-def _launch_once(script: str, world_size: int, args: list[str], timeout: float, cwd: Path | None) -> Launch:
+def _launch_once(
+    script: str, world_size: int, args: list[str], timeout: float, cwd: Path | None, module: bool = False
+) -> Launch:
     cmd = [
         sys.executable,
         "-m",
@@ -73,7 +81,7 @@ def _launch_once(script: str, world_size: int, args: list[str], timeout: float, 
         f"--nproc_per_node={world_size}",
         "--master_addr=127.0.0.1",
         f"--master_port={free_port()}",
-        str(HERE / script),
+        *(["-m", script] if module else [str(HERE / script)]),
         *args,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCHELASTIC_ERROR_FILE="")
@@ -93,6 +101,14 @@ def _launch_once(script: str, world_size: int, args: list[str], timeout: float, 
 def run_torchrun(script: str, world_size: int, args: list[str], timeout: float, cwd: Path | None = None) -> str:
     """Run ``tests/dist/<script>`` on ``world_size`` CPU ranks; raise with the output on failure."""
     job = launch_torchrun(script, world_size, args, timeout, cwd)
+    if job.returncode != 0:
+        raise AssertionError(job.failure())
+    return job.output
+
+
+def run_torchrun_module(module: str, world_size: int, args: list[str], timeout: float, cwd: Path | None = None) -> str:
+    """``torchrun -m <module>`` on ``world_size`` CPU ranks; raise with the output on failure."""
+    job = launch_torchrun(module, world_size, args, timeout, cwd, module=True)
     if job.returncode != 0:
         raise AssertionError(job.failure())
     return job.output
@@ -133,3 +149,23 @@ def run_cli_fit(config: str, extra_args: list[str], cwd: Path, timeout: float) -
         pytest.fail(f"lightning-moe fit timed out:\n{out[-4000:]}")
     assert proc.returncode == 0, out[-6000:]
     return out
+
+
+@dataclass(frozen=True)
+class ValidationLoss:
+    """The line ``lightning-moe fit`` prints at the end: the validation loss before training and last."""
+
+    first: float
+    first_step: int
+    last: float
+    last_step: int
+
+
+def validation_loss(out: str) -> ValidationLoss:
+    """Parse ``validation loss: A at step N -> B at step M`` from a fit's output; fail the test without it."""
+    import re
+
+    found = re.search(r"validation loss: (\S+) at step (\d+) -> (\S+) at step (\d+)", out)
+    if found is None:
+        pytest.fail(f"no validation loss line in the fit's output:\n{out[-3000:]}", pytrace=False)
+    return ValidationLoss(float(found.group(1)), int(found.group(2)), float(found.group(3)), int(found.group(4)))
