@@ -15,7 +15,7 @@ pytestmark = pytest.mark.dist
 FAMILIES = (
     "glm4_moe", "olmoe", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "granitemoe", "deepseek_v2",
     "deepseek_v2_grouped", "deepseek_v2_grouped_k4", "dots1_top2_groups", "qwen3_next", "qwen3_5_moe", "minimax",
-    "llama4", "llama4_top2",
+    "llama4", "llama4_top2", "gpt_oss", "gpt_oss_top3",
 )  # fmt: skip
 
 

@@ -37,6 +37,7 @@ from test_hf_families import _BASE, CONFIGS, VOCAB  # noqa: E402
 
 LR = 0.5
 WORLD = 2
+EAGER_ONLY = {"gpt_oss": "eager"}  # attention sinks: transformers has no sdpa path for them
 
 
 class SGDHFModel(HFMoELanguageModel):
@@ -70,11 +71,15 @@ def run(name: str) -> None:
     lit = SGDHFModel(
         hf_config={"model_type": model_type, **_BASE, **kwargs},
         moe={"experts_backend": "torch", "bias_update_rate": 0.0}, warmup_steps=0,
+        attn_implementation=EAGER_ONLY.get(model_type, "sdpa"),
     )  # fmt: skip
+    biases = torch.Generator().manual_seed(3)  # the same on every rank
     with torch.no_grad():
         for tensor_name, t in [*lit.model.named_buffers(), *lit.model.named_parameters()]:
             if tensor_name.endswith("expert_bias"):
                 t.copy_(torch.linspace(-0.05, 0.05, t.numel()))  # non-zero: steers the selection
+            elif tensor_name.endswith(("router.bias", "experts.b13", "experts.b2")):  # gpt-oss: zero-initialised
+                t.copy_(torch.randn(t.shape, generator=biases) * 0.05)
     hf_model = export_moe_blocks(copy.deepcopy(lit.model))
     trainer = pl.Trainer(
         accelerator="cpu", devices=WORLD, strategy=FoldedMoEStrategy(ep=2, timeout=timedelta(seconds=120)),
