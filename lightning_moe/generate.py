@@ -188,6 +188,11 @@ def _load_lightning(path: Path) -> LoadedModel:
         from lightning_moe.lit_hf import HFMoELanguageModel
 
         lit = HFMoELanguageModel(**hparams)
+        if any(p.is_meta for p in lit.parameters()):  # load_sharded: a skeleton that the checkpoint fills
+            from lightning_moe.checkpoint.hf_sharded import reset_nonpersistent_buffers
+
+            lit.to_empty(device="cpu")
+            reset_nonpersistent_buffers(lit.model)
         lit.load_state_dict(state)
         cfg = lit.model.config
         return LoadedModel(
