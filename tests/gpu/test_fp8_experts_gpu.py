@@ -1,6 +1,8 @@
 """FP8 experts on CUDA: the torch and cutlass FP8 backends equal the emulate backend (the same FP8
 operands, dequantized and multiplied in fp32) in the output and every gradient, on the grouped rows
-path and the fused local path, with degenerate routings."""
+path and the fused local path, with degenerate routings; both sides run the same weight-gradient
+precision (``Fp8Config.wgrad``). The fast path (``backend="auto"``, blockwise) runs the csrc
+quantization kernels and the CUTLASS FP8 GEMM and adds no host synchronisation over bf16."""
 
 from __future__ import annotations
 
@@ -25,9 +27,10 @@ H, F, E = 512, 384, 8
 CASES = [("torch", "tensorwise"), ("torch", "rowwise"), ("torch", "blockwise"), ("cutlass", "blockwise")]
 
 
-def _experts(backend: str, recipe: str, **kw) -> GroupedExperts:
+def _experts(backend: str, recipe: str, h: int = H, f: int = F, **kw) -> GroupedExperts:
     torch.manual_seed(0)
-    ex = GroupedExperts(E, H, F, init_std=0.05, fp8=Fp8Config(recipe=recipe, backend=backend, **kw)).cuda()
+    kw.setdefault("wgrad", "activation")  # the GPU backends' default; emulate is asked for the same
+    ex = GroupedExperts(E, h, f, init_std=0.05, fp8=Fp8Config(recipe=recipe, backend=backend, **kw)).cuda()
     with torch.no_grad():
         ex.w13[2].mul_(8.0)
     return ex
@@ -68,13 +71,14 @@ def _grouped(ex: GroupedExperts, kind: str, dtype: torch.dtype, x_fp8: bool = Fa
     ids = _ids(kind, T, g)
     counts = torch.bincount(ids.reshape(-1), minlength=E).cuda()
     R = ids.numel()
-    x = torch.randn(R, H, generator=g).cuda().to(dtype)
+    h = ex.hidden_size
+    x = torch.randn(R, h, generator=g).cuda().to(dtype)
     w = (torch.rand(R, generator=g) + 0.1).cuda().requires_grad_(True)
-    dy = torch.randn(R, H, generator=g).cuda().to(dtype)
+    dy = torch.randn(R, h, generator=g).cuda().to(dtype)
     ex.zero_grad(set_to_none=True)
     if x_fp8:
         rows = quantize(x, ex.fp8.recipe, "e4m3")
-        xr = torch.zeros((), device="cuda", dtype=dtype, requires_grad=True).expand(R, H)
+        xr = torch.zeros((), device="cuda", dtype=dtype, requires_grad=True).expand(R, h)
     else:
         rows, xr = None, x.clone().requires_grad_(True)
     with torch.autocast("cuda", dtype=dtype, enabled=dtype == torch.bfloat16):
@@ -136,6 +140,90 @@ def test_fp8_rows_from_the_exchange_equal_emulation(backend: str, recipe: str) -
     _compare(got, _grouped(_experts("emulate", recipe), "random", dtype, x_fp8=True), dtype)
     plain = _grouped(_experts(backend, recipe), "random", dtype)
     assert _rel(got["y"], plain["y"]) < TOL[dtype]  # the same rows, quantized by the caller
+
+
+@pytest.mark.parametrize(("backend", "recipe"), CASES, ids=[f"{b}-{r}" for b, r in CASES])
+def test_fp8_weight_gradients_equal_emulation(backend: str, recipe: str) -> None:
+    """``wgrad="fp8"`` (quantized weight-gradient operands) on the GPU backends against emulate."""
+    _available(backend, recipe)
+    dtype = torch.bfloat16
+    got = _grouped(_experts(backend, recipe, wgrad="fp8"), "empty_experts", dtype)
+    _compare(got, _grouped(_experts("emulate", recipe, wgrad="fp8"), "empty_experts", dtype), dtype)
+
+
+def _cutlass_or_skip() -> None:
+    from lightning_moe.ops import build_cutlass
+    from lightning_moe.ops.fp8 import kernels
+
+    reason = build_cutlass.cutlass_unavailable_reason()
+    if reason is not None or not kernels.cutlass_blockwise_available():
+        pytest.skip(f"the CUTLASS FP8 kernel is unavailable here: {reason}")
+
+
+@pytest.mark.parametrize("kind", ["random", "empty_experts", "one_expert"])
+@pytest.mark.parametrize(("h", "f"), [(512, 384), (400, 200), (256, 136)], ids=["exact", "h400-f200", "h256-f136"])
+def test_auto_fast_path_equals_emulation(h: int, f: int, kind: str) -> None:
+    """The default blockwise config (``backend="auto"``): on sm_90 the CUTLASS GEMM, csrc quantization,
+    cached weights; widths on and off the 128 grid (CUTLASS pads K and N to 16)."""
+    _cutlass_or_skip()
+    ex = _experts("auto", "blockwise", h, f)
+    assert ex.fp8_options(torch.device("cuda")).backend == "cutlass"
+    dtype = torch.bfloat16
+    _compare(_grouped(ex, kind, dtype), _grouped(_experts("emulate", "blockwise", h, f), kind, dtype), dtype)
+
+
+def _profiled_step(ex: GroupedExperts, x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    ex(x.requires_grad_(True), counts, w).backward(torch.ones_like(x))  # warm-up: builds, weight copies
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ex(x, counts, w).backward(torch.ones_like(x))
+        torch.cuda.synchronize()
+    return [e.key for e in prof.key_averages() if (getattr(e, "device_time_total", 0) or 0) > 0 for _ in range(e.count)]
+
+
+def test_fast_path_runs_the_fused_kernels_and_the_cutlass_gemm() -> None:
+    _cutlass_or_skip()
+    R = 1024
+    x = torch.randn(R, H, device="cuda", dtype=torch.bfloat16)
+    counts = torch.tensor([R // E] * E, device="cuda")
+    w = torch.rand(R, device="cuda")
+    ex = _experts("auto", "blockwise").to(torch.bfloat16)
+    names = _profiled_step(ex, x, counts, w)
+    fp8_gemms = [n for n in names if "cutlass" in n and "device_kernel" in n and "e4m3" in n]
+    assert len(fp8_gemms) == 4, names  # forward and data gradient of both projections, one launch each
+    assert any("quantize_rows_kernel" in n for n in names), names  # csrc row / SwiGLU quantization
+    assert not any("scaled_mm" in n.lower() or "scatter_reduce" in n.lower() for n in names), names
+    # weights are cached: nothing reads the [E, H, 2F] master weight in a reduction after the warm-up
+    assert not any("reduce_kernel" in n and "Max" in n for n in names), names
+
+
+def _sync_warnings(ex: GroupedExperts, x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> int:
+    import warnings
+
+    ex(x.requires_grad_(True), counts, w).backward(torch.ones_like(x))  # warm-up
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            ex(x, counts, w).backward(torch.ones_like(x))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(c.message) for c in caught)
+
+
+def test_fast_path_adds_no_host_sync_over_bf16() -> None:
+    _cutlass_or_skip()
+    R = 1024
+    x = torch.randn(R, H, device="cuda", dtype=torch.bfloat16)
+    counts = torch.tensor([R // E] * E, device="cuda")
+    w = torch.rand(R, device="cuda")
+    torch.manual_seed(0)
+    bf16 = GroupedExperts(E, H, F, init_std=0.05).cuda().to(torch.bfloat16)
+    fp8 = _experts("auto", "blockwise").to(torch.bfloat16)
+    assert _sync_warnings(fp8, x, counts, w) <= _sync_warnings(bf16, x, counts, w)
 
 
 def test_fp8_layer_trains_on_the_gpu() -> None:
