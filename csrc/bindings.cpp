@@ -248,6 +248,56 @@ at::Tensor rope_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor&
   return out;
 }
 
+void check_ce_inputs(const at::Tensor& x, const at::Tensor& labels, const char* op) {
+  const at::Device dev = x.device();
+  check_tensor(x, op, "x", dev);
+  check_dim(x, op, "x", 2, "[T, V]");
+  check_tensor(labels, op, "labels", dev);
+  check_dtype(labels, op, "labels", at::kLong);
+  TORCH_CHECK(labels.dim() == 1 && labels.size(0) == x.size(0), "lightning_moe_C.", op, ": labels has shape ",
+              dims(labels.sizes()), "; expected [T] = [", num(x.size(0)), "].");
+}
+
+// (loss[T], lse[T]), both fp32: the per-token cross-entropy of x [T, V] and its log-sum-exp.
+std::tuple<at::Tensor, at::Tensor> cross_entropy_fwd_op(const at::Tensor& x, const at::Tensor& labels,
+                                                        int64_t ignore_index) {
+  constexpr const char* op = "cross_entropy_fwd";
+  check_ce_inputs(x, labels, op);
+  const DType dt = activation_dtype(x, op, "x");
+  TORCH_CHECK(x.size(1) > 0 || x.size(0) == 0, "lightning_moe_C.", op, ": x has shape ", dims(x.sizes()),
+              "; a vocabulary of 0 has no cross-entropy.");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor loss = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
+  at::Tensor lse = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
+  check_launch(cross_entropy_fwd(x.data_ptr(), labels.data_ptr<int64_t>(), loss.data_ptr<float>(),
+                                 lse.data_ptr<float>(), x.size(0), x.size(1), ignore_index, dt, current_stream()),
+               op);
+  return {loss, lse};
+}
+
+// grad_x [T, V] in x's dtype from the fp32 per-token loss gradient grad_loss [T].
+at::Tensor cross_entropy_bwd_op(const at::Tensor& x, const at::Tensor& labels, const at::Tensor& lse,
+                                const at::Tensor& grad_loss, int64_t ignore_index) {
+  constexpr const char* op = "cross_entropy_bwd";
+  check_ce_inputs(x, labels, op);
+  const DType dt = activation_dtype(x, op, "x");
+  const auto check_row_vector = [&](const at::Tensor& t, const char* name) {
+    check_tensor(t, op, name, x.device());
+    check_dtype(t, op, name, at::kFloat);
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == x.size(0), "lightning_moe_C.", op, ": ", name, " has shape ",
+                dims(t.sizes()), "; expected [T] = [", num(x.size(0)), "].");
+  };
+  check_row_vector(lse, "lse");
+  check_row_vector(grad_loss, "grad_loss");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor grad_x = at::empty_like(x);
+  check_launch(cross_entropy_bwd(x.data_ptr(), labels.data_ptr<int64_t>(), lse.data_ptr<float>(),
+                                 grad_loss.data_ptr<float>(), grad_x.data_ptr(), x.size(0), x.size(1), ignore_index,
+                                 dt, current_stream()),
+               op);
+  return grad_x;
+}
+
 // (grad_h[R, 2F], grad_w[R] fp32 or None). grad_w is computed iff need_grad_w.
 std::tuple<at::Tensor, std::optional<at::Tensor>> weighted_swiglu_bwd_op(
     const at::Tensor& h, const std::optional<at::Tensor>& w, const at::Tensor& grad_a,
@@ -505,6 +555,8 @@ TORCH_LIBRARY(lightning_moe_C, m) {
   m.def("unpermute_weight_grad(Tensor grad_out, Tensor y, Tensor slot_row) -> Tensor");
   m.def("weighted_swiglu_fwd(Tensor h, Tensor? w=None) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool backward=False) -> Tensor");
+  m.def("cross_entropy_fwd(Tensor x, Tensor labels, int ignore_index) -> (Tensor, Tensor)");
+  m.def("cross_entropy_bwd(Tensor x, Tensor labels, Tensor lse, Tensor grad_loss, int ignore_index) -> Tensor");
   m.def(
       "weighted_swiglu_bwd(Tensor h, Tensor? w, Tensor grad_a, bool need_grad_w) "
       "-> (Tensor, Tensor?)");
@@ -539,6 +591,8 @@ TORCH_LIBRARY(lightning_moe_C, m) {
   m.impl("weighted_swiglu_fwd", &lightning_moe::weighted_swiglu_fwd_op);        \
   m.impl("weighted_swiglu_bwd", &lightning_moe::weighted_swiglu_bwd_op);        \
   m.impl("rope", &lightning_moe::rope_op);                                      \
+  m.impl("cross_entropy_fwd", &lightning_moe::cross_entropy_fwd_op);          \
+  m.impl("cross_entropy_bwd", &lightning_moe::cross_entropy_bwd_op);          \
   m.impl("build_permutation", &lightning_moe::build_permutation_op);            \
   m.impl("router_topk", &lightning_moe::router_topk_op);                        \
   m.impl("router_logits", &lightning_moe::router_logits_op);                    \

@@ -89,6 +89,19 @@ cudaError_t rope(const void* x, const float* cos_t, const float* sin_t, void* ou
                  cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------
+// cross_entropy.cu
+
+// Per-row cross-entropy of logits x [T, V] (fp32/bf16/fp16) against int64 labels [T]:
+// lse[t] = logsumexp(x[t]), loss[t] = lse[t] - x[t, label[t]] (0 if ignored, NaN if out of range).
+cudaError_t cross_entropy_fwd(const void* x, const int64_t* labels, float* loss, float* lse, int64_t rows,
+                              int64_t vocab, int64_t ignore_index, DType dtype, cudaStream_t stream);
+
+// grad_x[t, v] = (exp(x[t, v] - lse[t]) - [v == label[t]]) * grad_loss[t], 0 for ignored rows.
+cudaError_t cross_entropy_bwd(const void* x, const int64_t* labels, const float* lse, const float* grad_loss,
+                              void* grad_x, int64_t rows, int64_t vocab, int64_t ignore_index, DType dtype,
+                              cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
 // routing.cu
 
 // Bytes of scratch that build_permutation needs for (num_slots = T*K, num_experts); 16-byte

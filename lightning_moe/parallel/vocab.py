@@ -31,6 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_moe.moe.dispatch.comm import reduce_from_group
+from lightning_moe.ops.backend import csrc_extension
+from lightning_moe.ops.cross_entropy import token_cross_entropy
 from lightning_moe.parallel.sequence import reduce_scatter_to_sequence
 
 __all__ = [
@@ -160,13 +162,16 @@ def lm_cross_entropy(
     """Mean token cross-entropy of ``logits [..., V or v]`` against ``labels [...]`` (fp32).
 
     The vocab-parallel loss when ``model`` holds a vocab-parallel head (its logits are this
-    rank's vocabulary slice), else ``F.cross_entropy``; both average over the labels that are
-    not ``ignore_index``.
+    rank's vocabulary slice), else the plain cross-entropy (on CUDA ``ops.cross_entropy``'s kernel,
+    read from the logits' dtype); both average over the labels that are not ``ignore_index``.
     """
-    logits_TV = logits.flatten(0, -2).float()
     labels_T = labels.flatten()
     head = vocab_parallel_head(model)
     if head is None:
-        return F.cross_entropy(logits_TV, labels_T, ignore_index=ignore_index)
+        if csrc_extension(logits) is not None:  # CUDA: from the logits' dtype, no fp32 copy of [T, V]
+            loss_T = token_cross_entropy(logits.flatten(0, -2), labels_T, ignore_index)
+            return loss_T.sum() / (labels_T != ignore_index).sum()
+        return F.cross_entropy(logits.flatten(0, -2).float(), labels_T, ignore_index=ignore_index)
+    logits_TV = logits.flatten(0, -2).float()
     loss_T = vocab_parallel_cross_entropy(logits_TV, labels_T, head.vocab_parallel_group, head.vocab_start, ignore_index)
     return loss_T.sum() / (labels_T != ignore_index).sum()
