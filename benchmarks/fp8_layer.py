@@ -9,6 +9,14 @@ FP8 layer's output error relative to the bf16 layer's on the same weights and in
     python benchmarks/fp8_layer.py                                  # the three shapes, every recipe
     python benchmarks/fp8_layer.py --shapes deepseek-v3 --recipes blockwise --json out.json
     python benchmarks/fp8_layer.py --quick                          # tiny shape, emulated FP8 (CPU smoke)
+    python benchmarks/fp8_layer.py --profile                        # + the top CUDA kernels of one step per arm
+    python benchmarks/fp8_layer.py --fresh-weights                  # FP8 weights quantized in every step
+
+The timed steps repeat forward + backward without an optimizer step, so with
+``Fp8Config(cache_weights=True)`` (the default) the FP8 weight copies are made once and reused, as
+across the micro-batches of one optimizer step. ``--fresh-weights`` bumps the expert weights'
+version before every step (no data is touched), so every step quantizes them again: one
+micro-batch per optimizer step.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moe_layer  # noqa: E402  (bench(), the shared protocol)
 import peers  # noqa: E402
+from profiling import device_kernels  # noqa: E402  (benchmarks/profiling.py)
 
 from lightning_moe import MoELayer  # noqa: E402
 from lightning_moe.config import Fp8Config  # noqa: E402
@@ -54,6 +63,49 @@ def output_error(T: int, H: int, Fh: int, E: int, k: int, dev: str, fp8: Fp8Conf
     return float((y - ref).norm() / ref.norm()), float(1 - cos)
 
 
+def fresh_weights_call(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` after marking the expert weights changed (a version bump, no kernel), so that
+    the FP8 weight cache quantizes them again, as after an optimizer step."""
+    for p in layer.experts.parameters():
+        torch.autograd.graph.increment_version(p)
+    return layer(x)
+
+
+def profile_step(make, T: int, H: int, dev: str, call=None, top: int = 15) -> dict:  # noqa: ANN001
+    """The CUDA kernels of one forward + backward (after two warm-up steps), longest first:
+    ``[[ms, calls, name], ...]`` and their total."""
+    if dev != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    torch.cuda.empty_cache()
+    mod = make()
+    x = moe_layer.skewed_input(T, H, dev, 0.0).requires_grad_(True)
+    go = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    fwd = call or (lambda m, x: m(x))
+    for _ in range(2):
+        fwd(mod, x).backward(go)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fwd(mod, x).backward(go)
+        torch.cuda.synchronize()
+    rows = device_kernels(prof)
+    del mod
+    return {
+        "kernels_ms": [[round(r["total_ms"], 3), r["count"], r["name"][:100]] for r in rows[:top]],
+        "total_kernel_ms": round(sum(r["total_ms"] for r in rows), 3),
+    }
+
+
+def print_profile(arm: str, prof: dict) -> None:
+    if not prof:
+        return
+    print(f"-- kernels of one step, {arm}: {prof['total_kernel_ms']:.2f} ms in all", flush=True)
+    for ms, n, name in prof["kernels_ms"]:
+        print(f"   {ms:8.3f} ms {n:5d}x  {name}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -61,7 +113,10 @@ def main() -> None:
     ap.add_argument("--recipes", default=",".join(RECIPES), help="comma list; 'auto' adds an enabled='auto' row")
     ap.add_argument("--no-auto", action="store_true", help="leave out the enabled='auto' row")
     ap.add_argument("--json", default="")
+    ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step of each arm")
+    ap.add_argument("--fresh-weights", action="store_true", help="requantize the FP8 weights in every step")
     a = ap.parse_args()
+    fp8_call = fresh_weights_call if a.fresh_weights else None
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     backend = "auto" if dev == "cuda" else "emulate"
     shapes = moe_layer.QUICK if a.quick else peers.SHAPES
@@ -76,12 +131,19 @@ def main() -> None:
         base = moe_layer.bench("bf16", lambda: build(H, Fh, E, k, dev, None, True), T, H, dev, flops, 0.0)
         base["shape"] = sname
         results.append(base)
+        if a.profile:
+            base["profile"] = profile_step(lambda: build(H, Fh, E, k, dev, None, True), T, H, dev)
+            print_profile("bf16", base["profile"])
         arms = [(r, Fp8Config(recipe=r, backend=backend)) for r in a.recipes.split(",") if r]
         if not a.no_auto:
             arms.append(("auto", Fp8Config(recipe="blockwise", enabled="auto", backend=backend)))
         for name, fp8 in arms:
-            r = moe_layer.bench(f"fp8[{name}]", lambda fp8=fp8: build(H, Fh, E, k, dev, fp8, True), T, H, dev, flops, 0.0)
+            make = lambda fp8=fp8: build(H, Fh, E, k, dev, fp8, True)  # noqa: E731
+            r = moe_layer.bench(f"fp8[{name}]", make, T, H, dev, flops, 0.0, call=fp8_call)
             r["shape"] = sname
+            if a.profile and "error" not in r:
+                r["profile"] = profile_step(make, T, H, dev, fp8_call)
+                print_profile(f"fp8[{name}]", r["profile"])
             if "ms" in r and base.get("ms"):
                 r["speedup_vs_bf16"] = round(base["ms"] / r["ms"], 3)
                 if base.get("act_peak_gib"):

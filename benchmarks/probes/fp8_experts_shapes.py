@@ -6,6 +6,11 @@ and parameters, the same rows and routing; the median of ``--iters`` timed steps
 
     python benchmarks/probes/fp8_experts_shapes.py                       # the default shapes
     python benchmarks/probes/fp8_experts_shapes.py --recipes rowwise --json out.json
+    python benchmarks/probes/fp8_experts_shapes.py --profile             # + the top CUDA kernels of one step per arm
+    python benchmarks/probes/fp8_experts_shapes.py --fresh-weights       # FP8 weights quantized in every step
+
+Without ``--fresh-weights`` the FP8 weight copies (``Fp8Config(cache_weights=True)``) are made in
+the warm-up and reused by every timed step, as across the micro-batches of one optimizer step.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from profiling import device_kernels  # noqa: E402  (benchmarks/profiling.py)
 
 from lightning_moe.config import Fp8Config  # noqa: E402
 from lightning_moe.moe.experts import GroupedExperts  # noqa: E402
@@ -32,10 +40,20 @@ SHAPES = {
 }
 
 
-def step_ms(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, iters: int) -> float:
+def _mark_weights_changed(experts: GroupedExperts) -> None:
+    """A version bump of the expert weights (no kernel): the FP8 weight cache quantizes them again."""
+    for p in experts.parameters():
+        torch.autograd.graph.increment_version(p)
+
+
+def step_ms(
+    experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, iters: int, fresh: bool = False
+) -> float:
     dy = torch.randn_like(x)
     times = []
     for i in range(iters + 3):
+        if fresh:
+            _mark_weights_changed(experts)
         xr = x.detach().requires_grad_(True)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -48,12 +66,33 @@ def step_ms(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor, w: t
     return statistics.median(times)
 
 
+def step_kernels(
+    experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, fresh: bool, top: int = 15
+) -> list[list]:
+    """The CUDA kernels of one forward + backward (after the timed steps): ``[ms, calls, name]``, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dy = torch.randn_like(x)
+    if fresh:
+        _mark_weights_changed(experts)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        experts(x.detach().requires_grad_(True), counts, w).backward(dy)
+        torch.cuda.synchronize()
+    experts.zero_grad(set_to_none=True)
+    rows = device_kernels(prof)
+    total = sum(r["total_ms"] for r in rows)
+    return [[round(total, 3), 0, "(all kernels)"]] + [[round(r["total_ms"], 3), r["count"], r["name"][:100]] for r in rows[:top]]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--recipes", default="rowwise,blockwise,tensorwise")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default="")
+    ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step of each arm")
+    ap.add_argument("--fresh-weights", action="store_true", help="requantize the FP8 weights in every step")
     a = ap.parse_args()
     rows = []
     for name in a.shapes.split(","):
@@ -68,7 +107,7 @@ def main() -> None:
         for arm, fp8 in arms:
             experts = GroupedExperts(E, H, F, fp8=fp8).cuda().to(torch.bfloat16)
             try:
-                ms = step_ms(experts, x, counts, w, a.iters)
+                ms = step_ms(experts, x, counts, w, a.iters, a.fresh_weights)
             except (RuntimeError, ValueError) as err:
                 print(f"{name:16s} {arm:11s} failed: {str(err).splitlines()[0][:120]}", flush=True)
                 continue
@@ -76,6 +115,10 @@ def main() -> None:
             speedup = base / ms if base else float("nan")
             rows.append(dict(shape=name, arm=arm, R=R, H=H, F=F, E=E, ms=ms, speedup=speedup))
             print(f"{name:16s} {arm:11s} {ms:8.2f} ms  bf16/this {speedup:5.2f}x", flush=True)
+            if a.profile:
+                rows[-1]["kernels_ms"] = step_kernels(experts, x, counts, w, a.fresh_weights)
+                for kms, n, kname in rows[-1]["kernels_ms"]:
+                    print(f"   {kms:8.3f} ms {n:5d}x  {kname}", flush=True)
             del experts
             torch.cuda.empty_cache()
     if a.json:
