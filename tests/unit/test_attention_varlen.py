@@ -113,6 +113,29 @@ def test_the_installed_torch_varlen_signature_is_understood() -> None:
     assert style is not None and style[0] in params and style[1] == ("enable_gqa" in params)
 
 
+def test_the_installed_torch_varlen_wrapper_gets_a_causal_gqa_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This torch's own ``varlen_attn`` (its argument handling), with the CUDA op under it replaced:
+    the op must be asked for causal attention, with GQA heads or repeated ones."""
+    fn = attention_mod._torch_varlen_fn()
+    if fn is None or not hasattr(torch.ops, "torch_attn"):
+        pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.varlen")
+    calls: list[tuple[bool, tuple[object, ...], int]] = []
+
+    def op(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, scale=None, window_size=None, *rest):  # noqa: ANN001, ANN002, ANN202
+        calls.append((is_causal, rest, k.shape[1]))
+        lse = torch.zeros(q.shape[1], q.shape[0])
+        return _reference_varlen(q, k, v, cu_q, scale), lse, torch.zeros(2)
+
+    monkeypatch.setattr(torch.ops.torch_attn, "_varlen_attn", op)
+    q, k, v, _ = inputs(7)
+    got = attention_mod._attend_varlen(q, k, v, DOCS, None, "varlen", attention_mod._torch_varlen_kernel)
+    torch.testing.assert_close(got, per_document(q, k, v, DOCS), rtol=1e-5, atol=1e-5)
+    (is_causal, rest, kv_heads), = calls
+    assert is_causal
+    has_gqa = "enable_gqa" in inspect.signature(fn).parameters
+    assert kv_heads == (2 if has_gqa else 4) and (not has_gqa or rest[0] is True)
+
+
 @pytest.mark.parametrize(
     ("flash_attn", "torch_varlen", "capable", "flex", "want"),
     [
