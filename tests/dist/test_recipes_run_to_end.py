@@ -3,18 +3,20 @@
 Each keeps its layout (devices, tp/ep/etp, dispatcher, callbacks, model) and runs >= 100 optimizer
 steps (the folded recipe its full ``max_steps``); only the data is made small (sequence length,
 batch, bytes read) and validation short, so they fit the CI budget on 2 CPU cores. The run must
-reach ``max_steps``, report a finite validation loss at the end, lower than at the start.
+reach ``max_steps``, report a finite validation loss at the end, lower than at the start. The
+full-size SFT recipes (``_tiny_hf_checkpoint.FULL_SIZE_RECIPES``: real checkpoints on 8 GPUs) run
+tiny in ``test_hf_recipes_tiny.py``; every recipe is listed in one of the two places.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 
 import pytest
 import yaml
-from _harness import run_cli_fit
+from _harness import run_cli_fit, validation_loss
+from _tiny_hf_checkpoint import FULL_SIZE_RECIPES
 
 pytestmark = pytest.mark.dist
 
@@ -33,7 +35,8 @@ RECIPES = [
 
 
 def test_recipe_list_is_complete() -> None:
-    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(r for r, _, _ in RECIPES)
+    listed = [r for r, _, _ in RECIPES] + list(FULL_SIZE_RECIPES)
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(listed)
 
 
 @pytest.mark.parametrize("recipe,extra,timeout", RECIPES, ids=[r.removesuffix(".yaml") for r, _, _ in RECIPES])
@@ -46,7 +49,5 @@ def test_recipe_runs_to_its_configured_end(tmp_path: Path, recipe: str, extra: l
     ]  # fmt: skip
     out = run_cli_fit(recipe, args, tmp_path, timeout=timeout)
     assert f"`Trainer.fit` stopped: `max_steps={steps}` reached." in out, out[-3000:]
-    found = re.search(r"validation loss: (\S+) at step (\d+) -> (\S+) at step (\d+)", out)
-    assert found is not None, out[-3000:]
-    first, last = float(found.group(1)), float(found.group(3))
-    assert int(found.group(4)) == steps and math.isfinite(last) and last < first, found.group(0)
+    loss = validation_loss(out)
+    assert loss.last_step == steps and math.isfinite(loss.last) and loss.last < loss.first, loss
