@@ -224,9 +224,10 @@ class _Fp8Up(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             if ctx.meta is not None:
                 saved = _unpack(ctx.meta, first, scale)
-                if ctx.gather_saved:
-                    saved = saved.index_rows(perm.src_token_R)
-                x_RH = saved.dequantize(ctx.act_dtype)
+                if ctx.gather_saved:  # the T tokens' FP8 rows: dequantized, then moved (K times fewer to widen)
+                    x_RH = _expert_rows_impl(saved.dequantize(ctx.act_dtype), perm)
+                else:
+                    x_RH = saved.dequantize(ctx.act_dtype)
             else:
                 x_RH = first if perm is None else _expert_rows_impl(first, perm)
             grad = _wgrad(x_RH, grad_h_R2F, offs_E, opts, w13.dtype)
