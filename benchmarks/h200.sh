@@ -3,7 +3,7 @@
 #   bash benchmarks/h200.sh tests      # build the kernels, then every GPU test
 #   bash benchmarks/h200.sh layer      # one MoE layer beside every peer, all three shapes
 #   bash benchmarks/h200.sh fp8        # the FP8 layer (every recipe, and auto) beside our bf16 layer
-#   bash benchmarks/h200.sh e2e        # the 4-layer Qwen3-30B-A3B-shaped model vs HF transformers
+#   bash benchmarks/h200.sh e2e        # the 4-layer Qwen3-30B-A3B-shaped model vs HF transformers, bf16 vs FP8 loss curves
 #   bash benchmarks/h200.sh callbacks  # recompute, CPU offload, CUDA graphs
 #   bash benchmarks/h200.sh packed     # packed rows (varlen attention) vs one padded document per row
 #   bash benchmarks/h200.sh long       # longest trainable sequence under a 48 GiB cap, ours vs HF
@@ -34,6 +34,7 @@ case "${1:-layer}" in
     ;;
   e2e)
     python3 benchmarks/e2e.py --out "$RESULTS/e2e.json" | tee "$RESULTS/e2e.log"
+    python3 benchmarks/e2e_loss_curve.py --out "$RESULTS/e2e_loss_curve.json" | tee "$RESULTS/e2e_loss_curve.log"
     ;;
   callbacks)
     python3 benchmarks/callbacks_bench.py --out "$RESULTS/callbacks.json" | tee "$RESULTS/callbacks.log"

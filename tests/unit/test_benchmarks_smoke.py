@@ -339,3 +339,26 @@ def test_long_context_quick_runs_trials_in_subprocesses(tmp_path: Path) -> None:
     assert (r["largest_seq_len"], r["smallest_failed_seq_len"]) == (32, 64), r["trials"]
     assert r["tokens_per_s_at_largest"] > 0 and [t["ok"] for t in r["trials"]] == [True, False]
     assert r["trials"][1]["oom"] and r["trials"][1]["error"] is None
+
+
+def test_e2e_loss_curve_quick_compares_bf16_and_fp8_on_the_same_batches(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    had_process_group = dist.is_initialized()
+    curve = _load("e2e_loss_curve")
+    out = tmp_path / "curve.json"
+    report = curve.main(["--quick", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    bf16, fp8 = saved["lightning_moe"]["losses"], saved["lightning_moe_fp8"]["losses"]
+    assert len(bf16) == len(fp8) == report["shape"]["steps"]
+    assert bf16[0] == pytest.approx(fp8[0], rel=1e-2)  # same weights and batch; FP8 experts only differ by rounding
+    assert bf16 != fp8  # but the FP8 arm really ran FP8
+    assert report["comparison"]["max_relative_gap_after_first_window"] < 0.05
+    assert dist.is_initialized() == had_process_group
+
+
+def test_loss_curve_windows_and_gaps() -> None:
+    curve = _load("e2e_loss_curve")
+    cmp = curve.compare([4.0] * 4 + [2.0] * 4, [4.0] * 4 + [2.02] * 4, size=4)
+    assert cmp["bf16_windows"] == [4.0, 2.0] and cmp["relative_gaps"][0] == 0.0
+    assert cmp["max_relative_gap_after_first_window"] == pytest.approx(0.01)
