@@ -9,7 +9,10 @@ Legend: M rows, K contracted width, N output width, E experts, R rows sorted by 
   inside expert segments, for weight gradients), ``fake_quantize``.
 * ``gemm.py``: ``fp8_mm``, ``fp8_grouped_mm``, ``fp8_grouped_wgrad`` on the ``emulate`` backend
   (dequantize, fp32 matmul: the math every backend equals) and ``torch`` (``torch._scaled_mm`` /
-  ``torch._scaled_grouped_mm`` on sm_89+); ``resolve_fp8_backend`` picks one.
+  ``torch._scaled_grouped_mm`` on sm_89+) and ``cutlass`` (blockwise); ``resolve_fp8_backend`` picks one.
+* ``kernels.py``: the csrc row quantization kernels and the CUTLASS blockwise grouped GEMM.
+* ``expert_mlp.py``: the FP8 experts (forward and backward); ``choice.py``: its small selection
+  rules; ``weight_cache.py``: the expert weights quantized once per weight version.
 """
 
 from lightning_moe.ops.fp8.gemm import Fp8GemmBackend, fp8_grouped_mm, fp8_grouped_wgrad, fp8_mm, resolve_fp8_backend

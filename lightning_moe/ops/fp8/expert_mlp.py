@@ -11,11 +11,17 @@ dim; ``qg(t)``: quantized in units along the rows of each expert segment (``quan
                                               grad_x_RH = gmm(q(grad_h), q(w13^T))
                                               grad_w13  = wgrad(qg(x_RH), qg(grad_h))
 
-Activations and gradients are quantized along their last dim (blockwise: 1 x 128 tiles), the
-weights along their input dim (blockwise: 128 x 128 tiles); in backward the weights are
-re-quantized from the master copy along the other dim, since the contracted dim changes. No FP8
-weight outlives the call that made it. The routing weight stays inside the SwiGLU, in fp32, as in
-the bf16 path (``ops/expert_mlp.py``); the SwiGLU itself is not quantized.
+Activations and gradients are quantized along their last dim (blockwise: 1 x 128 tiles; the csrc
+row kernels on CUDA, ``ops/fp8/kernels.py``: ``q(a_RF)`` straight from the SwiGLU, the local
+path's rows from the tokens), the weights along their input dim for the forward and along their
+output dim for the data gradient (blockwise: 128 x 128 tiles), each from the master copy once per
+weight version with ``cache_weights`` (``ops/fp8/weight_cache.py``), else in every call. The
+weight gradients ``wgrad`` run at ``Fp8Options.wgrad``'s precision (``ops/fp8/choice.py``):
+``fp8`` as drawn, or ``activation``: ``gmm_wgrad`` of the unquantized ``a_RF``/``x_RH`` (the saved
+FP8 rows widened) and gradients in the activation dtype. The data gradients are written in the
+activation dtype (as the bf16 experts write them) and cast to the input's dtype. The routing
+weight stays inside the SwiGLU, in fp32, as in the bf16 path (``ops/expert_mlp.py``); the SwiGLU
+itself is not quantized.
 
 Saved for backward (``save_fp8_activations``): the FP8 rows ``q(x_RH)`` and an FP8 copy of the
 SwiGLU input ``q(h_R2F)`` (DeepSeek-V3 keeps both in FP8); backward dequantizes them, recomputes
@@ -71,10 +77,12 @@ def fp8_pays(hidden_size: int, ffn_hidden_size: int) -> bool:
     experts: measured on the H200 (rowwise recipe, grouped GEMM), H = 2880, F = 2880 is 1.6x faster
     in FP8, while the fine-grained Qwen3-30B-A3B shape H = 2048, F = 768 is slower. The whole step
     (``benchmarks/probes/fp8_experts_shapes.py``, H200, torch backend, bf16 activations) is slower on
-    every shape measured, because the operands are quantized by torch ops (``ops/fp8/quantize.py``;
-    one weight alone takes 6-12 ms at 2880 x 2880): 81.9 ms rowwise vs 8.4 ms bf16 at 2880 x 2880
+    every shape measured, because the operands were quantized by torch ops (``ops/fp8/quantize.py``;
+    one weight alone took 6-12 ms at 2880 x 2880): 81.9 ms rowwise vs 8.4 ms bf16 at 2880 x 2880
     (32 experts, 32768 rows), 91.2 vs 7.2 ms at DeepSeek-V3's shape (32 local experts, 16384 rows),
-    117.7 vs 6.3 ms at Qwen3-30B-A3B's (128 experts, 131072 rows). So ``FP8_MIN_EXPERT_HF`` is
+    117.7 vs 6.3 ms at Qwen3-30B-A3B's (128 experts, 131072 rows); measured before the csrc
+    quantization kernels, the CUTLASS blockwise default, the weight cache and the activation-dtype
+    weight gradients were on this path. So ``FP8_MIN_EXPERT_HF`` is
     ``None``: ``auto`` keeps every shape in bf16 until a shape measures faster in FP8; then the rule
     is ``H * F >= FP8_MIN_EXPERT_HF``. ``enabled="on"`` runs FP8 whatever the shape.
     """

@@ -25,8 +25,9 @@ Backends:
   adds nothing to a dot product), copy what is misaligned, and slice the output. Two e5m2
   operands, or blockwise with an e5m2 operand, raise a ``ValueError`` naming the recipe, as does a
   recipe this GPU's torch cannot run.
-* ``cutlass`` — the blockwise grouped kernel of ``ops/fp8/kernels.py`` for ``fp8_grouped_mm``;
-  the other two GEMMs run as ``torch``.
+* ``cutlass`` — the blockwise grouped kernel of ``ops/fp8/kernels.py`` for ``fp8_grouped_mm``
+  (what it cannot write, an output other than bf16, runs as ``torch``); the other two GEMMs run
+  as ``torch``. ``auto`` picks it for the blockwise recipe on sm_90 where it builds.
 
 Measured (2026-12-02, 1x H200, torch 2.11, E=8, R=16384, K=4096, N=2048, bf16 out; mean of 20
 calls, the weight gradient 5): ``fp8_grouped_mm`` rowwise 0.36 ms (767 TFLOP/s; the bare
