@@ -228,6 +228,17 @@ def test_layer_top1_with_all_tokens_on_one_expert_matches_plain_loops() -> None:
         _close(p.grad, ref_params[name].grad, f"grad {name}")
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_local_path", "dispatch_experts_combine"])
+def test_layer_on_no_tokens_gives_zero_gradients(fused: bool) -> None:
+    layer = _random_layer(_config(memory_efficient_permute=fused))
+    x = torch.zeros(0, H, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    assert y.shape == (0, H) and x.grad.shape == (0, H)
+    for name, p in layer.named_parameters():
+        assert p.grad is None or not p.grad.any(), name
+
+
 def test_the_options_change_the_output() -> None:
     """Each option is live: turning one off changes the layer's output on the same weights."""
     x = torch.randn(20, H, generator=torch.Generator().manual_seed(3))
