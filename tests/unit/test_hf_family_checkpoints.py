@@ -100,7 +100,8 @@ def test_in_memory_state_dict_loads_under_module_names(tmp_path: Path, name: str
 def test_saved_names_follow_each_familys_checkpoint() -> None:
     mixtral = saved_layer_names("model.layers.3.mlp", "mixtral")
     assert mixtral.router == "model.layers.3.block_sparse_moe.gate.weight"
-    assert mixtral.expert(5) == tuple(f"model.layers.3.block_sparse_moe.experts.5.{w}.weight" for w in ("w1", "w3", "w2"))
+    expert5 = "model.layers.3.block_sparse_moe.experts.5."
+    assert mixtral.expert(5) == tuple(f"{expert5}{w}.weight" for w in ("w1", "w3", "w2"))
     granite = saved_layer_names("model.layers.0.block_sparse_moe", "granitemoe")
     assert granite.router == "model.layers.0.block_sparse_moe.router.layer.weight"
     assert granite.fused == ("model.layers.0.block_sparse_moe.input_linear.weight",
@@ -120,5 +121,7 @@ def test_saved_names_follow_each_familys_checkpoint() -> None:
 def test_every_config_family_has_checkpoint_names() -> None:
     from lightning_moe.models.hf_families import FAMILIES
 
-    swappable = {f.name for f in FAMILIES.values() if f.refused is None and not getattr(f, "gate_up_interleaved", False)}
+    swappable = {
+        f.name for f in FAMILIES.values() if f.refused is None and not getattr(f, "gate_up_interleaved", False)
+    }
     assert swappable <= set(NAMES), swappable - set(NAMES)
