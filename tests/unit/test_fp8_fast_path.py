@@ -274,3 +274,19 @@ def test_activation_wgrad_changes_only_the_weight_gradients(monkeypatch, counts:
     for name in ("w13", "w2"):  # FP8 operands against unquantized ones: close, not equal
         rel = float((got[name] - want[name]).norm() / want[name].norm())
         assert 0 < rel < 0.1, (name, rel)
+
+
+def test_a_torch_that_cannot_store_fp8_from_a_division_falls_back_with_a_warning(monkeypatch) -> None:
+    x = _hard_input(torch.bfloat16)
+    want = Q.quantize(x, "blockwise", "e4m3")
+
+    def refuse(*a, **k):
+        raise RuntimeError("div_true not implemented for 'Float8_e4m3fn'")
+
+    monkeypatch.setattr(Q, "_quantize_exact_grid", refuse)
+    monkeypatch.setattr(Q, "_NO_FP8_STORE", set())
+    with pytest.warns(UserWarning, match="two-pass path is unavailable"):
+        got = Q.quantize(x, "blockwise", "e4m3")
+    _same(got, want)
+    assert Q._NO_FP8_STORE == {"cpu"}
+    _same(Q.quantize(x, "blockwise", "e4m3"), want)  # asked once per device type

@@ -21,6 +21,7 @@ bits (tests/unit/test_fp8_fast_path.py).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,7 @@ from lightning_moe.ops.fp8.recipe import (
 __all__ = ["Fp8Tensor", "fake_quantize", "gather_fp8_rows", "grouped_row_units", "quantize", "quantize_grouped_rows"]
 
 _TINY = torch.finfo(torch.float32).tiny
+_NO_FP8_STORE: set[str] = set()  # device types whose torch refused ``torch.div(..., out=<fp8>)``
 
 
 @dataclass(frozen=True, eq=False)
@@ -289,9 +291,14 @@ def _dequantize_exact_grid(data: torch.Tensor, scale: torch.Tensor, dim_tile, dt
 def _quantize_last(x: torch.Tensor, recipe: str, fmt: str, tile, pow2_scales: bool) -> Fp8Tensor:
     """``quantize`` with reduce_dim=-1 (the data row-major)."""
     dim_tile = _dim_tile(recipe, -1, tile)
-    if _divides_grid(x.shape, dim_tile):
-        data, scale = _quantize_exact_grid(x, dim_tile, fmt, pow2_scales)
-        return Fp8Tensor(data, scale, recipe, fmt, -1, tile)  # type: ignore[arg-type]
+    if _divides_grid(x.shape, dim_tile) and x.device.type not in _NO_FP8_STORE:
+        try:
+            data, scale = _quantize_exact_grid(x, dim_tile, fmt, pow2_scales)
+        except (RuntimeError, TypeError) as err:  # this torch cannot store an FP8 result of a division
+            _NO_FP8_STORE.add(x.device.type)
+            warnings.warn(f"quantize: the two-pass path is unavailable here ({err}); quantizing with padded fp32 ops", stacklevel=3)
+        else:
+            return Fp8Tensor(data, scale, recipe, fmt, -1, tile)  # type: ignore[arg-type]
     blocks, (M, K) = _blocks(x.float(), dim_tile)
     amax = blocks.abs().amax(dim=(-3, -1))  # [..., G0, G1]; NaN propagates
     scale = scales_from_amax(amax, fmt, pow2_scales)
