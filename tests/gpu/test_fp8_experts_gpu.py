@@ -182,14 +182,16 @@ def _profiled_step(ex: GroupedExperts, x: torch.Tensor, counts: torch.Tensor, w:
     return [e.key for e in prof.key_averages() if (getattr(e, "device_time_total", 0) or 0) > 0 for _ in range(e.count)]
 
 
+def _even_rows(R: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 rows, as many per expert, and their routing weights."""
+    x = torch.randn(R, H, device="cuda", dtype=torch.bfloat16)
+    return x, torch.tensor([R // E] * E, device="cuda"), torch.rand(R, device="cuda")
+
+
 def test_fast_path_runs_the_fused_kernels_and_the_cutlass_gemm() -> None:
     _cutlass_or_skip()
-    R = 1024
-    x = torch.randn(R, H, device="cuda", dtype=torch.bfloat16)
-    counts = torch.tensor([R // E] * E, device="cuda")
-    w = torch.rand(R, device="cuda")
     ex = _experts("auto", "blockwise").to(torch.bfloat16)
-    names = _profiled_step(ex, x, counts, w)
+    names = _profiled_step(ex, *_even_rows())
     fp8_gemms = [n for n in names if "cutlass" in n and "device_kernel" in n and "e4m3" in n]
     assert len(fp8_gemms) == 4, names  # forward and data gradient of both projections, one launch each
     assert any("quantize_rows_kernel" in n for n in names), names  # csrc row / SwiGLU quantization
@@ -215,10 +217,7 @@ def _sync_warnings(ex: GroupedExperts, x: torch.Tensor, counts: torch.Tensor, w:
 
 def test_fast_path_adds_no_host_sync_over_bf16() -> None:
     _cutlass_or_skip()
-    R = 1024
-    x = torch.randn(R, H, device="cuda", dtype=torch.bfloat16)
-    counts = torch.tensor([R // E] * E, device="cuda")
-    w = torch.rand(R, device="cuda")
+    x, counts, w = _even_rows()
     torch.manual_seed(0)
     bf16 = GroupedExperts(E, H, F, init_std=0.05).cuda().to(torch.bfloat16)
     fp8 = _experts("auto", "blockwise").to(torch.bfloat16)
