@@ -56,6 +56,7 @@ __all__ = [
 ]
 
 _OPTIMIZER_IMPLS = ("auto", "fused", "foreach")
+_EXPERT_BIASES = ("experts.b13", "experts.b2")  # MoEConfig.expert_mlp_bias: no weight decay, as other biases
 
 
 def check_optimizer_impl(impl: str, owner: str) -> None:
@@ -124,7 +125,7 @@ class MoELanguageModelBase(L.LightningModule):
 
     Args:
         learning_rate: peak AdamW learning rate.
-        weight_decay: AdamW weight decay (not applied to norms and the router's expert bias).
+        weight_decay: AdamW weight decay (not applied to norms, biases and the router's expert bias).
         warmup_steps: linear warm-up steps, then cosine decay to 10 % over ``max_steps``.
         betas: AdamW betas.
         log_layer_load: log each MoE layer's ``max/mean`` routed-token load.
@@ -243,7 +244,8 @@ class MoELanguageModelBase(L.LightningModule):
         for name, p in self.named_parameters():
             if not p.requires_grad:
                 continue
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            is_bias = name.endswith(_EXPERT_BIASES)  # [E, ...] per-expert biases: biases, not matrices
+            (decay if p.dim() >= 2 and not is_bias else no_decay).append(p)
         hp = self.hparams
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],

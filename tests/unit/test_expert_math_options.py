@@ -400,3 +400,17 @@ def test_checkpoint_splits_and_joins_the_up_projection_bias_like_w13() -> None:
     for joined in (join_model_state(split, state, names), join_w13(split)):
         assert sorted(joined) == sorted(state) and all(torch.equal(joined[k], v) for k, v in state.items())
     assert w13_names(MoELayer(MoEConfig(hidden_size=H, ffn_hidden_size=FF, num_experts=4, top_k=2))) == {"experts.w13"}
+
+
+def test_expert_and_router_biases_get_no_weight_decay() -> None:
+    from lightning_moe.lit import MoELanguageModel
+    from lightning_moe.models.transformer import TransformerConfig
+
+    moe = _config(hidden_size=16, ffn_hidden_size=8, num_experts=4)
+    lm = MoELanguageModel(TransformerConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, moe=moe,
+                                            max_seq_len=8), weight_decay=0.3)  # fmt: skip
+    decay, no_decay = lm.configure_optimizers()["optimizer"].param_groups
+    by_id = {id(p): n for n, p in lm.named_parameters()}
+    undecayed = {by_id[id(p)] for p in no_decay["params"]}
+    assert {n for n in by_id.values() if n.endswith(("experts.b13", "experts.b2", "router.bias"))} <= undecayed
+    assert any(by_id[id(p)].endswith("experts.w13") for p in decay["params"])
