@@ -13,8 +13,8 @@ are zero for any training purpose).
 
 Everything runs on the tensor's device with no host sync and no Python loop over units: the last
 two dims are viewed as ``[..., G0, t0, G1, t1]`` and reduced. Where the units tile them exactly
-this is two passes over the source in its own dtype (amax and amin, then one division stored as
-FP8; dequantization: widen, multiply); otherwise they are padded with zeros to the unit grid in
+this is two passes over the source in its own dtype (the units' inf-norms, then one division stored
+as FP8; dequantization: widen, multiply); otherwise they are padded with zeros to the unit grid in
 fp32 and the padding is sliced off again (the data itself keeps its shape). Both give the same
 bits (tests/unit/test_fp8_fast_path.py).
 """
@@ -266,13 +266,13 @@ def _divides_grid(shape: torch.Size, dim_tile: tuple[int | None, int | None]) ->
 def _quantize_exact_grid(x: torch.Tensor, dim_tile, fmt: str, pow2_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Data and scales of ``x`` whose units tile it exactly, in two passes over ``x`` in its own dtype.
 
-    The same numbers as the padded path: the amax is exact in any float dtype (the larger of
-    ``amax`` and ``-amin``; NaN propagates), and ``x / scale`` is divided in fp32 and rounded once to
+    The same numbers as the padded path: the amax is exact in any float dtype (the inf-norm of each
+    unit, one read; NaN propagates), and ``x / scale`` is divided in fp32 and rounded once to
     the format on store. The clamp is not needed: with ``scale >= amax / FP8_MAX`` (correctly
     rounded), ``|x / scale| <= FP8_MAX * (1 + 2**-23)``, which rounds to ``FP8_MAX``."""
     blocks, _ = _blocks(x.detach(), dim_tile)  # a view: splitting dims never copies
     dims = (-3, -1)
-    amax = torch.maximum(blocks.amax(dim=dims), blocks.amin(dim=dims).neg()).float()
+    amax = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=dims).float()
     scale = scales_from_amax(amax, fmt, pow2_scales)
     data = torch.empty(x.shape, dtype=FP8_DTYPE[fmt], device=x.device)
     torch.div(blocks, scale.unsqueeze(-1).unsqueeze(-3), out=data.view(blocks.shape))
