@@ -112,6 +112,8 @@ _ROUTING_FIELDS = (
     "swiglu_up_offset",
 )
 _MOE_FIELDS = frozenset(f.name for f in fields(MoEConfig))
+# Parameters of the router_bias / expert_mlp_bias options: zero when an override adds them to a block without them.
+_OVERRIDE_BIASES = ("router.bias", "experts.b13", "experts.b2")
 
 
 class HFMoELayer(MoELayer):
@@ -496,10 +498,16 @@ def _build_layer(name: str, block: nn.Module, hf_config: Any, overrides: dict[st
         buf.zero_()
     if bias is not None and layer.router.expert_bias is not None:
         layer.router.expert_bias.copy_(bias.detach().float().reshape(-1))
+    ours = {n for n, _ in layer.named_parameters()}
     for key, value in tensors.items():
+        if key not in ours:  # an override turned this option off (export then refuses the layer)
+            continue
         owner_name, _, attr = key.rpartition(".")
         setattr(layer.get_submodule(owner_name), attr, _param(value, requires_grad))
-    unset = sorted({n for n, _ in layer.named_parameters()} - set(tensors))
+    for key in sorted((ours - set(tensors)) & set(_OVERRIDE_BIASES)):  # an override turned it on: from zero
+        owner_name, _, attr = key.rpartition(".")
+        setattr(layer.get_submodule(owner_name), attr, _param(torch.zeros_like(layer.get_parameter(key)), requires_grad))
+    unset = sorted(ours - set(tensors) - set(_OVERRIDE_BIASES))
     if unset:  # internal invariant: a new MoELayer parameter needs a mapping here
         raise RuntimeError(f"swap_moe_blocks: no HF weight maps to {unset} of {name}; extend models/hf.py.")
     return layer

@@ -432,3 +432,30 @@ def dataclasses_replace(cfg: Any, **changes: Any) -> Any:
     import dataclasses
 
     return dataclasses.replace(cfg, **changes)
+
+
+# ---- expert-math overrides -------------------------------------------------------------------
+
+
+def test_bias_overrides_start_from_zero_and_block_the_export() -> None:
+    ref = hf_model("olmoe").eval()
+    ours = swap_moe_blocks(copy.deepcopy(ref), experts_backend="torch", router_bias=True, expert_mlp_bias=True).eval()
+    layer = find_moe_layers(ours)[0][1]
+    assert all(not layer.get_parameter(n).any() for n in ("router.bias", "experts.b13", "experts.b2"))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=_ids()).logits, ref(input_ids=_ids()).logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"routing overrides \{'router_bias': True, 'expert_mlp_bias': True\}"):
+        export_moe_blocks(ours)
+
+
+@pytest.mark.parametrize("changes", [dict(expert_mlp_bias=False), dict(router_bias=False), dict(swiglu_limit=None)])
+def test_gpt_oss_overrides_change_the_math_and_block_the_export(changes: dict) -> None:
+    ref = hf_model("gpt_oss").eval()
+    ours = swap_moe_blocks(copy.deepcopy(ref), experts_backend="torch", **changes).eval()
+    layer = find_moe_layers(ours)[0][1]
+    names = {n for n, _ in layer.named_parameters()}
+    assert ("experts.b13" in names) == layer.config.expert_mlp_bias and ("router.bias" in names) == layer.config.router_bias
+    with torch.no_grad():
+        assert not torch.allclose(ours(input_ids=_ids()).logits, ref(input_ids=_ids()).logits, atol=1e-4)
+    with pytest.raises(ValueError, match="routing overrides"):
+        export_moe_blocks(ours)
