@@ -52,14 +52,18 @@ QUESTIONS = [
 ]
 
 
-def save_tiny_checkpoint(folder: Path, family: str, max_shard_size: str = "40KB", seed: int = 0) -> Path:
-    """A random ``family`` model (fp32, untied embeddings) and the tiny tokenizer, saved to ``folder``."""
+def save_tiny_checkpoint(
+    folder: Path, family: str, max_shard_size: str = "40KB", seed: int = 0, initializer_range: float = 0.02
+) -> Path:
+    """A random ``family`` model (fp32, untied embeddings, weights drawn with std ``initializer_range``)
+    and the tiny tokenizer, saved to ``folder``."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     make_tiny_tokenizer(folder)
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     common = dict(vocab_size=len(tok), num_hidden_layers=2, max_position_embeddings=128, tie_word_embeddings=False,
-                  bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+                  bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                  initializer_range=initializer_range)
     config = AutoConfig.for_model(family, **{**common, **FAMILIES[family]})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).float()
