@@ -506,7 +506,8 @@ def _build_layer(name: str, block: nn.Module, hf_config: Any, overrides: dict[st
         setattr(layer.get_submodule(owner_name), attr, _param(value, requires_grad))
     for key in sorted((ours - set(tensors)) & set(_OVERRIDE_BIASES)):  # an override turned it on: from zero
         owner_name, _, attr = key.rpartition(".")
-        setattr(layer.get_submodule(owner_name), attr, _param(torch.zeros_like(layer.get_parameter(key)), requires_grad))
+        zeros = torch.zeros_like(layer.get_parameter(key))
+        setattr(layer.get_submodule(owner_name), attr, _param(zeros, requires_grad))
     unset = sorted(ours - set(tensors) - set(_OVERRIDE_BIASES))
     if unset:  # internal invariant: a new MoELayer parameter needs a mapping here
         raise RuntimeError(f"swap_moe_blocks: no HF weight maps to {unset} of {name}; extend models/hf.py.")
