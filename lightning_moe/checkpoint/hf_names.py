@@ -24,6 +24,9 @@ Granite-MoE                    fused ``P.input_linear.weight [E, 2F, H]``, ``P.o
                                [E, H, F]``; router ``P.router.layer.weight``
 Llama 4                        fused, transposed: ``P.experts.gate_up_proj [E, H, 2F]``,
                                ``P.experts.down_proj [E, F, H]``
+gpt-oss                        as Llama 4, gate and up columns interleaved (gate ``[..., ::2]``),
+                               biases ``P.experts.gate_up_proj_bias [E, 2F]`` (interleaved too),
+                               ``P.experts.down_proj_bias [E, H]``; router bias ``P.router.bias``
 =============================  ===================================================================
 
 Shared experts (``P.<shared>.gate_proj/up_proj/down_proj.weight``) and their gates
@@ -69,6 +72,7 @@ CHECKPOINT_RENAMES: dict[str, CheckpointRenames] = {
     "granitemoe": CheckpointRenames(per_expert=None, fused=("input_linear.weight", "output_linear.weight"),
                                     router="router.layer.weight"),
     "llama4": CheckpointRenames(per_expert=None, fused=("experts.gate_up_proj", "experts.down_proj")),
+    "gpt_oss": CheckpointRenames(per_expert=None, fused=("experts.gate_up_proj", "experts.down_proj")),
 }  # fmt: skip
 _BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES.values()}
 
@@ -78,7 +82,9 @@ class LayerNames:
     """The checkpoint names of one swapped layer's tensors.
 
     ``fused`` set: the experts are two tensors ``(gate_up, down)`` (``transposed``: ``[E, H, 2F]``
-    / ``[E, F, H]``, else ``[E, 2F, H]`` / ``[E, H, F]``); else per expert, :meth:`expert`.
+    / ``[E, F, H]``, else ``[E, 2F, H]`` / ``[E, H, F]``; ``interleaved``: gate and up alternate
+    along the ``2F`` dim) with biases ``expert_biases`` (``[E, 2F]``, ``[E, H]``, when the layer
+    has them); else per expert, :meth:`expert`. ``router_bias``: the router's own bias, if any.
     """
 
     prefix: str
@@ -89,6 +95,9 @@ class LayerNames:
     per_expert: tuple[str, str, str] | None
     fused: tuple[str, str] | None
     transposed: bool
+    interleaved: bool = False
+    router_bias: str | None = None
+    expert_biases: tuple[str, str] | None = None
 
     def expert(self, i: int) -> tuple[str, str, str]:
         """``(gate, up, down)`` weight names of expert ``i`` (``[F, H]``, ``[F, H]``, ``[H, F]``)."""
@@ -102,12 +111,6 @@ def family_named(name: str, owner: str) -> Family:
     if fam is None or fam.refused is not None:
         known = sorted(f.name for f in FAMILIES.values() if f.refused is None)
         raise ValueError(f"{owner}: family {name!r} has no HF checkpoint names here; known: {known}.")
-    if getattr(fam, "gate_up_interleaved", False):
-        raise ValueError(
-            f"{owner}: family {name!r} stores gate and up interleaved (with expert biases); reading and writing "
-            "its checkpoint slice by slice is not implemented. Load it with load_sharded=False and export it with "
-            "lightning_moe.export (export_state_dict)."
-        )
     return fam
 
 
@@ -128,7 +131,11 @@ def _names(layer_name: str, fam: Family, renames: CheckpointRenames, prefix: str
         per_expert=renames.per_expert,
         fused=None if renames.fused is None else (prefix + renames.fused[0], prefix + renames.fused[1]),
         transposed=fam.experts_transposed,
-    )
+        interleaved=bool(getattr(fam, "gate_up_interleaved", False)),
+        router_bias=f"{prefix}{fam.router}.bias",
+        expert_biases=None if renames.fused is None else (f"{prefix}{renames.fused[0]}_bias",
+                                                          f"{prefix}{renames.fused[1]}_bias"),
+    )  # fmt: skip
 
 
 def saved_layer_names(layer_name: str, family: str, owner: str = "hf checkpoint") -> LayerNames:

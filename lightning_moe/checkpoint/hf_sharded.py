@@ -22,6 +22,9 @@ HF names and layouts read (ours ← HF; the names per family: :mod:`~lightning_m
   ``[E, H, 2F]`` (Llama 4);
 * ``experts.w2 [E, F, H]`` ← ``P.experts.{i}.down_proj.weight [H, F]`` (``w2``) or fused
   ``[E, H, F]`` (``P.experts.down_proj``, ``P.output_linear.weight``), ``[E, F, H]`` (Llama 4);
+  gpt-oss's gate and up columns alternate: each run of them is read with a step of 2;
+* ``experts.b13 [E, 2F]`` / ``experts.b2 [E, H]`` ← ``P.experts.gate_up_proj_bias`` (gate and up as
+  in ``gate_up_proj``) / ``P.experts.down_proj_bias``; ``router.bias`` ← ``P.router.bias``;
 * ``router.weight`` ← the family's router (``P.gate.weight``, ``P.router.weight``,
   ``P.gate.wg.weight``, Granite's ``P.router.layer.weight``); ``router.expert_bias`` ← its correction
   bias (``P.gate.e_score_correction_bias``, ERNIE's ``P.moe_statics.e_score_correction_bias``);
@@ -234,7 +237,7 @@ class _Planner:
             ok2 = self._check(fused_down, (E, F, H) if transposed else (E, H, F))
             if ok13:
                 for is_up, start, d0, n in _w13_column_runs(c13, F, etp):
-                    rows = slice(is_up * F + start, is_up * F + start + n)
+                    rows = _gate_up_columns(is_up, start, n, F, names.interleaved)
                     index = (e13, h13, rows) if transposed else (e13, rows, h13)
                     self.reads.append(_Read(fused_up, index, not transposed, l13[:, :, d0 : d0 + n]))
             if ok2:
@@ -254,6 +257,32 @@ class _Planner:
                 self.reads.append(_Read(down, (h2, f2), True, l2[i - e2.start]))
 
 
+    def expert_biases(self, names: LayerNames, b13: torch.Tensor, b2: torch.Tensor, etp: int) -> None:
+        """``b13 [E, 2F]`` (ETP: blocked like ``w13``'s columns) and ``b2 [E, H]`` from the fused biases."""
+        if names.expert_biases is None:
+            raise ValueError(
+                f"load_hf_checkpoint_sharded: {names.prefix}experts has biases but its checkpoint names are per "
+                "expert; only fused expert biases (gate_up_proj_bias, down_proj_bias) are read."
+            )
+        E, two_F = b13.shape
+        F = two_F // 2
+        up_bias, down_bias = names.expert_biases
+        local, (experts, cols) = local_box(b13)
+        if self._check(up_bias, (E, two_F)):
+            for is_up, start, d0, n in _w13_column_runs(cols, F, etp):
+                index = (experts, _gate_up_columns(is_up, start, n, F, names.interleaved))
+                self.reads.append(_Read(up_bias, index, False, local[:, d0 : d0 + n]))
+        self.direct(down_bias, b2)
+
+
+def _gate_up_columns(is_up: int, start: int, n: int, F: int, interleaved: bool) -> slice:
+    """The stored ``2F`` positions of gate (``is_up=0``) or up columns ``start:start+n``: the second
+    half's, or every other one when gate and up alternate (gpt-oss)."""
+    if interleaved:
+        return slice(2 * start + is_up, 2 * (start + n - 1) + is_up + 1, 2)
+    return slice(is_up * F + start, is_up * F + start + n)
+
+
 def _moe_layers(model: nn.Module) -> dict[str, nn.Module]:
     from lightning_moe.models.hf import HFMoELayer
 
@@ -263,13 +292,14 @@ def _moe_layers(model: nn.Module) -> dict[str, nn.Module]:
 def _layer_names(ckpt: HFCheckpoint, layer_name: str, layer: Any) -> LayerNames:
     """Each tensor under the name ``save_pretrained`` writes if the checkpoint has it there, else
     under its module name (module doc); the experts as a whole one way or the other."""
-    from lightning_moe.models.hf import _transposed
+    from lightning_moe.models.hf import _interleaved, _transposed
 
     owner = "load_hf_checkpoint_sharded"
     saved = saved_layer_names(layer_name, layer.family, owner)
     module = module_layer_names(layer_name, layer.family, owner)
-    # the in-memory layout of this transformers version (Llama 4's [E, H, 2F], or a flag on the experts)
-    module = replace(module, transposed=_transposed(family_named(layer.family, owner), layer.hf_block.experts))
+    # the in-memory layout of this transformers version (Llama 4's [E, H, 2F], or flags on the experts)
+    fam, hf_experts = family_named(layer.family, owner), layer.hf_block.experts
+    module = replace(module, transposed=_transposed(fam, hf_experts), interleaved=_interleaved(fam, hf_experts))
     first = saved.fused[0] if saved.fused is not None else saved.expert(0)[0]
     experts = saved if first in ckpt else module
 
@@ -294,8 +324,14 @@ def _plan(model: nn.Module, ckpt: HFCheckpoint) -> _Planner:
         ex = layer.experts
         plan.experts(names, ex.w13, ex.w2, int(getattr(ex, "etp", 1)))
         done |= {f"{p}experts.w13", f"{p}experts.w2"}
+        if getattr(ex, "b13", None) is not None and getattr(ex, "b2", None) is not None:
+            plan.expert_biases(names, ex.b13, ex.b2, int(getattr(ex, "etp", 1)))
+            done |= {f"{p}experts.b13", f"{p}experts.b2"}
         plan.direct(names.router, layer.router.weight)
         done.add(f"{p}router.weight")
+        if f"{p}router.bias" in tensors and names.router_bias is not None:
+            plan.direct(names.router_bias, tensors[f"{p}router.bias"])
+            done.add(f"{p}router.bias")
         if f"{p}router.expert_bias" in tensors and names.bias is not None:
             plan.reshaped(names.bias, tensors[f"{p}router.expert_bias"], stored_bias_shape(layer))
             done.add(f"{p}router.expert_bias")

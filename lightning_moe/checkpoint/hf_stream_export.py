@@ -23,8 +23,8 @@ A rank writes ``model-rank{r}-{k}.safetensors`` files of at most ``max_shard_byt
 after the names of every rank are collected (``all_gather_object``), rank 0 writes
 ``model.safetensors.index.json`` and ``config.json``. A checkpoint loaded with
 :func:`~lightning_moe.checkpoint.hf_sharded.load_hf_checkpoint_sharded` and exported untouched is
-the same tensors bit for bit. A family without checkpoint names (gpt-oss's interleaved gate/up)
-is refused naming it: use ``export.export_state_dict`` for it.
+the same tensors bit for bit. A family without checkpoint names is refused naming it; expert
+biases are written only where the family stores its experts fused (gpt-oss).
 
 :func:`stream_export_dcp` does the same from a ``folded_moe`` DCP folder (``lightning-moe-export
 --streaming`` under ``torchrun``): each rank reads only its shards of the folder and writes them.
@@ -108,13 +108,24 @@ def _layer_names(layers: dict[str, Any]) -> dict[str, LayerNames]:
     return names
 
 
+_FUSED = ("experts.w13", "experts.w2", "experts.b13", "experts.b2")
+
+
 def _fused_experts(rest: str, full: torch.Tensor, names: LayerNames, etp: int) -> tuple[str, torch.Tensor]:
-    """A family saved with fused experts: the whole ``[E, H, 2F]`` / ``[E, F, H]`` tensor in its layout."""
+    """A family saved with fused experts: the whole ``[E, H, 2F]`` / ``[E, F, H]`` tensor (or bias
+    ``[E, 2F]`` / ``[E, H]``) in its layout: gate and up back from ETP's blocks, interleaved again
+    for gpt-oss."""
+    from lightning_moe.models.hf import _interleave
     from lightning_moe.parallel.parallelize import unblock_w13
 
     assert names.fused is not None
-    if rest == "experts.w13":
+    if rest in ("experts.w13", "experts.b13"):
         full = unblock_w13(full, etp)
+        full = _interleave(full) if names.interleaved else full
+    if rest in ("experts.b13", "experts.b2"):
+        if names.expert_biases is None:
+            raise ValueError(f"stream_export_hf: {names.prefix}experts has biases that its checkpoint cannot hold.")
+        return names.expert_biases[0 if rest == "experts.b13" else 1], full
     name = names.fused[0] if rest == "experts.w13" else names.fused[1]
     return name, (full if names.transposed else full.transpose(1, 2))
 
@@ -142,11 +153,13 @@ def hf_tensors(model: nn.Module, rank: int = 0, world: int = 1) -> Iterator[tupl
             continue
         names, rest = by_layer[prefix], key[len(prefix) :]
         etp = int(getattr(layers[prefix[:-1]].experts, "etp", 1))
-        if rest in ("experts.w13", "experts.w2") and names.fused is not None:
+        if rest in _FUSED and names.fused is not None:
             full = _whole(t, turns)  # one tensor holds every expert: written whole by one rank
             if full is not None:
                 yield _fused_experts(rest, full, names, etp)
             continue
+        if rest in ("experts.b13", "experts.b2"):
+            raise ValueError(f"stream_export_hf: {key}: per-expert HF checkpoint names hold no expert biases.")
         if rest in ("experts.w13", "experts.w2"):
             local, first, index, count = _gather_experts(t)
             if not turns.mine(index, count):
@@ -169,6 +182,8 @@ def hf_tensors(model: nn.Module, rank: int = 0, world: int = 1) -> Iterator[tupl
             continue
         if rest == "router.weight":
             yield names.router, full
+        elif rest == "router.bias" and names.router_bias is not None:
+            yield names.router_bias, full
         elif rest == "router.expert_bias" and names.bias is not None:
             yield names.bias, full.view(hf_bias_shapes[prefix] or full.shape)
         elif rest == "shared_expert.gate_up.weight" and names.shared is not None:

@@ -28,6 +28,9 @@ from lightning_moe.strategies import FoldedMoEStrategy
 
 from _models import leave_together  # noqa: E402 - tests/dist is on sys.path for workers
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from test_hf_family_checkpoints import attention  # noqa: E402
+
 
 def _layout(spec: str) -> dict[str, int]:
     return {k: int(v) for k, v in (part.split("=") for part in spec.split("+"))}
@@ -55,7 +58,8 @@ def run(root: Path, entry: str) -> None:
     start = time.perf_counter()
     name, spec = entry.split(":")
     hf = root / name
-    lit = HFMoELanguageModel(pretrained=str(hf), load_sharded=True, dtype="float32", moe={"experts_backend": "torch"})
+    lit = HFMoELanguageModel(pretrained=str(hf), load_sharded=True, dtype="float32", moe={"experts_backend": "torch"},
+                             attn_implementation=attention(name))  # fmt: skip
     vocab = lit.config.vocab_size
     ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(7))
     trainer = pl.Trainer(

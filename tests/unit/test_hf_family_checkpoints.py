@@ -29,7 +29,8 @@ import test_hf_swap  # noqa: E402
 from test_hf_families import VOCAB, hf_model  # noqa: E402
 
 NAMES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "olmoe", "dots1", "ernie4_5_moe",
-         "hunyuan_v1_moe", "granitemoe", "deepseek_v2", "qwen3_next", "qwen3_5_moe", "minimax", "llama4")  # fmt: skip
+         "hunyuan_v1_moe", "granitemoe", "deepseek_v2", "qwen3_next", "qwen3_5_moe", "minimax", "llama4",
+         "gpt_oss")  # fmt: skip
 
 
 def build(name: str) -> nn.Module:
@@ -41,6 +42,11 @@ def build(name: str) -> nn.Module:
             if n.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.05)
     return model.eval()
+
+
+def attention(name: str) -> str:
+    """gpt-oss's sinks need the eager attention (transformers refuses sdpa for it)."""
+    return "eager" if name == "gpt_oss" else "sdpa"
 
 
 def tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -60,7 +66,8 @@ def _ids() -> torch.Tensor:
 def test_saved_checkpoint_loads_sharded_and_exports_bitwise(tmp_path: Path, name: str) -> None:
     hf = tmp_path / "hf"
     build(name).save_pretrained(str(hf), max_shard_size="20KB")
-    lit = HFMoELanguageModel(pretrained=str(hf), load_sharded=True, moe={"experts_backend": "torch"})
+    lit = HFMoELanguageModel(pretrained=str(hf), load_sharded=True, moe={"experts_backend": "torch"},
+                             attn_implementation=attention(name))  # fmt: skip
     lit.configure_model()  # no Trainer: materialised on the CPU and read whole
     lit.eval()
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(hf), local_files_only=True).eval()
@@ -77,7 +84,7 @@ def test_saved_checkpoint_loads_sharded_and_exports_bitwise(tmp_path: Path, name
         torch.testing.assert_close(again(input_ids=_ids()).logits, want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "granitemoe", "llama4", "ernie4_5_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "granitemoe", "llama4", "ernie4_5_moe", "gpt_oss"])
 def test_in_memory_state_dict_loads_under_module_names(tmp_path: Path, name: str) -> None:
     """A ``state_dict`` written as it is (fused ``experts.gate_up_proj``, ``mlp.gate.weight``) reads too."""
     from safetensors.torch import save_file
@@ -121,7 +128,48 @@ def test_saved_names_follow_each_familys_checkpoint() -> None:
 def test_every_config_family_has_checkpoint_names() -> None:
     from lightning_moe.models.hf_families import FAMILIES
 
-    swappable = {
-        f.name for f in FAMILIES.values() if f.refused is None and not getattr(f, "gate_up_interleaved", False)
-    }
+    swappable = {f.name for f in FAMILIES.values() if f.refused is None}
     assert swappable <= set(NAMES), swappable - set(NAMES)
+
+
+@pytest.mark.parametrize(("ep", "etp"), [(2, 2), (1, 2), (2, 1)])
+def test_interleaved_experts_and_biases_read_into_each_ranks_blocked_box(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ep: int, etp: int
+) -> None:
+    """gpt-oss: the stepped reads of a rank's box (EP experts, ETP's ``[gate_j | up_j]`` blocks of
+    ``w13`` and ``b13``, ``b2``'s H slice) equal ``shard_expert_weights`` / ``shard_expert_biases``."""
+    import lightning_moe.checkpoint.hf_sharded as hs
+    from lightning_moe.parallel.parallelize import shard_expert_biases, shard_expert_weights
+
+    hf = tmp_path / "hf"
+    build("gpt_oss").save_pretrained(str(hf), max_shard_size="20KB")
+    full = swap_moe_blocks(build("gpt_oss"), experts_backend="torch")
+    real_box = hs.local_box
+    for ep_rank in range(ep):
+        for etp_rank in range(etp):
+            model = swap_moe_blocks(build("gpt_oss"), experts_backend="torch")
+            boxes: dict[int, tuple[torch.Tensor, tuple[slice, ...]]] = {}
+            wants: list[tuple[torch.Tensor, torch.Tensor, str]] = []
+            for i, layer in enumerate(model.model.layers):
+                ex, ref = layer.mlp.experts, full.model.layers[i].mlp.experts
+                ex.etp = etp
+                kw = dict(ep_rank=ep_rank, ep=ep, etp_rank=etp_rank, etp=etp)
+                w13, w2 = shard_expert_weights(ref.w13.detach(), ref.w2.detach(), **kw)
+                b13, b2 = shard_expert_biases(ref.b13.detach(), ref.b2.detach(), **kw)
+                e = w13.shape[0]
+                experts = slice(ep_rank * e, (ep_rank + 1) * e)
+                cols13 = slice(etp_rank * w13.shape[2], (etp_rank + 1) * w13.shape[2])
+                f, h = w2.shape[1], b2.shape[1]
+                for key, param, want, box in (
+                    ("w13", ex.w13, w13, (experts, slice(0, w13.shape[1]), cols13)),
+                    ("w2", ex.w2, w2, (experts, slice(etp_rank * f, (etp_rank + 1) * f), slice(0, w2.shape[2]))),
+                    ("b13", ex.b13, b13, (experts, cols13)),
+                    ("b2", ex.b2, b2, (experts, slice(etp_rank * h, (etp_rank + 1) * h))),
+                ):
+                    local = torch.full_like(want, float("nan"))
+                    boxes[id(param)] = (local, box)
+                    wants.append((local, want, f"layer {i} {key}"))
+            monkeypatch.setattr(hs, "local_box", lambda t: boxes.get(id(t)) or real_box(t))
+            load_hf_checkpoint_sharded(model, hf)
+            for got, want, what in wants:
+                torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"{what}: {m}")
