@@ -290,3 +290,16 @@ def test_a_torch_that_cannot_store_fp8_from_a_division_falls_back_with_a_warning
     _same(got, want)
     assert Q._NO_FP8_STORE == {"cpu"}
     _same(Q.quantize(x, "blockwise", "e4m3"), want)  # asked once per device type
+
+
+@pytest.mark.parametrize("save_fp8", [True, False])
+def test_activation_wgrad_under_autocast_with_fp32_rows(save_fp8: bool) -> None:
+    """fp32 rows into bf16-autocast experts: the weight gradients run in bf16, as the bf16 experts'."""
+    ex = _experts(wgrad="activation", save_fp8_activations=save_fp8)
+    x, counts, w_R, dy = _inputs([40, 0, 100, 3])
+    x = x.requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ex(x, counts, w_R)
+    y.float().backward(dy)
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.float32
+    assert ex.w13.grad.dtype == torch.float32 and torch.isfinite(ex.w13.grad).all() and ex.w13.grad.abs().sum() > 0

@@ -157,8 +157,8 @@ def activation_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, offs_E: torch.Tens
 
 def _wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, offs_E: torch.Tensor, opts: Fp8Options, out_dtype: torch.dtype) -> torch.Tensor:
     """One weight gradient ``[E, K, N]`` in ``out_dtype``, at ``opts.wgrad``'s precision."""
-    if opts.wgrad == "activation":
-        return activation_wgrad(x_RK, dy_RN, offs_E).to(out_dtype)
+    if opts.wgrad == "activation":  # in the gradient's dtype (the activation dtype), as the bf16 experts
+        return activation_wgrad(x_RK.to(dy_RN.dtype), dy_RN, offs_E).to(out_dtype)
     x_seg = quantize_segments(x_RK, offs_E, opts)
     dy_seg = quantize_segments(dy_RN, offs_E, opts, opts.grad_format)
     return fp8_grouped_wgrad(x_seg, dy_seg, offs_E, out_dtype, opts.backend)
