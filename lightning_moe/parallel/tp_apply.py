@@ -15,6 +15,8 @@ full-width norm's projection    all-gather(TP) of its ``[B, S, W/tp]``  this ran
 after the full-width norm       this rank's columns (local)            all-gather(TP) of the gradient
 shared rotary columns           identity                               all-reduce(TP) of the gradient
   (``shared_rope``)                                                    of those columns
+per-head parameters             this rank's values (``Shard(0)``,      the local gradient (``Shard(0)``)
+  (``head_params``)             local)
 ==============================  =====================================  ===============================
 """
 
@@ -86,12 +88,19 @@ def check_tp_plans(module: nn.Module, tp: int, owner: str = "FoldedMoEStrategy")
         names += [p for _, p in plan.full_width_norms] + ([plan.shared_rope[0]] if plan.shared_rope else [])
         missing = [n for n in names if resolve_linear(m, n) is None]
         missing += [n for n in plan.replicated if not isinstance(getattr(m, n, None), nn.Module)]
+        missing += [n for n in plan.head_params if not isinstance(m._parameters.get(n), nn.Parameter)]
         if missing:
             raise ValueError(
                 f"{owner}: {where} has no {sorted(set(missing))} that its tensor-parallel plan names; this version of "
                 "the class differs from the one the plan was written for. Use tp=1 for this model."
             )
         heads, kv = head_count(m, plan.query_heads), head_count(m, plan.kv_heads)
+        for n in plan.head_params:
+            if m._parameters[n].shape[0] != heads:
+                raise ValueError(
+                    f"{owner}: {where}.{n} has {m._parameters[n].shape[0]} values for {heads} query heads; its "
+                    "tensor-parallel plan cuts one per head. Use tp=1 for this model."
+                )
         if heads % tp or kv % tp:
             raise ValueError(
                 f"{owner}: tp={tp} must divide the {heads} query and {kv} key/value heads of {where}; "
@@ -124,6 +133,8 @@ def apply_attention_plan(
     parallelize_module(m, tp_mesh, styles)
     for norm, _ in plan.full_width_norms:
         getattr(m, norm).register_forward_hook(functools.partial(_local_heads, tp_mesh))
+    if plan.head_params:
+        _shard_head_params(m, plan.head_params, tp_mesh)
     if plan.shared_rope is not None:
         proj, attr = plan.shared_rope
         hook = functools.partial(_sum_shared_columns_grad, tp_mesh.get_group(), int(getattr(m, attr)))
@@ -134,6 +145,31 @@ def _local_heads(tp_mesh: DeviceMesh, module: nn.Module, args: Any, out_BSW: tor
     """``[B, S, W]`` (the same on every rank) -> this rank's ``[B, S, W/tp]``; backward all-gathers."""
     full = DTensor.from_local(out_BSW, tp_mesh, [Replicate()], run_check=False)
     return full.redistribute(tp_mesh, [Shard(out_BSW.ndim - 1)]).to_local()
+
+
+def _shard_head_params(m: nn.Module, names: tuple[str, ...], tp_mesh: DeviceMesh) -> None:
+    """``m.<name> [N]`` -> a ``Shard(0)`` DTensor of this rank's heads' values (cut locally, no
+    collective: every rank holds the same values); ``m`` computes on the local tensor."""
+    tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    for name in names:
+        p = m._parameters[name]
+        assert p is not None
+        local = p.detach().chunk(tp, dim=0)[rank].contiguous()
+        dt = DTensor.from_local(local, tp_mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
+        m.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+    m.register_forward_pre_hook(functools.partial(_local_head_params, names))
+    m.register_forward_hook(_restore_head_params, always_call=True)
+
+
+def _local_head_params(names: tuple[str, ...], module: nn.Module, args: Any) -> None:
+    saved = {n: module._parameters[n] for n in names}
+    for n, p in saved.items():
+        module._parameters[n] = p.to_local()  # type: ignore[union-attr, assignment]
+    module._tp_saved_head_params = saved  # type: ignore[assignment]
+
+
+def _restore_head_params(module: nn.Module, args: Any, output: Any) -> None:
+    module._parameters.update(module.__dict__.pop("_tp_saved_head_params", {}))
 
 
 class _SumColumnsGrad(torch.autograd.Function):

@@ -14,7 +14,7 @@ layout                      plan
 ==========================  =====================================================================
 ``q/k/v`` + ``o_proj``      ``q_proj``/``k_proj``/``v_proj`` column-parallel, ``o_proj`` row-parallel
 (Llama-like)                (Qwen2/3-MoE, Mixtral, MiniMax full attention, GLM-4-MoE, dots1,
-                            ERNIE-4.5, Granite, HunYuan, Llama 4, our ``Attention``)
+                            ERNIE-4.5, Granite, HunYuan, Llama 4, gpt-oss, our ``Attention``)
 per-head q/k norms          one ``[D]`` weight shared by all heads, applied to this rank's heads:
                             a ``Replicate`` DTensor whose partial gradients are summed over TP
                             (``heads_dim``: where the heads are in the norm's input)
@@ -24,6 +24,8 @@ full-width q/k norms        OLMoE's RMSNorm over all heads at once: ``q_proj``/`
 (OLMoE)                     are all-gathered(TP), the norm runs on the full width on every rank,
                             and this rank's heads are taken after it (backward: all-gather of the
                             gradient, so the norm's gradient is the full one on every rank)
+per-head parameters         gpt-oss's attention ``sinks [N]``: cut like the heads (``Shard(0)``),
+(gpt-oss)                   the module computing on this rank's values
 MLA (DeepSeek-V2/V3)        ``q_b_proj`` (or ``q_proj`` without ``q_lora_rank``) and ``kv_b_proj``
                             column-parallel by heads, ``o_proj`` row-parallel; ``q_a_proj``,
                             ``kv_a_proj_with_mqa`` and their norms replicated. The rotary key
@@ -86,6 +88,8 @@ class AttentionPlan:
         shared_rope: ``(projection, attribute)``: the projection's output columns from
             ``module.<attribute>`` on are shared by all heads; their gradient is summed over TP.
         replicated: projections and norms kept whole on every TP rank (checked to exist).
+        head_params: the module's own ``[N]`` parameters, one value per query head (gpt-oss's
+            ``sinks``): ``Shard(0)`` DTensors, the module computing on this rank's heads' values.
         refused: why the class cannot be cut (``None``: it can).
     """
 
@@ -98,6 +102,7 @@ class AttentionPlan:
     full_width_norms: tuple[tuple[str, str], ...] = ()
     shared_rope: tuple[str, str] | None = None
     replicated: tuple[str, ...] = ()
+    head_params: tuple[str, ...] = ()
     refused: str | None = None
 
 
@@ -136,6 +141,7 @@ ATTENTION_PLANS: dict[str, AttentionPlan] = {
     "Ernie4_5_MoeAttention": _LLAMA,
     "GraniteMoeAttention": _LLAMA,
     "Llama4TextAttention": _LLAMA,  # its qk_norm is a weightless L2 norm per head
+    "GptOssAttention": AttentionPlan(head_params=("sinks",)),
     "HunYuanMoEV1Attention": AttentionPlan(head_norms=("query_layernorm", "key_layernorm"), heads_dim=1),
     "OlmoeAttention": AttentionPlan(full_width_norms=(("q_norm", "q_proj"), ("k_norm", "k_proj"))),
     "Qwen3NextAttention": _GATED_QUERY,

@@ -5,8 +5,8 @@ tiny random fp32 model (``tests/unit/test_hf_family_checkpoints.py``'s ``build``
 (``block_sparse_moe.experts.{i}.w1``), Llama 4 (fused ``[E, H, 2F]`` experts), DeepSeek-V2 (shared
 experts, MLA attention), Qwen3-Next (sigmoid-gated shared expert, linear-attention layers), Granite
 (fused ``input_linear``, ``router.layer``), ERNIE-4.5 (``moe_statics`` bias ``[1, E]``), gpt-oss
-(interleaved gate/up, expert and router biases). At EP2 (and
-DeepSeek-V2 / Llama 4 at TP2, their attention cut by its TP plan) the sharded model gives the
+(interleaved gate/up, expert and router biases). At EP2 (and gpt-oss,
+DeepSeek-V2, Llama 4 at TP2, their attention cut by its TP plan) the sharded model gives the
 one-process HF logits, and its streaming export is the input checkpoint bit for bit
 (``worker_hf_family_checkpoints.py``).
 """
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
 ENTRIES = ("mixtral:ep=2", "llama4:ep=2", "llama4:tp=2", "deepseek_v2:ep=2", "deepseek_v2:tp=2", "qwen3_next:ep=2",
-           "granitemoe:ep=2", "ernie4_5_moe:ep=2", "gpt_oss:ep=2")  # fmt: skip
+           "granitemoe:ep=2", "ernie4_5_moe:ep=2", "gpt_oss:ep=2", "gpt_oss:tp=2")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
