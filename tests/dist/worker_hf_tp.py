@@ -37,6 +37,8 @@ from test_hf_families import CONFIGS, VOCAB, hf_model  # noqa: E402
 # name -> (family config of test_hf_families, changes)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_next_full_attention": ("qwen3_next", dict(layer_types=["full_attention", "full_attention"])),
+    "qwen3_5_moe_full_attention": ("qwen3_5_moe", dict(layer_types=["full_attention", "full_attention"])),
+    "minimax_full_attention": ("minimax", dict(layer_types=["full_attention", "full_attention"])),
     "deepseek_v2_no_q_lora": ("deepseek_v2", dict(q_lora_rank=None)),
     "glm4_moe_qk_norm": ("glm4_moe", dict(use_qk_norm=True)),
     "llama4_dense_mlp": ("llama4", dict(interleave_moe_layer_step=2)),
