@@ -60,7 +60,10 @@ def test_cuda_layer_with_the_options_equals_cpu(fused: bool, dtype: torch.dtype)
     torch.testing.assert_close(x_gpu.grad.float().cpu(), x_cpu.grad.float(), atol=tol, rtol=tol)
     gpu_params = dict(gpu.named_parameters())
     for name, p in cpu.named_parameters():
-        torch.testing.assert_close(gpu_params[name].grad.float().cpu(), p.grad.float(), atol=tol, rtol=tol,
+        # bf16 weight gradients sum 512 tokens' products in another order on each device: the floor is
+        # relative to the gradient's scale, not to each element (one element of ~1.4 differed by 10 ulps).
+        atol = tol if dtype == torch.float32 else tol * float(p.grad.float().abs().max())
+        torch.testing.assert_close(gpu_params[name].grad.float().cpu(), p.grad.float(), atol=atol, rtol=tol,
                                    msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
 
 
