@@ -40,6 +40,7 @@ from lightning_moe.checkpoint.hparams import config_from_plain, config_to_plain
 from lightning_moe.config import check_bool, check_float, check_int
 from lightning_moe.models.transformer import MoETransformer, TransformerConfig
 from lightning_moe.parallel.finite import NonFiniteGuard, check_nonfinite_options, guard_closure, world_group
+from lightning_moe.parallel.rank_mean import mean_over_ranks
 from lightning_moe.parallel.fold_batch import lm_token_mean_loss
 from lightning_moe.moe.utils import find_moe_layers, reset_global_aux_counts, set_aux_loss_scale, update_expert_biases
 
@@ -193,7 +194,9 @@ class MoELanguageModelBase(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         set_aux_loss_scale(self.model, self._aux_loss_scale())
         loss = self._lm_loss(batch)
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        # One all-reduce and no barrier: sync_dist=True would add a barrier, which on NCCL waits for the
+        # device to drain the forward and leaves it idle until the host has launched the backward.
+        self.log("train/loss", mean_over_ranks(loss.detach()), prog_bar=True)
         self.log("train/ppl", torch.exp(loss.detach().clamp(max=30)))
         self._log_moe_stats()
         return loss

@@ -288,6 +288,7 @@ class MoETransformer(nn.Module):
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._rope_cache: dict[tuple[int, str, bool], tuple[torch.Tensor, torch.Tensor]] = {}
         self.reset_parameters()
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -330,7 +331,7 @@ class MoETransformer(nn.Module):
         if document_ids_BS is not None and position_ids_BS is None:
             position_ids_BS = document_positions(document_ids_BS)
         if position_ids_BS is None:
-            cos_SD, sin_SD = rope_tables(S, self.config.head_dim, self.config.rope_theta, input_ids_BS.device)
+            cos_SD, sin_SD = self._rope_tables(S, input_ids_BS.device)
         else:
             cos_SD, sin_SD = rope_at_positions(position_ids_BS, self.config.head_dim, self.config.rope_theta)
         extra = () if document_ids_BS is None and cp_group is None else (document_ids_BS, position_ids_BS)
@@ -399,6 +400,19 @@ class MoETransformer(nn.Module):
                 f"MoETransformer: position_ids_BS span [{low}, {high}], outside [0, max_seq_len={max_len}); "
                 "raise max_seq_len or fix the positions."
             )
+
+    def _rope_tables(self, S: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rope_tables`` for ``S`` positions, kept per (length, device, inference mode): the tables are
+        the same every step, and rebuilding them is eight small launches ahead of the first GEMM."""
+        key = (S, str(device), torch.is_inference_mode_enabled())
+        tables = self._rope_cache.get(key)
+        if tables is None:
+            with torch.no_grad():
+                tables = rope_tables(S, self.config.head_dim, self.config.rope_theta, device)
+            if len(self._rope_cache) >= 8:
+                self._rope_cache.clear()
+            self._rope_cache[key] = tables
+        return tables
 
     def num_active_params(self) -> int:
         """Parameters one token touches (top-k of the routed experts), excluding embeddings."""
