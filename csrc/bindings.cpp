@@ -298,6 +298,74 @@ at::Tensor cross_entropy_bwd_op(const at::Tensor& x, const at::Tensor& labels, c
   return grad_x;
 }
 
+// Checks shared by the fused query/key norm + rotary ops: x [T, N, D] with D in {64, 128, 192, 256},
+// w [D] of x's dtype, fp32 tables [P, D/2] with T % P == 0.
+void check_qk_norm_rope(const at::Tensor& x, const at::Tensor& w, const at::Tensor& cos, const at::Tensor& sin,
+                        const char* op) {
+  const at::Device dev = x.device();
+  check_tensor(x, op, "x", dev);
+  check_dim(x, op, "x", 3, "[T, N, D]");
+  const int64_t D = x.size(2);
+  TORCH_CHECK(D == 64 || D == 128 || D == 192 || D == 256, "lightning_moe_C.", op, ": head dim D=", num(D),
+              " is not one of 64, 128, 192, 256; use the unfused norm and rope.");
+  check_tensor(w, op, "w", dev);
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.dim() == 1 && w.size(0) == D, "lightning_moe_C.", op,
+              ": w has shape ", dims(w.sizes()), " and dtype ", w.scalar_type(), "; expected [", num(D), "] of ",
+              x.scalar_type(), ".");
+  const auto check_table = [&](const at::Tensor& t, const char* name) {
+    check_tensor(t, op, name, dev);
+    check_dtype(t, op, name, at::kFloat);
+    TORCH_CHECK(t.dim() == 2 && t.size(1) == D / 2 && t.size(0) > 0 && t.size(0) == cos.size(0), "lightning_moe_C.",
+                op, ": ", name, " has shape ", dims(t.sizes()), "; expected [P, D/2] = [P, ", num(D / 2), "].");
+  };
+  check_table(cos, "cos");
+  check_table(sin, "sin");
+  TORCH_CHECK(x.size(0) % cos.size(0) == 0, "lightning_moe_C.", op, ": x has ", num(x.size(0)),
+              " tokens, not a multiple of the ", num(cos.size(0)), " table rows.");
+}
+
+// (y [T, N, D] in x's dtype, rstd [T * N] fp32).
+std::tuple<at::Tensor, at::Tensor> qk_norm_rope_fwd_op(const at::Tensor& x, const at::Tensor& w, const at::Tensor& cos,
+                                                       const at::Tensor& sin, double eps) {
+  constexpr const char* op = "qk_norm_rope_fwd";
+  check_qk_norm_rope(x, w, cos, sin, op);
+  const DType dt = activation_dtype(x, op, "x");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t R = x.size(0) * x.size(1);
+  at::Tensor y = at::empty_like(x);
+  at::Tensor rstd = at::empty({R}, x.options().dtype(at::kFloat));
+  check_launch(qk_norm_rope_fwd(x.data_ptr(), w.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                y.data_ptr(), rstd.data_ptr<float>(), R, x.size(2), x.size(1), cos.size(0),
+                                static_cast<float>(eps), dt, current_stream()),
+               op);
+  return {y, rstd};
+}
+
+// (dx [T, N, D] in x's dtype, dw_partial [blocks, D] fp32: sum over dim 0 for dw).
+std::tuple<at::Tensor, at::Tensor> qk_norm_rope_bwd_op(const at::Tensor& x, const at::Tensor& w, const at::Tensor& cos,
+                                                       const at::Tensor& sin, const at::Tensor& rstd,
+                                                       const at::Tensor& g) {
+  constexpr const char* op = "qk_norm_rope_bwd";
+  check_qk_norm_rope(x, w, cos, sin, op);
+  const DType dt = activation_dtype(x, op, "x");
+  check_tensor(g, op, "g", x.device());
+  TORCH_CHECK(g.sizes() == x.sizes() && g.scalar_type() == x.scalar_type(), "lightning_moe_C.", op, ": g has shape ",
+              dims(g.sizes()), "; expected x's ", dims(x.sizes()), " and dtype.");
+  const int64_t R = x.size(0) * x.size(1);
+  check_tensor(rstd, op, "rstd", x.device());
+  check_dtype(rstd, op, "rstd", at::kFloat);
+  TORCH_CHECK(rstd.dim() == 1 && rstd.size(0) == R, "lightning_moe_C.", op, ": rstd has shape ", dims(rstd.sizes()),
+              "; expected [T * N] = [", num(R), "].");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor dx = at::empty_like(x);
+  at::Tensor dw_partial = at::empty({R > 0 ? qk_norm_rope_grid(R) : 0, x.size(2)}, x.options().dtype(at::kFloat));
+  check_launch(qk_norm_rope_bwd(x.data_ptr(), w.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                rstd.data_ptr<float>(), g.data_ptr(), dx.data_ptr(), dw_partial.data_ptr<float>(), R,
+                                x.size(2), x.size(1), cos.size(0), dt, current_stream()),
+               op);
+  return {dx, dw_partial};
+}
+
 // (grad_h[R, 2F], grad_w[R] fp32 or None). grad_w is computed iff need_grad_w.
 std::tuple<at::Tensor, std::optional<at::Tensor>> weighted_swiglu_bwd_op(
     const at::Tensor& h, const std::optional<at::Tensor>& w, const at::Tensor& grad_a,
@@ -555,6 +623,8 @@ TORCH_LIBRARY(lightning_moe_C, m) {
   m.def("unpermute_weight_grad(Tensor grad_out, Tensor y, Tensor slot_row) -> Tensor");
   m.def("weighted_swiglu_fwd(Tensor h, Tensor? w=None) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool backward=False) -> Tensor");
+  m.def("qk_norm_rope_fwd(Tensor x, Tensor w, Tensor cos, Tensor sin, float eps) -> (Tensor, Tensor)");
+  m.def("qk_norm_rope_bwd(Tensor x, Tensor w, Tensor cos, Tensor sin, Tensor rstd, Tensor g) -> (Tensor, Tensor)");
   m.def("cross_entropy_fwd(Tensor x, Tensor labels, int ignore_index) -> (Tensor, Tensor)");
   m.def("cross_entropy_bwd(Tensor x, Tensor labels, Tensor lse, Tensor grad_loss, int ignore_index) -> Tensor");
   m.def(
@@ -591,6 +661,8 @@ TORCH_LIBRARY(lightning_moe_C, m) {
   m.impl("weighted_swiglu_fwd", &lightning_moe::weighted_swiglu_fwd_op);        \
   m.impl("weighted_swiglu_bwd", &lightning_moe::weighted_swiglu_bwd_op);        \
   m.impl("rope", &lightning_moe::rope_op);                                      \
+  m.impl("qk_norm_rope_fwd", &lightning_moe::qk_norm_rope_fwd_op);            \
+  m.impl("qk_norm_rope_bwd", &lightning_moe::qk_norm_rope_bwd_op);            \
   m.impl("cross_entropy_fwd", &lightning_moe::cross_entropy_fwd_op);          \
   m.impl("cross_entropy_bwd", &lightning_moe::cross_entropy_bwd_op);          \
   m.impl("build_permutation", &lightning_moe::build_permutation_op);            \

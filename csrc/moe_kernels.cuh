@@ -102,6 +102,21 @@ cudaError_t cross_entropy_bwd(const void* x, const int64_t* labels, const float*
                               cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------
+// qk_norm_rope.cu
+
+// Per-head RMSNorm (weight w [D]) then the rotary embedding of R rows of width D (64, 128, 192 or
+// 256; rows token-major, row r reads table row (r / heads) % table_rows of cos_t/sin_t [P, D/2]).
+// Forward writes y [R, D] and rstd [R] (fp32); backward writes dx [R, D] and dw_partial
+// [qk_norm_rope_grid(R), D] (fp32 per-block sums of dw, to be summed over the first dim).
+int qk_norm_rope_grid(int64_t rows);
+cudaError_t qk_norm_rope_fwd(const void* x, const void* w, const float* cos_t, const float* sin_t, void* y,
+                             float* rstd, int64_t rows, int64_t dim, int64_t heads, int64_t table_rows, float eps,
+                             DType dtype, cudaStream_t stream);
+cudaError_t qk_norm_rope_bwd(const void* x, const void* w, const float* cos_t, const float* sin_t,
+                             const float* rstd, const void* g, void* dx, float* dw_partial, int64_t rows, int64_t dim,
+                             int64_t heads, int64_t table_rows, DType dtype, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
 // routing.cu
 
 // Bytes of scratch that build_permutation needs for (num_slots = T*K, num_experts); 16-byte

@@ -26,6 +26,7 @@ from lightning_moe.models.attention import ATTENTION_BACKENDS, AttentionBackend,
 from lightning_moe.models.fp8_dense import DENSE_FP8_CHOICES, DenseFp8, convert_linears_to_fp8
 from lightning_moe.models.recompute import RecomputePlan, RecomputeScope, RecomputeTarget, guarded_checkpoint
 from lightning_moe.moe.layer import MoELayer
+from lightning_moe.ops.qk_norm_rope import qk_norm_rope
 from lightning_moe.ops.rope import rope
 
 __all__ = [
@@ -207,9 +208,10 @@ class Attention(nn.Module):
         there); on one rank keys are ordered by sequence index, and RoPE comes in ``cos``/``sin``."""
         B, S, _ = x_BSH.shape
         q, k, v = (_heads(proj(x_BSH), self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, cos_SD, sin_SD), rope(k, cos_SD, sin_SD)  # on [B, S, N, D]: one kernel each on CUDA
+        if self.q_norm is not None:  # on [B, S, N, D]: one kernel each on CUDA
+            q, k = qk_norm_rope(q, self.q_norm, cos_SD, sin_SD), qk_norm_rope(k, self.k_norm, cos_SD, sin_SD)
+        else:
+            q, k = rope(q, cos_SD, sin_SD), rope(k, cos_SD, sin_SD)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.cp_group is not None:
             if position_ids_BS is None:

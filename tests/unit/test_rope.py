@@ -35,3 +35,15 @@ def test_per_token_tables_rotate_each_row_by_its_positions() -> None:
 def test_bad_shapes_are_named(shape, table) -> None:
     with pytest.raises(ValueError, match="rope:"):
         rope(torch.randn(*shape), torch.randn(*table), torch.randn(*table))
+
+
+def test_qk_norm_rope_on_cpu_is_the_norm_then_rope() -> None:
+    from torch import nn
+
+    from lightning_moe.ops.qk_norm_rope import qk_norm_rope
+
+    torch.manual_seed(0)
+    norm = nn.RMSNorm(16, eps=1e-6)
+    cos, sin = rope_tables(5, 16, 100.0, torch.device("cpu"))
+    x = torch.randn(2, 5, 3, 16)
+    assert torch.equal(qk_norm_rope(x, norm, cos, sin), rope(norm(x), cos, sin))
