@@ -154,7 +154,11 @@ def _close(actual: torch.Tensor | None, expected: torch.Tensor | None, name: str
         assert actual is None or not actual.any(), name
         return
     assert actual is not None, f"{name}: no gradient"
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=name)
+    # fp32 sums in another order (the BLAS's blocking differs between CPUs and between a grouped and a
+    # per-expert product) differ by a few ulps of the tensor's largest value; an FP8 rounding flip
+    # is 6 % of one element, far above this floor.
+    atol = 1e-6 * max(1.0, float(expected.abs().max())) if expected.numel() else 1e-6
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=atol, msg=name)
 
 
 def _grouped_inputs(kind: str, seed: int = 1, T: int = 20):
