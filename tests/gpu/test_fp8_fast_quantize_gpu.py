@@ -39,7 +39,8 @@ def _same(a, b) -> None:  # noqa: ANN001
 def test_two_pass_quantize_equals_padded_and_cpu(monkeypatch, dtype, recipe, fmt, reduce_dim) -> None:
     x = _hard_input(dtype)
     fast = Q.quantize(x.cuda(), recipe, fmt, reduce_dim=reduce_dim)
-    assert "cuda" not in Q._NO_FP8_STORE  # the two-pass path ran
+    assert "cuda" not in Q._NO_FP8_STORE  # the two-pass path can run here
+    assert Q._two_pass_exact_for(x.cuda()) == (dtype != torch.bfloat16)  # bf16 sources take the padded path
     cpu = Q.quantize(x, recipe, fmt, reduce_dim=reduce_dim)
     monkeypatch.setattr(Q, "_divides_grid", lambda *a: False)
     padded = Q.quantize(x.cuda(), recipe, fmt, reduce_dim=reduce_dim)
