@@ -217,6 +217,23 @@ at::Tensor weighted_swiglu_fwd_op(const at::Tensor& h, const std::optional<at::T
   return a;
 }
 
+// The fp32 rotary tables cos, sin [P, D/2] of x [T, N, D]: one row per position or per token (T % P == 0).
+void check_rope_tables(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const char* op) {
+  const int64_t half = x.size(2) / 2;
+  for (const at::Tensor* t : {&cos, &sin}) {
+    const char* name = t == &cos ? "cos" : "sin";
+    check_tensor(*t, op, name, x.device());
+    check_dtype(*t, op, name, at::kFloat);
+    TORCH_CHECK(t->dim() == 2 && t->size(1) == half && t->size(0) > 0, "lightning_moe_C.", op, ": ", name,
+                " has shape ", dims(t->sizes()), "; expected [P, D/2] = [P, ", num(half), "] with P > 0.");
+  }
+  TORCH_CHECK(sin.size(0) == cos.size(0), "lightning_moe_C.", op, ": cos has ", num(cos.size(0)),
+              " rows but sin has ", num(sin.size(0)), "; pass tables of one length.");
+  TORCH_CHECK(x.size(0) % cos.size(0) == 0, "lightning_moe_C.", op, ": x has ", num(x.size(0)),
+              " tokens, not a multiple of the ", num(cos.size(0)),
+              " table rows; pass one row per position [S, D/2] or per token [T, D/2].");
+}
+
 // Rotary embedding of x [T, N, D] (token-major heads) with fp32 tables cos, sin [P, D/2]: token t
 // reads row t % P. backward=true applies the transposed rotation (the gradient of the forward).
 at::Tensor rope_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward) {
@@ -228,18 +245,7 @@ at::Tensor rope_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor&
               "; rotary embedding needs an even D.");
   const DType dt = activation_dtype(x, op, "x");
   const int64_t T = x.size(0), N = x.size(1), half = x.size(2) / 2;
-  const auto check_table = [&](const at::Tensor& t, const char* name) {
-    check_tensor(t, op, name, dev);
-    check_dtype(t, op, name, at::kFloat);
-    TORCH_CHECK(t.dim() == 2 && t.size(1) == half && t.size(0) > 0, "lightning_moe_C.", op, ": ", name,
-                " has shape ", dims(t.sizes()), "; expected [P, D/2] = [P, ", num(half), "] with P > 0.");
-  };
-  check_table(cos, "cos");
-  check_table(sin, "sin");
-  TORCH_CHECK(sin.size(0) == cos.size(0), "lightning_moe_C.", op, ": cos has ", num(cos.size(0)),
-              " rows but sin has ", num(sin.size(0)), "; pass tables of one length.");
-  TORCH_CHECK(T % cos.size(0) == 0, "lightning_moe_C.", op, ": x has ", num(T), " tokens, not a multiple of the ",
-              num(cos.size(0)), " table rows; pass one row per position [S, D/2] or per token [T, D/2].");
+  check_rope_tables(x, cos, sin, op);
   const c10::cuda::CUDAGuard guard(dev);
   at::Tensor out = at::empty_like(x);
   check_launch(rope(x.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), out.data_ptr(), T * N, half, N,
@@ -312,16 +318,7 @@ void check_qk_norm_rope(const at::Tensor& x, const at::Tensor& w, const at::Tens
   TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.dim() == 1 && w.size(0) == D, "lightning_moe_C.", op,
               ": w has shape ", dims(w.sizes()), " and dtype ", w.scalar_type(), "; expected [", num(D), "] of ",
               x.scalar_type(), ".");
-  const auto check_table = [&](const at::Tensor& t, const char* name) {
-    check_tensor(t, op, name, dev);
-    check_dtype(t, op, name, at::kFloat);
-    TORCH_CHECK(t.dim() == 2 && t.size(1) == D / 2 && t.size(0) > 0 && t.size(0) == cos.size(0), "lightning_moe_C.",
-                op, ": ", name, " has shape ", dims(t.sizes()), "; expected [P, D/2] = [P, ", num(D / 2), "].");
-  };
-  check_table(cos, "cos");
-  check_table(sin, "sin");
-  TORCH_CHECK(x.size(0) % cos.size(0) == 0, "lightning_moe_C.", op, ": x has ", num(x.size(0)),
-              " tokens, not a multiple of the ", num(cos.size(0)), " table rows.");
+  check_rope_tables(x, cos, sin, op);
 }
 
 // (y [T, N, D] in x's dtype, rstd [T * N] fp32).

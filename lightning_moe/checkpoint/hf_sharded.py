@@ -131,6 +131,20 @@ class HFCheckpoint:
                     self._shapes[key] = tuple(f.get_slice(key).get_shape())
         return self._shapes[name]
 
+    def read_all(self) -> dict[str, torch.Tensor]:
+        """Every tensor, read whole (name -> tensor): for checks and one-process tools, not for loading a
+        model (that reads only each rank's slices)."""
+        from safetensors import safe_open
+
+        out: dict[str, torch.Tensor] = {}
+        by_file: dict[str, list[str]] = {}
+        for name, file in self.weight_map.items():
+            by_file.setdefault(file, []).append(name)
+        for file, names in by_file.items():
+            with safe_open(str(self.path / file), framework="pt") as f:
+                out.update({name: f.get_tensor(name) for name in names})
+        return out
+
 
 @dataclass
 class _Read:

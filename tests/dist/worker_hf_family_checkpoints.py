@@ -37,16 +37,9 @@ def _layout(spec: str) -> dict[str, int]:
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
     from lightning_moe.checkpoint.hf_sharded import HFCheckpoint
 
-    ckpt = HFCheckpoint(path)
-    out = {}
-    for name, file in ckpt.weight_map.items():
-        with safe_open(str(path / file), framework="pt") as f:
-            out[name] = f.get_tensor(name)
-    return out
+    return HFCheckpoint(path).read_all()
 
 
 def run(root: Path, entry: str) -> None:

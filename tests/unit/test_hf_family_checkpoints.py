@@ -17,7 +17,6 @@ import torch
 import torch.nn as nn
 
 transformers = pytest.importorskip("transformers")
-from safetensors import safe_open  # noqa: E402
 
 from lightning_moe.checkpoint.hf_names import saved_layer_names  # noqa: E402
 from lightning_moe.checkpoint.hf_sharded import HFCheckpoint, load_hf_checkpoint_sharded  # noqa: E402
@@ -50,12 +49,7 @@ def attention(name: str) -> str:
 
 
 def tensors(path: Path) -> dict[str, torch.Tensor]:
-    ckpt = HFCheckpoint(path)
-    out = {}
-    for name, file in ckpt.weight_map.items():
-        with safe_open(str(path / file), framework="pt") as f:
-            out[name] = f.get_tensor(name)
-    return out
+    return HFCheckpoint(path).read_all()
 
 
 def _ids() -> torch.Tensor:

@@ -14,7 +14,6 @@ import torch
 import torch.nn as nn
 
 transformers = pytest.importorskip("transformers")
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lightning_moe.checkpoint.hf_sharded import HFCheckpoint, load_hf_checkpoint_sharded, reset_nonpersistent_buffers
@@ -51,12 +50,7 @@ def _save(model: nn.Module, path: Path, shard: str = "20KB") -> Path:
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    ckpt = HFCheckpoint(path)
-    out = {}
-    for name, file in ckpt.weight_map.items():
-        with safe_open(str(path / file), framework="pt") as f:
-            out[name] = f.get_tensor(name)
-    return out
+    return HFCheckpoint(path).read_all()
 
 
 def _sharded_lit(path: Path, **kw) -> HFMoELanguageModel:
