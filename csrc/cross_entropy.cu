@@ -22,6 +22,7 @@
 namespace lightning_moe {
 namespace {
 
+using detail::load1;
 using detail::Vec;
 
 template <typename Tag>
@@ -50,13 +51,6 @@ __device__ __forceinline__ void add(float& m, float& s, float x) {
   } else {
     s += expf(x - m);
   }
-}
-
-template <typename Tag>
-__device__ __forceinline__ float load1(const St<Tag>* p) {
-  float f[1];
-  Vec<Tag, 1>::load_float(p, f);
-  return f[0];
 }
 
 template <typename Tag, int kN>
@@ -130,15 +124,7 @@ __global__ void __launch_bounds__(kCeThreads)
   }
 }
 
-int ce_grid(int64_t rows) {
-  int dev = 0, sms = 132;
-  if (cudaGetDevice(&dev) == cudaSuccess) {
-    int v = 0;
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && v > 0) sms = v;
-  }
-  const int64_t cap = static_cast<int64_t>(sms) * 4;  // 4 blocks of 512 threads fill an SM
-  return static_cast<int>(rows < cap ? rows : cap);
-}
+int ce_grid(int64_t rows) { return detail::grid_size(rows, 4); }  // 4 blocks of 512 threads fill an SM
 
 }  // namespace
 

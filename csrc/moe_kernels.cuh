@@ -369,17 +369,31 @@ inline int pick_vec_bytes(int elem_bytes, std::initializer_list<int64_t> pitches
   return elem_bytes;
 }
 
+// One element as fp32, and one fp32 stored rounded to the tag's dtype (Vec of width 1).
+template <typename Tag>
+__device__ __forceinline__ float load1(const typename Tag::storage* p) {
+  float f[1];
+  Vec<Tag, 1>::load_float(p, f);
+  return f[0];
+}
+
+template <typename Tag>
+__device__ __forceinline__ void store1(typename Tag::storage* p, float v) {
+  const float f[1] = {v};
+  Vec<Tag, 1>::store_float(p, f);
+}
+
 inline int elem_bytes(DType dt) { return dt == DType::kFloat32 ? 4 : 2; }
 
-// Blocks for a grid-stride loop over `work_blocks` blocks of work: at most 8 resident blocks
-// of 256 threads per SM, one wave; more blocks only add scheduling.
-inline int grid_size(int64_t work_blocks) {
+// Blocks for a grid-stride loop over `work_blocks` blocks of work: at most `blocks_per_sm`
+// resident blocks per SM (8 of 256 threads; 4 of 512), one wave; more blocks only add scheduling.
+inline int grid_size(int64_t work_blocks, int blocks_per_sm = 8) {
   int dev = 0, sms = 132;
   if (cudaGetDevice(&dev) == cudaSuccess) {
     int v = 0;
     if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && v > 0) sms = v;
   }
-  const int64_t cap = static_cast<int64_t>(sms) * 8;
+  const int64_t cap = static_cast<int64_t>(sms) * blocks_per_sm;
   return static_cast<int>(work_blocks < cap ? (work_blocks > 0 ? work_blocks : 1) : cap);
 }
 

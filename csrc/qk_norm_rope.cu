@@ -25,26 +25,14 @@
 namespace lightning_moe {
 namespace {
 
-using detail::Vec;
+using detail::load1;
+using detail::store1;
 using detail::warp_sum;
 
 template <typename Tag>
 using St = typename Tag::storage;
 
 constexpr int kWarps = 8;  // 256 threads: one row per warp per step
-
-template <typename Tag>
-__device__ __forceinline__ float ld(const St<Tag>* p) {
-  float f[1];
-  Vec<Tag, 1>::load_float(p, f);
-  return f[0];
-}
-
-template <typename Tag>
-__device__ __forceinline__ void st(St<Tag>* p, float v) {
-  const float f[1] = {v};
-  Vec<Tag, 1>::store_float(p, f);
-}
 
 template <typename Tag, int kPairs>
 __global__ void __launch_bounds__(kWarps * 32)
@@ -56,15 +44,15 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int lane = threadIdx.x % 32;
   float w1[kPairs], w2[kPairs];
 #pragma unroll
-  for (int j = 0; j < kPairs; ++j) w1[j] = ld<Tag>(w + lane + 32 * j), w2[j] = ld<Tag>(w + kHalf + lane + 32 * j);
+  for (int j = 0; j < kPairs; ++j) w1[j] = load1<Tag>(w + lane + 32 * j), w2[j] = load1<Tag>(w + kHalf + lane + 32 * j);
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; r < rows; r += warps) {
     const St<Tag>* xr = x + r * kD;
     float a[kPairs], b[kPairs], ss = 0.0f;
 #pragma unroll
     for (int j = 0; j < kPairs; ++j) {
-      a[j] = ld<Tag>(xr + lane + 32 * j);
-      b[j] = ld<Tag>(xr + kHalf + lane + 32 * j);
+      a[j] = load1<Tag>(xr + lane + 32 * j);
+      b[j] = load1<Tag>(xr + kHalf + lane + 32 * j);
       ss += a[j] * a[j] + b[j] * b[j];
     }
     const float inv = rsqrtf(warp_sum(ss) / static_cast<float>(kD) + eps);
@@ -78,8 +66,8 @@ __global__ void __launch_bounds__(kWarps * 32)
       const int i = lane + 32 * j;
       const float n1 = a[j] * inv * w1[j], n2 = b[j] * inv * w2[j];
       const float c = cr[i], s = sr[i];
-      st<Tag>(yr + i, n1 * c - n2 * s);
-      st<Tag>(yr + kHalf + i, n2 * c + n1 * s);
+      store1<Tag>(yr + i, n1 * c - n2 * s);
+      store1<Tag>(yr + kHalf + i, n2 * c + n1 * s);
     }
   }
 }
@@ -97,7 +85,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   float w1[kPairs], w2[kPairs], dw1[kPairs], dw2[kPairs];
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) {
-    w1[j] = ld<Tag>(w + lane + 32 * j), w2[j] = ld<Tag>(w + kHalf + lane + 32 * j);
+    w1[j] = load1<Tag>(w + lane + 32 * j), w2[j] = load1<Tag>(w + kHalf + lane + 32 * j);
     dw1[j] = 0.0f, dw2[j] = 0.0f;
   }
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
@@ -112,10 +100,10 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
     for (int j = 0; j < kPairs; ++j) {
       const int i = lane + 32 * j;
-      const float g1 = ld<Tag>(gr + i), g2 = ld<Tag>(gr + kHalf + i);
+      const float g1 = load1<Tag>(gr + i), g2 = load1<Tag>(gr + kHalf + i);
       const float c = cr[i], s = sr[i];
       const float gn1 = g1 * c + g2 * s, gn2 = g2 * c - g1 * s;
-      h1[j] = ld<Tag>(xr + i) * inv, h2[j] = ld<Tag>(xr + kHalf + i) * inv;
+      h1[j] = load1<Tag>(xr + i) * inv, h2[j] = load1<Tag>(xr + kHalf + i) * inv;
       dw1[j] += gn1 * h1[j], dw2[j] += gn2 * h2[j];
       q1[j] = gn1 * w1[j], q2[j] = gn2 * w2[j];
       dot += q1[j] * h1[j] + q2[j] * h2[j];
@@ -125,8 +113,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
     for (int j = 0; j < kPairs; ++j) {
       const int i = lane + 32 * j;
-      st<Tag>(dr + i, inv * (q1[j] - h1[j] * mean));
-      st<Tag>(dr + kHalf + i, inv * (q2[j] - h2[j] * mean));
+      store1<Tag>(dr + i, inv * (q1[j] - h1[j] * mean));
+      store1<Tag>(dr + kHalf + i, inv * (q2[j] - h2[j] * mean));
     }
   }
 #pragma unroll
@@ -153,11 +141,7 @@ cudaError_t dispatch_pairs(int64_t dim, Fn&& f) {
 
 }  // namespace
 
-int qk_norm_rope_grid(int64_t rows) {
-  const int64_t blocks = (rows + kWarps - 1) / kWarps;
-  const int cap = detail::grid_size(blocks);  // one wave
-  return static_cast<int>(blocks < cap ? (blocks > 0 ? blocks : 1) : cap);
-}
+int qk_norm_rope_grid(int64_t rows) { return detail::grid_size((rows + kWarps - 1) / kWarps); }
 
 cudaError_t qk_norm_rope_fwd(const void* x, const void* w, const float* cos_t, const float* sin_t, void* y,
                              float* rstd, int64_t rows, int64_t dim, int64_t heads, int64_t table_rows, float eps,
