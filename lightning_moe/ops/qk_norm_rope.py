@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from lightning_moe.ops.backend import csrc_extension
-from lightning_moe.ops.rope import rope
+from lightning_moe.ops.rope import check_rope_inputs, kernel_tables, rope
 
 __all__ = ["FUSED_HEAD_DIMS", "qk_norm_rope", "qk_norm_rope_reference"]
 
@@ -55,7 +55,6 @@ def _fusable(x_BSND: torch.Tensor, norm: nn.Module, cos: torch.Tensor) -> bool:
         and isinstance(weight, torch.Tensor)
         and type(weight) in (torch.Tensor, nn.Parameter)  # not a DTensor (sharded norms take the unfused path)
         and tuple(norm.normalized_shape) == (x_BSND.shape[-1],)
-        and x_BSND.dim() == 4
         and x_BSND.shape[-1] in FUSED_HEAD_DIMS
         and x_BSND.numel() > 0
         and weight.dtype == x_BSND.dtype
@@ -66,12 +65,9 @@ def _fusable(x_BSND: torch.Tensor, norm: nn.Module, cos: torch.Tensor) -> bool:
 
 def qk_norm_rope(x_BSND: torch.Tensor, norm: nn.Module, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``rope(norm(x), cos, sin)``; tables ``[S, D/2]`` or ``[B, S, D/2]`` as for :func:`rope`."""
+    check_rope_inputs(x_BSND, cos, sin)
     if not _fusable(x_BSND, norm, cos):
         return qk_norm_rope_reference(x_BSND, norm, cos, sin)
-    half = x_BSND.shape[-1] // 2
-    if tuple(cos.shape) not in ((x_BSND.shape[1], half), (x_BSND.shape[0], x_BSND.shape[1], half)):
-        return qk_norm_rope_reference(x_BSND, norm, cos, sin)  # rope names the bad shape
     eps = norm.eps if norm.eps is not None else torch.finfo(x_BSND.dtype).eps
-    cos_PD = cos.float().reshape(-1, half).contiguous()
-    sin_PD = sin.float().reshape(-1, half).contiguous()
+    cos_PD, sin_PD = kernel_tables(x_BSND, cos, sin)
     return _QkNormRope.apply(x_BSND, norm.weight, cos_PD, sin_PD, eps)

@@ -20,7 +20,7 @@ import torch
 
 from lightning_moe.ops.backend import csrc_extension
 
-__all__ = ["rope", "rope_reference"]
+__all__ = ["check_rope_inputs", "kernel_tables", "rope", "rope_reference"]
 
 
 def rope_reference(x_BSND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -30,8 +30,8 @@ def rope_reference(x_BSND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     return torch.cat([x1 * cos_ - x2 * sin_, x2 * cos_ + x1 * sin_], dim=-1).to(x_BSND.dtype)
 
 
-def _tables(x_BSND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tables as the kernel reads them: fp32 ``[P, D/2]``, P = S or B * S."""
+def kernel_tables(x_BSND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables as the csrc kernels read them: fp32 ``[P, D/2]``, P = S or B * S."""
     half = x_BSND.shape[-1] // 2
     return cos.float().reshape(-1, half).contiguous(), sin.float().reshape(-1, half).contiguous()
 
@@ -54,7 +54,8 @@ class _Rope(torch.autograd.Function):
         return grad.view(B, S, N, D), None, None
 
 
-def _check(x_BSND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def check_rope_inputs(x_BSND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Raise naming the shape unless ``x`` is ``[B, S, N, D]`` (D even) with ``[S, D/2]`` or ``[B, S, D/2]`` tables."""
     if x_BSND.dim() != 4 or x_BSND.shape[-1] % 2:
         raise ValueError(f"rope: x has shape {tuple(x_BSND.shape)}; expected [B, S, N, D] with an even head dim D.")
     B, S, _, D = x_BSND.shape
@@ -68,8 +69,8 @@ def _check(x_BSND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 def rope(x_BSND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the heads of ``x [B, S, N, D]`` by the tables ``cos, sin`` (``[S, D/2]`` or ``[B, S, D/2]``)."""
-    _check(x_BSND, cos, sin)
+    check_rope_inputs(x_BSND, cos, sin)
     if csrc_extension(x_BSND) is None or x_BSND.numel() == 0 or cos.device != x_BSND.device:
         return rope_reference(x_BSND, cos, sin)
-    cos_PD, sin_PD = _tables(x_BSND, cos, sin)
+    cos_PD, sin_PD = kernel_tables(x_BSND, cos, sin)
     return _Rope.apply(x_BSND, cos_PD, sin_PD)
