@@ -521,6 +521,13 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def write_report(out: str | Path, report: dict[str, Any]) -> None:
+    """``report`` as JSON at ``out`` (its folder made if missing); the benchmarks built on this one share it."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=1, default=str))
+    print(f"wrote {out}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
@@ -540,11 +547,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         ap.error(f"--only: unknown {sorted(unknown)}; choose from {CONTENDERS}")
     report = run(shape, only, a.strategy, profile_kernels=a.profile)
-    out = a.out
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(report, indent=1, default=str))
-        print(f"wrote {out}", flush=True)
+    if a.out:
+        write_report(a.out, report)
     return report
 
 

@@ -13,7 +13,6 @@ the first, and the tokens/s of each run (median step).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
-from e2e import QUICK, Shape, folded_moe_available, run_one  # noqa: E402
+from e2e import QUICK, Shape, folded_moe_available, run_one, write_report  # noqa: E402
 
 WINDOW = 50
 
@@ -103,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"largest relative gap after the first window: {100 * cmp['max_relative_gap_after_first_window']:.3f} % "
           f"(aim <= 1 %); fp8/bf16 tokens/s {report['fp8/bf16 tokens_per_s']:.3f} (aim >= 1.25)", flush=True)  # fmt: skip
     if a.out:
-        Path(a.out).write_text(json.dumps(report, indent=1, default=str))
+        write_report(a.out, report)
     return report
 
 

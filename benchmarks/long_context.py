@@ -282,9 +282,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         ap.error(f"--contenders: unknown {sorted(unknown)}; choose from {CONTENDERS}")
     report = run(a)
     if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(report, indent=1, default=str))
-        print(f"wrote {a.out}", flush=True)
+        from e2e import write_report
+
+        write_report(a.out, report)
     return report
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import sys
 from collections.abc import Iterator
@@ -41,7 +40,7 @@ from torch.utils.data import Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e import QUICK, Shape, build_lightning_moe, folded_moe_available, run_one  # noqa: E402
+from e2e import QUICK, Shape, build_lightning_moe, folded_moe_available, run_one, write_report  # noqa: E402
 
 from lightning_moe.data.packing import IGNORE_INDEX, pack_documents  # noqa: E402
 from lightning_moe.models import attention as attention_module  # noqa: E402
@@ -229,9 +228,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = run(shape, min_len=a.min_len, packed_steps=packed_steps, seed=a.seed,
                  attention_backend=a.attention_backend, arms=arms)  # fmt: skip
     if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(report, indent=1, default=str))
-        print(f"wrote {a.out}", flush=True)
+        write_report(a.out, report)
     return report
 
 
