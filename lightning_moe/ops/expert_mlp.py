@@ -92,7 +92,7 @@ class _ExpertSwiGLUMLP(torch.autograd.Function):
         x_RH, h_R2F, w13, w2, offs_E, w_R, b13, b2, expert_R = ctx.saved_tensors
         gemm, wgrad, opts = ctx.gemm, ctx.wgrad, ctx.opts
         grad_y_RH = grad_y_RH.contiguous()
-        need_b2, need_w = ctx.needs_input_grad[8], ctx.needs_input_grad[4]
+        need_b2, need_w = ctx.needs_input_grad[8], w_R is not None and ctx.needs_input_grad[4]
         grad_b2, grad_w_from_b2 = down_bias_grads(grad_y_RH, w_R, b2, expert_R, need_b2, need_w)
         grad_a_RF = gmm(grad_y_RH, w2.transpose(1, 2), offs_E, *gemm)
         grad_w2 = None
@@ -100,7 +100,6 @@ class _ExpertSwiGLUMLP(torch.autograd.Function):
             a_RF = weighted_swiglu_forward(h_R2F, w_R, opts)
             grad_w2 = gmm_wgrad(a_RF, grad_y_RH, offs_E, *wgrad)
             del a_RF
-        need_w = w_R is not None and ctx.needs_input_grad[4]
         grad_h_R2F, grad_w_R = weighted_swiglu_backward(h_R2F, w_R, grad_a_RF, need_w, opts)
         del grad_a_RF
         grad_x_RH = gmm(grad_h_R2F, w13.transpose(1, 2), offs_E, *gemm) if ctx.needs_input_grad[0] else None
