@@ -16,7 +16,9 @@ two dims are viewed as ``[..., G0, t0, G1, t1]`` and reduced. Where the units ti
 this is two passes over the source in its own dtype (the units' inf-norms, then one division stored
 as FP8; dequantization: widen, multiply); otherwise they are padded with zeros to the unit grid in
 fp32 and the padding is sliced off again (the data itself keeps its shape). Both give the same
-bits (tests/unit/test_fp8_fast_path.py).
+bits on CPU and for fp32/fp16 sources on CUDA (tests/unit/test_fp8_fast_path.py,
+tests/gpu/test_fp8_fast_quantize_gpu.py); bf16 sources on CUDA take the padded path
+(``_two_pass_exact_for``).
 """
 
 from __future__ import annotations
