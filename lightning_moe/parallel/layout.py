@@ -32,6 +32,11 @@ Axis names (``AXIS_NAMES``, the only spelling used in the package): single axes 
 factorizations must give the same pipeline groups, which holds when pp sits at the same stride
 in both (pp last, the default, or pp first).
 
+Pipeline stages: a rank's stage is its ``pp`` coordinate. The embedding groups
+(:meth:`FoldedLayout.embedding_groups`) hold the first and the last stage of each pp group, the
+ranks that hold the input embedding and the output head (one rank when ``pp == 1``), as
+Megatron-Core's default embedding ranks; they carry the gradient of tied embeddings.
+
 CP never appears in the expert factorization, so "EP with CP in one factorization" cannot
 happen: experts fold EP over the ranks that attention spends on TP, CP and DP.
 
@@ -102,7 +107,7 @@ class FoldedLayout:
         world_size: number of ranks W.
         tp: tensor-parallel degree of the dense layers.
         cp: context-parallel degree of attention.
-        pp: pipeline-parallel degree, shared by both factorizations (only 1 for now).
+        pp: pipeline-parallel degree, shared by both factorizations (the same pp groups in each).
         ep: expert-parallel degree.
         etp: tensor-parallel degree inside each expert.
         order: dimensions ``tp cp ep dp pp`` joined by ``-``, fastest-varying first.
@@ -134,7 +139,6 @@ class FoldedLayout:
                     f"choose {label} from {_divisors(w)}."
                 )
         self._check_pipeline_strides()
-        self._check_pipeline_supported()
 
     def _check_order(self) -> None:
         valid = "-".join(ORDER_TOKENS)
@@ -168,10 +172,6 @@ class FoldedLayout:
                 f"FoldedLayout: order={self.order!r} puts pp at stride {dense} for attention and "
                 f"{expert} for experts, so their pipeline groups differ; put pp last (or first) in order."
             )
-
-    def _check_pipeline_supported(self) -> None:
-        if self.pp != 1:
-            raise ValueError(f"FoldedLayout: pp={self.pp} is not supported; pipeline parallel comes later; set pp=1.")
 
     # ---- sizes ---------------------------------------------------------------------------------
 
@@ -258,6 +258,16 @@ class FoldedLayout:
             if all((r // strides[a][0]) % strides[a][1] == 0 for a in axes)
         ]
 
+    def embedding_groups(self) -> list[list[int]]:
+        """First and last rank of every pp group (the stages holding the embedding and the head),
+        ordered as :meth:`groups` orders the pp groups; a single rank per group when ``pp == 1``."""
+        return [_first_and_last(group) for group in self.groups("pp")]
+
+    def embedding_group_of(self, rank: int) -> list[int] | None:
+        """The embedding group holding ``rank``, or ``None`` for a rank on a middle pipeline stage."""
+        group = _first_and_last(self.group_of("pp", rank))
+        return group if rank in group else None
+
     def mesh_shape(self, kind: MeshKind) -> MeshShape:
         """Names, sizes and rank layout of the ``"dense"`` (pp, dp, cp, tp) or ``"expert"``
         (pp, edp, ep, etp) DeviceMesh, axes slowest-varying first as the order string implies.
@@ -296,3 +306,7 @@ class FoldedLayout:
 def _check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"FoldedLayout: {name}={value!r} must be a positive int; set it to 1 or more.")
+
+
+def _first_and_last(group: list[int]) -> list[int]:
+    return group[:1] if len(group) == 1 else [group[0], group[-1]]

@@ -18,13 +18,6 @@ from lightning_moe.parallel import layout as layout_module
 # ---- helpers -------------------------------------------------------------------------------------
 
 
-class _PipelineLayout(FoldedLayout):
-    """FoldedLayout with the 'pp comes later' rule lifted, to test the algebra with pp > 1."""
-
-    def _check_pipeline_supported(self) -> None:
-        pass
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -90,8 +83,7 @@ def _layouts() -> list[FoldedLayout]:
     picked = rng.sample(candidates, 80) + [(8, 2, 1, 1, 8, 1, orders[0]), (8, 2, 2, 1, 4, 1, orders[0])]
     out = []
     for w, tp, cp, pp, ep, etp, order in picked:
-        cls = _PipelineLayout if pp > 1 else FoldedLayout
-        out.append(cls(w, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order))
+        out.append(FoldedLayout(w, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order))
     return out
 
 
@@ -152,7 +144,7 @@ def test_mesh_shape_of_worked_example() -> None:
 
 
 def test_pipeline_groups_when_pp_is_last() -> None:
-    layout = _PipelineLayout(8, tp=2, pp=2, ep=4)
+    layout = FoldedLayout(8, tp=2, pp=2, ep=4)
     assert layout.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert layout.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert layout.groups("ep") == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -309,9 +301,10 @@ def test_non_string_order_raises() -> None:
         FoldedLayout(8, order=("tp", "dp"))  # type: ignore[arg-type]
 
 
-def test_pipeline_parallel_raises_until_supported() -> None:
-    with pytest.raises(ValueError, match="pp=2 is not supported; pipeline parallel comes later; set pp=1"):
-        FoldedLayout(8, tp=2, pp=2)
+def test_pipeline_parallel_degree_takes_its_share_of_both_factorizations() -> None:
+    layout = FoldedLayout(16, tp=2, pp=4, ep=2)
+    assert (layout.dp, layout.edp, layout.size("pp")) == (2, 2, 4)
+    assert layout.groups("pp") == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
 
 
 def test_order_giving_different_pipeline_groups_raises() -> None:
