@@ -7,9 +7,17 @@ reported as ``MoEConfig: field=value breaks rule; fix.``
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
+
+from lightning_moe.checks import (
+    FieldRule,
+    bool_field,
+    check_fields,
+    choice_field,
+    float_field,
+    int_field,
+)
 
 __all__ = [
     "AuxLossType",
@@ -20,90 +28,34 @@ __all__ = [
     "Fp8Enabled",
     "Fp8Format",
     "Fp8Recipe",
+    "Fp8Wgrad",
     "GemmCutlassTile",
     "GemmKernel",
     "KernelConfig",
     "MoEConfig",
+    "RouterDtype",
     "ScoreFunc",
     "WgradKernel",
-    "check_bool",
-    "check_float",
-    "check_int",
 ]
 
+# Each choice is declared once, as a ``Literal``; the checks read its values with ``typing.get_args``.
 ScoreFunc = Literal["softmax", "sigmoid"]
 AuxLossType = Literal["none", "switch", "seq", "global"]
 DropPolicy = Literal["probs", "position"]
 ExpertsBackend = Literal["auto", "torch", "loop", "grouped_gemm"]
 RouterDtype = Literal["float32", "float64", "bfloat16"]
 
-_SCORE_FUNCS = ("softmax", "sigmoid")
-_AUX_LOSSES = ("none", "switch", "seq", "global")
-_DROP_POLICIES = ("probs", "position")
-_BACKENDS = ("auto", "torch", "loop", "grouped_gemm")
-_ROUTER_DTYPES = ("float32", "float64", "bfloat16")
-
 GemmKernel = Literal["auto", "torch", "cutlass"]
 GemmCutlassTile = Literal["cooperative-128x256-c2x1", "pingpong-64x256"]
 WgradKernel = Literal["auto", "loop", "streams", "triton", "cutlass"]
 
-_GEMM_KERNELS = ("auto", "torch", "cutlass")
-_GEMM_CUTLASS_TILES = ("cooperative-128x256-c2x1", "pingpong-64x256")
-_WGRAD_KERNELS = ("auto", "loop", "streams", "triton", "cutlass")
-
-# The same values as ``lightning_moe.ops.fp8.recipe`` (kept here so that the config imports no torch).
+# The FP8 recipes and formats of ``lightning_moe.ops.fp8.recipe`` (which imports them from here, so that
+# the configuration imports no torch).
 Fp8Recipe = Literal["tensorwise", "rowwise", "blockwise"]
-Fp8Format = Literal["e4m3", "e5m2"]
+Fp8Format = Literal["e4m3", "e5m2"]  # torch.float8_e4m3fn / torch.float8_e5m2
 Fp8Enabled = Literal["on", "auto", "off"]
 Fp8Backend = Literal["auto", "emulate", "torch", "cutlass"]
 Fp8Wgrad = Literal["auto", "fp8", "activation"]
-
-_FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")
-_FP8_FORMATS = ("e4m3", "e5m2")
-_FP8_ENABLED = ("on", "auto", "off")
-_FP8_BACKENDS = ("auto", "emulate", "torch", "cutlass")
-_FP8_WGRAD = ("auto", "fp8", "activation")
-
-
-def check_int(owner: str, name: str, value: Any, minimum: int = 1, *, optional: bool = False, fix: str = "") -> None:
-    """Raise ``ValueError`` unless ``value`` is an int (not a bool) ``>= minimum`` (or ``None`` when ``optional``)."""
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        none = ", or None" if optional else ""
-        fix = fix or f"set it to {minimum} or more"
-        raise ValueError(f"{owner}: {name}={value!r} must be an int >= {minimum}{none}; {fix}.")
-
-
-def check_float(
-    owner: str,
-    name: str,
-    value: Any,
-    minimum: float = 0.0,
-    *,
-    strict: bool = False,
-    optional: bool = False,
-    fix: str = "",
-) -> None:
-    """Raise ``ValueError`` unless ``value`` is a finite real number ``>= minimum`` (``> minimum`` when ``strict``).
-
-    Ints are accepted, bools and strings are not; NaN and infinities are refused.
-    """
-    if optional and value is None:
-        return
-    number = not isinstance(value, bool) and isinstance(value, (int, float))
-    if not number or not math.isfinite(value) or value < minimum or (strict and value == minimum):
-        rule = f"{'>' if strict else '>='} {minimum:g}"
-        none = ", or None" if optional else ""
-        raise ValueError(
-            f"{owner}: {name}={value!r} must be a finite number {rule}{none}; {fix or f'use a value {rule}'}."
-        )
-
-
-def check_bool(owner: str, name: str, value: Any) -> None:
-    """Raise ``TypeError`` unless ``value`` is ``True`` or ``False``."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{owner}: {name}={value!r} is not a bool; write {name}=True or {name}=False.")
 
 
 @dataclass(kw_only=True)
@@ -142,18 +94,16 @@ class KernelConfig:
     wgrad_streams_w2: int = 2
 
     def __post_init__(self) -> None:
-        for name, allowed in (
-            ("gemm", _GEMM_KERNELS),
-            ("gemm_cutlass_tile", _GEMM_CUTLASS_TILES),
-            ("wgrad", _WGRAD_KERNELS),
-        ):
-            value = getattr(self, name)
-            if value not in allowed:
-                raise ValueError(f"KernelConfig: {name}={value!r} is not one of {allowed}; choose one of them.")
-        for name in ("wgrad_streams_w13", "wgrad_streams_w2"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"KernelConfig: {name}={value!r} must be an int >= 1; set 1 (one stream) or more.")
+        check_fields("KernelConfig", self, _KERNEL_RULES)
+
+
+_KERNEL_RULES: tuple[FieldRule, ...] = (
+    choice_field("gemm", GemmKernel),
+    choice_field("gemm_cutlass_tile", GemmCutlassTile),
+    choice_field("wgrad", WgradKernel),
+    int_field("wgrad_streams_w13", fix="set 1 (one stream) or more"),
+    int_field("wgrad_streams_w2", fix="set 1 (one stream) or more"),
+)
 
 
 @dataclass(kw_only=True)
@@ -205,38 +155,20 @@ class Fp8Config:
     cache_weights: bool = True
 
     def __post_init__(self) -> None:
-        for name, allowed in (
-            ("recipe", _FP8_RECIPES),
-            ("enabled", _FP8_ENABLED),
-            ("backend", _FP8_BACKENDS),
-            ("grad_format", _FP8_FORMATS),
-            ("wgrad", _FP8_WGRAD),
-        ):
-            value = getattr(self, name)
-            if value not in allowed:
-                raise ValueError(f"Fp8Config: {name}={value!r} is not one of {allowed}; choose one of them.")
-        for name in ("pow2_scales", "save_fp8_activations", "dispatch", "cache_weights"):
-            check_bool("Fp8Config", name, getattr(self, name))
+        check_fields("Fp8Config", self, _FP8_RULES)
 
 
-_BOOL_FIELDS = (
-    "pre_softmax",
-    "norm_topk_prob",
-    "expert_bias",
-    "pad_to_capacity",
-    "shared_expert_gate",
-    "shared_expert_overlap",
-    "memory_efficient_permute",
-    "fuse_wgrad_accumulation",
-    "check_finite",
-    "routing_weight_on_input",
-    "router_bias",
-    "expert_mlp_bias",
+_FP8_RULES: tuple[FieldRule, ...] = (
+    choice_field("recipe", Fp8Recipe),
+    choice_field("enabled", Fp8Enabled),
+    choice_field("backend", Fp8Backend),
+    choice_field("grad_format", Fp8Format),
+    choice_field("wgrad", Fp8Wgrad),
+    bool_field("pow2_scales"),
+    bool_field("save_fp8_activations"),
+    bool_field("dispatch"),
+    bool_field("cache_weights"),
 )
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass(kw_only=True)
@@ -343,159 +275,26 @@ class MoEConfig:
     fp8: Fp8Config | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.kernels, dict):  # from saved hyper-parameters or a plain mapping
+        self._build_nested()
+        check_fields("MoEConfig", self, _MOE_RULES)
+        for rule in _MOE_CROSS_FIELD_RULES:
+            rule(self)
+
+    def _build_nested(self) -> None:
+        """``kernels`` and ``fp8`` from a dict (saved hyper-parameters, a plain mapping), type-checked."""
+        if isinstance(self.kernels, dict):
             self.kernels = KernelConfig(**self.kernels)
         if not isinstance(self.kernels, KernelConfig):
             raise TypeError(
                 f"MoEConfig: kernels={self.kernels!r} is not a KernelConfig; "
                 "pass KernelConfig(...) or a dict of its fields."
             )
-        if isinstance(self.fp8, dict):  # from saved hyper-parameters or a plain mapping
+        if isinstance(self.fp8, dict):
             self.fp8 = Fp8Config(**self.fp8)
         if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
             raise TypeError(
                 f"MoEConfig: fp8={self.fp8!r} is not an Fp8Config; pass Fp8Config(...), a dict of its fields, "
                 "or None for bf16 experts."
-            )
-        for name in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # True is not a size
-                raise ValueError(f"MoEConfig: {name}={value!r} must be a positive int; set it to 1 or more.")
-        for name in _BOOL_FIELDS:
-            check_bool("MoEConfig", name, getattr(self, name))
-        self._check_numbers()
-        if self.top_k > self.num_experts:
-            raise ValueError(
-                f"MoEConfig: top_k={self.top_k} exceeds num_experts={self.num_experts}; "
-                f"choose top_k <= {self.num_experts}."
-            )
-        if self.score_func not in _SCORE_FUNCS:
-            raise ValueError(f"MoEConfig: score_func={self.score_func!r} is unknown; choose one of {_SCORE_FUNCS}.")
-        if self.score_func == "softmax" and self.top_k == 1 and not self.pre_softmax:
-            raise ValueError(
-                "MoEConfig: score_func='softmax' with top_k=1 and pre_softmax=False gives every token weight 1 "
-                "and the router no gradient; set pre_softmax=True."
-            )
-        if self.aux_loss not in _AUX_LOSSES:
-            raise ValueError(f"MoEConfig: aux_loss={self.aux_loss!r} is unknown; choose one of {_AUX_LOSSES}.")
-        if self.drop_policy not in _DROP_POLICIES:
-            raise ValueError(
-                f"MoEConfig: drop_policy={self.drop_policy!r} is unknown; choose one of {_DROP_POLICIES}."
-            )
-        if self.experts_backend not in _BACKENDS:
-            raise ValueError(
-                f"MoEConfig: experts_backend={self.experts_backend!r} is unknown; choose one of {_BACKENDS}."
-            )
-        if self.router_dtype not in _ROUTER_DTYPES:
-            raise ValueError(
-                f"MoEConfig: router_dtype={self.router_dtype!r} is unknown; choose one of {_ROUTER_DTYPES}."
-            )
-        self._check_groups()
-        if self.pad_to_capacity and self.capacity_factor is None:
-            raise ValueError(
-                "MoEConfig: pad_to_capacity=True needs a capacity; set capacity_factor (e.g. 1.25)."
-            )
-        if self.shared_expert_ffn_size is not None and (
-            isinstance(self.shared_expert_ffn_size, bool)
-            or not isinstance(self.shared_expert_ffn_size, int)
-            or self.shared_expert_ffn_size < 1
-        ):
-            raise ValueError(
-                f"MoEConfig: shared_expert_ffn_size={self.shared_expert_ffn_size!r} must be an int >= 1, or None for "
-                "off; set a width or None."
-            )
-        if self.shared_expert_gate and self.shared_expert_ffn_size is None:
-            raise ValueError("MoEConfig: shared_expert_gate=True needs shared_expert_ffn_size; set it or drop the gate.")
-        if self.routing_weight_on_input and self.fp8 is not None:
-            raise ValueError(
-                "MoEConfig: routing_weight_on_input=True with fp8 experts: the FP8 rows are quantized before the "
-                "weight would scale them; set fp8=None or routing_weight_on_input=False."
-            )
-        if self.fp8 is not None and self.fp8.enabled != "off" and not self.plain_experts:
-            raise ValueError(
-                f"MoEConfig: fp8 experts compute neither expert biases nor a scaled or clamped SwiGLU "
-                f"(expert_mlp_bias={self.expert_mlp_bias}, swiglu_alpha={self.swiglu_alpha}, "
-                f"swiglu_limit={self.swiglu_limit}, swiglu_up_offset={self.swiglu_up_offset}); set fp8=None."
-            )
-        if self.shared_expert_overlap and self.shared_expert_ffn_size is None:
-            raise ValueError(
-                "MoEConfig: shared_expert_overlap=True needs a shared expert; set shared_expert_ffn_size or drop "
-                "the overlap."
-            )
-
-    def _check_numbers(self) -> None:
-        """Coefficients, rates and scales: finite real numbers (NaN, inf, bools and strings refused)."""
-        check_float("MoEConfig", "aux_loss_coeff", self.aux_loss_coeff, fix="use 0 or more (0 turns it off)")
-        check_float(
-            "MoEConfig", "z_loss_coeff", self.z_loss_coeff, optional=True, fix="use 0 or more, or None for off"
-        )
-        check_float("MoEConfig", "bias_update_rate", self.bias_update_rate, fix="use 0 or more, e.g. 1e-3")
-        check_float("MoEConfig", "init_std", self.init_std, strict=True, fix="use e.g. 0.02")
-        check_float(
-            "MoEConfig", "capacity_factor", self.capacity_factor, strict=True, optional=True,
-            fix="use e.g. 1.25, or None for dropless",
-        )  # fmt: skip
-        check_float(
-            "MoEConfig", "scaling_factor", self.scaling_factor, strict=True, optional=True,
-            fix="use e.g. 2.5, or None to leave the weights",
-        )  # fmt: skip
-        check_float("MoEConfig", "swiglu_alpha", self.swiglu_alpha, strict=True, fix="use e.g. 1.0 (silu) or 1.702")
-        check_float(
-            "MoEConfig", "swiglu_limit", self.swiglu_limit, strict=True, optional=True,
-            fix="use e.g. 7.0, or None for no clamp",
-        )  # fmt: skip
-        offset = self.swiglu_up_offset
-        if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
-            raise ValueError(f"MoEConfig: swiglu_up_offset={offset!r} must be a finite number; use e.g. 0.0 or 1.0.")
-
-    def _check_groups(self) -> None:
-        if self.num_groups is None and self.group_topk is None:
-            if self.group_score_topk is not None:
-                raise ValueError(
-                    f"MoEConfig: group_score_topk={self.group_score_topk!r} needs group-limited routing; set "
-                    "num_groups and group_topk, or leave group_score_topk=None."
-                )
-            return
-        check_int("MoEConfig", "num_groups", self.num_groups, optional=True)
-        check_int("MoEConfig", "group_topk", self.group_topk, optional=True)
-        if self.num_groups is None or self.group_topk is None:
-            raise ValueError(
-                f"MoEConfig: num_groups={self.num_groups} and group_topk={self.group_topk} must be set together; "
-                "set both or neither."
-            )
-        if self.num_groups < 1 or self.num_experts % self.num_groups != 0:
-            raise ValueError(
-                f"MoEConfig: num_experts={self.num_experts} is not divisible by num_groups={self.num_groups}; "
-                f"choose num_groups from {_divisors(self.num_experts)}."
-            )
-        if not 1 <= self.group_topk <= self.num_groups:
-            raise ValueError(
-                f"MoEConfig: group_topk={self.group_topk} must be in [1, num_groups={self.num_groups}]; "
-                "lower group_topk."
-            )
-        if self.group_score_topk is None and self.top_k % self.group_topk != 0:
-            raise ValueError(
-                f"MoEConfig: top_k={self.top_k} must be divisible by group_topk={self.group_topk} "
-                "(each kept group scores with its top top_k/group_topk experts); choose group_topk from "
-                f"{[d for d in _divisors(self.top_k) if d <= self.num_groups]}, or set group_score_topk."
-            )
-        experts_per_group = self.num_experts // self.num_groups
-        if self.group_topk * experts_per_group < self.top_k:
-            raise ValueError(
-                f"MoEConfig: group_topk={self.group_topk} groups of {experts_per_group} experts hold fewer than "
-                f"top_k={self.top_k} experts; raise group_topk."
-            )
-        if self.group_score_topk is None and self.top_k // self.group_topk > experts_per_group:
-            raise ValueError(
-                f"MoEConfig: top_k/group_topk={self.top_k // self.group_topk} exceeds the {experts_per_group} "
-                "experts of one group; raise group_topk."
-            )
-        check_int("MoEConfig", "group_score_topk", self.group_score_topk, optional=True,
-                  fix=f"use 1 to {experts_per_group}, or None for top_k // group_topk")  # fmt: skip
-        if self.group_score_topk is not None and self.group_score_topk > experts_per_group:
-            raise ValueError(
-                f"MoEConfig: group_score_topk={self.group_score_topk} exceeds the {experts_per_group} experts of one "
-                f"group; choose 1 to {experts_per_group}, or None for top_k // group_topk."
             )
 
     @property
@@ -513,3 +312,161 @@ class MoEConfig:
         import torch
 
         return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[self.router_dtype]
+
+
+_MOE_RULES: tuple[FieldRule, ...] = (
+    int_field("hidden_size"),
+    int_field("ffn_hidden_size"),
+    int_field("num_experts"),
+    int_field("top_k"),
+    choice_field("score_func", ScoreFunc),
+    bool_field("pre_softmax"),
+    bool_field("norm_topk_prob"),
+    float_field("scaling_factor", strict=True, optional=True, fix="use e.g. 2.5, or None to leave the weights"),
+    int_field("num_groups", optional=True, fix="set a divisor of num_experts, or None for both"),
+    int_field("group_topk", optional=True, fix="set 1 to num_groups, or None for both"),
+    int_field("group_score_topk", optional=True, fix="use 1 or more, or None for top_k // group_topk"),
+    choice_field("router_dtype", RouterDtype),
+    bool_field("router_bias"),
+    bool_field("expert_bias"),
+    float_field("bias_update_rate", fix="use 0 or more, e.g. 1e-3"),
+    choice_field("aux_loss", AuxLossType),
+    float_field("aux_loss_coeff", fix="use 0 or more (0 turns it off)"),
+    float_field("z_loss_coeff", optional=True, fix="use 0 or more, or None for off"),
+    float_field("capacity_factor", strict=True, optional=True, fix="use e.g. 1.25, or None for dropless"),
+    choice_field("drop_policy", DropPolicy),
+    bool_field("pad_to_capacity"),
+    int_field("shared_expert_ffn_size", optional=True, fix="set a width, or None for off"),
+    bool_field("shared_expert_gate"),
+    bool_field("shared_expert_overlap"),
+    bool_field("memory_efficient_permute"),
+    bool_field("routing_weight_on_input"),
+    bool_field("expert_mlp_bias"),
+    float_field("swiglu_alpha", strict=True, fix="use e.g. 1.0 (silu) or 1.702"),
+    float_field("swiglu_limit", strict=True, optional=True, fix="use e.g. 7.0, or None for no clamp"),
+    float_field("swiglu_up_offset", minimum=None, fix="use e.g. 0.0 or 1.0"),
+    choice_field("experts_backend", ExpertsBackend),
+    bool_field("fuse_wgrad_accumulation"),
+    bool_field("check_finite"),
+    float_field("init_std", strict=True, fix="use e.g. 0.02"),
+)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _top_k_within_experts(c: MoEConfig) -> None:
+    if c.top_k > c.num_experts:
+        raise ValueError(
+            f"MoEConfig: top_k={c.top_k} exceeds num_experts={c.num_experts}; choose top_k <= {c.num_experts}."
+        )
+
+
+def _router_gets_a_gradient(c: MoEConfig) -> None:
+    if c.score_func == "softmax" and c.top_k == 1 and not c.pre_softmax:
+        raise ValueError(
+            "MoEConfig: score_func='softmax' with top_k=1 and pre_softmax=False gives every token weight 1 "
+            "and the router no gradient; set pre_softmax=True."
+        )
+
+
+def _groups_set_together(c: MoEConfig) -> None:
+    if c.num_groups is None and c.group_topk is None:
+        if c.group_score_topk is not None:
+            raise ValueError(
+                f"MoEConfig: group_score_topk={c.group_score_topk!r} needs group-limited routing; set "
+                "num_groups and group_topk, or leave group_score_topk=None."
+            )
+    elif c.num_groups is None or c.group_topk is None:
+        raise ValueError(
+            f"MoEConfig: num_groups={c.num_groups} and group_topk={c.group_topk} must be set together; "
+            "set both or neither."
+        )
+
+
+def _groups_divide_experts(c: MoEConfig) -> None:
+    if c.num_groups is not None and c.num_experts % c.num_groups != 0:
+        raise ValueError(
+            f"MoEConfig: num_experts={c.num_experts} is not divisible by num_groups={c.num_groups}; "
+            f"choose num_groups from {_divisors(c.num_experts)}."
+        )
+
+
+def _kept_groups_supply_top_k(c: MoEConfig) -> None:
+    """The ``group_topk`` kept groups hold ``top_k`` experts, and each can give its share of them."""
+    if c.num_groups is None or c.group_topk is None:
+        return
+    if c.group_topk > c.num_groups:
+        raise ValueError(
+            f"MoEConfig: group_topk={c.group_topk} must be in [1, num_groups={c.num_groups}]; lower group_topk."
+        )
+    if c.group_score_topk is None and c.top_k % c.group_topk != 0:
+        raise ValueError(
+            f"MoEConfig: top_k={c.top_k} must be divisible by group_topk={c.group_topk} "
+            "(each kept group scores with its top top_k/group_topk experts); choose group_topk from "
+            f"{[d for d in _divisors(c.top_k) if d <= c.num_groups]}, or set group_score_topk."
+        )
+    experts_per_group = c.num_experts // c.num_groups
+    if c.group_topk * experts_per_group < c.top_k:
+        raise ValueError(
+            f"MoEConfig: group_topk={c.group_topk} groups of {experts_per_group} experts hold fewer than "
+            f"top_k={c.top_k} experts; raise group_topk."
+        )
+    if c.group_score_topk is None and c.top_k // c.group_topk > experts_per_group:
+        raise ValueError(
+            f"MoEConfig: top_k/group_topk={c.top_k // c.group_topk} exceeds the {experts_per_group} "
+            "experts of one group; raise group_topk."
+        )
+    if c.group_score_topk is not None and c.group_score_topk > experts_per_group:
+        raise ValueError(
+            f"MoEConfig: group_score_topk={c.group_score_topk} exceeds the {experts_per_group} experts of one "
+            f"group; choose 1 to {experts_per_group}, or None for top_k // group_topk."
+        )
+
+
+def _padding_has_a_capacity(c: MoEConfig) -> None:
+    if c.pad_to_capacity and c.capacity_factor is None:
+        raise ValueError("MoEConfig: pad_to_capacity=True needs a capacity; set capacity_factor (e.g. 1.25).")
+
+
+def _shared_expert_options_have_one(c: MoEConfig) -> None:
+    if c.shared_expert_ffn_size is not None:
+        return
+    if c.shared_expert_gate:
+        raise ValueError("MoEConfig: shared_expert_gate=True needs shared_expert_ffn_size; set it or drop the gate.")
+    if c.shared_expert_overlap:
+        raise ValueError(
+            "MoEConfig: shared_expert_overlap=True needs a shared expert; set shared_expert_ffn_size or drop "
+            "the overlap."
+        )
+
+
+def _fp8_experts_compute_it(c: MoEConfig) -> None:
+    """FP8 experts quantize the rows before any routing weight and run only the plain SwiGLU."""
+    if c.fp8 is None:
+        return
+    if c.routing_weight_on_input:
+        raise ValueError(
+            "MoEConfig: routing_weight_on_input=True with fp8 experts: the FP8 rows are quantized before the "
+            "weight would scale them; set fp8=None or routing_weight_on_input=False."
+        )
+    if c.fp8.enabled != "off" and not c.plain_experts:
+        raise ValueError(
+            f"MoEConfig: fp8 experts compute neither expert biases nor a scaled or clamped SwiGLU "
+            f"(expert_mlp_bias={c.expert_mlp_bias}, swiglu_alpha={c.swiglu_alpha}, "
+            f"swiglu_limit={c.swiglu_limit}, swiglu_up_offset={c.swiglu_up_offset}); set fp8=None."
+        )
+
+
+# The rules between fields, checked in this order once every field passed its own row of _MOE_RULES.
+_MOE_CROSS_FIELD_RULES = (
+    _top_k_within_experts,
+    _router_gets_a_gradient,
+    _groups_set_together,
+    _groups_divide_experts,
+    _kept_groups_supply_top_k,
+    _padding_has_a_capacity,
+    _shared_expert_options_have_one,
+    _fp8_experts_compute_it,
+)

@@ -37,7 +37,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStr
 from typing_extensions import override
 
 from lightning_moe.checkpoint.hparams import config_from_plain, config_to_plain
-from lightning_moe.config import check_bool, check_float, check_int
+from lightning_moe.checks import check_bool, check_float, check_int
 from lightning_moe.models.transformer import MoETransformer, TransformerConfig
 from lightning_moe.parallel.finite import NonFiniteGuard, check_nonfinite_options, guard_closure, world_group
 from lightning_moe.parallel.rank_mean import mean_over_ranks

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
-from lightning_moe.config import check_float, check_int
+from lightning_moe.checks import check_float, check_int
 from lightning_moe.data.corpus import SEPARATOR, VOCAB_SIZE, load_tokens, missing_path
 from lightning_moe.data.datasets import TokenDataset
 from lightning_moe.data.packing import (

@@ -40,7 +40,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import Dataset
 
-from lightning_moe.config import check_float, check_int
+from lightning_moe.checks import check_float, check_int
 from lightning_moe.data.datamodule import MoEDataModule
 from lightning_moe.data.packing import (
     IGNORE_INDEX,

@@ -21,7 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_moe.config import MoEConfig, check_bool, check_float, check_int
+from lightning_moe.checks import check_bool, check_float, check_int
+from lightning_moe.config import MoEConfig
 from lightning_moe.models.attention import ATTENTION_BACKENDS, AttentionBackend, attend
 from lightning_moe.models.fp8_dense import DENSE_FP8_CHOICES, DenseFp8, convert_linears_to_fp8
 from lightning_moe.models.recompute import RecomputePlan, RecomputeScope, RecomputeTarget, guarded_checkpoint

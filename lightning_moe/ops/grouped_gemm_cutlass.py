@@ -35,15 +35,18 @@ runs).
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
+from lightning_moe.config import GemmKernel
 from lightning_moe.ops.build_cutlass import load_cutlass_extension
 
 __all__ = ["DEFAULT_TILE", "GEMM_KERNELS", "TILES", "WIDE_TILE", "grouped_mm", "layer_tiling", "supported"]
 
 TILES = {"cooperative-128x256-c2x1": 0, "pingpong-64x256": 1}
 DEFAULT_TILE = "cooperative-128x256-c2x1"
-GEMM_KERNELS = ("auto", "torch", "cutlass")
+GEMM_KERNELS = get_args(GemmKernel)
 WIDE_TILE = "pingpong-64x256"
 # Where ping-pong 64 x 256 beat F.grouped_mm (module docstring): expert matrices (K x N) of at
 # least this many bytes (between Qwen3-30B-A3B's 6.3 MB and DeepSeek-V3's 29 MB) ...

@@ -42,7 +42,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_moe.config import check_bool
+from lightning_moe.checks import check_bool
 from lightning_moe.moe.layer import MoELayer
 from lightning_moe.moe.utils import reset_global_aux_counts
 from lightning_moe.parallel.fold_batch import ContextParallel, shard_batch

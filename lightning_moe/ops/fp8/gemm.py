@@ -42,11 +42,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 
+from lightning_moe.config import Fp8Backend
 from lightning_moe.ops.fp8.quantize import Fp8Tensor
 from lightning_moe.ops.fp8.recipe import BLOCK
 
@@ -61,7 +62,7 @@ __all__ = [
 ]
 
 Fp8GemmBackend = Literal["emulate", "torch", "cutlass"]
-_REQUESTS = ("auto", "emulate", "torch", "cutlass")
+_REQUESTS = get_args(Fp8Backend)  # Fp8Config.backend: "auto" or one of Fp8GemmBackend
 BLOCKWISE_ROWS = 4  # cuBLAS's blockwise FP8 GEMM refuses row counts off this multiple (measured on H200)
 CPU_MESSAGE = "FP8 on CPU runs only as emulation; set Fp8Config(backend='emulate')"
 

@@ -28,9 +28,11 @@ clamped away). Other units are unaffected.
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
+
+from lightning_moe.config import Fp8Format, Fp8Recipe
 
 __all__ = [
     "BLOCK",
@@ -42,9 +44,6 @@ __all__ = [
     "check_recipe",
     "default_tile",
 ]
-
-Fp8Recipe = Literal["tensorwise", "rowwise", "blockwise"]
-Fp8Format = Literal["e4m3", "e5m2"]  # torch.float8_e4m3fn / torch.float8_e5m2
 
 FP8_MAX: dict[str, float] = {"e4m3": 448.0, "e5m2": 57344.0}
 FP8_DTYPE: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}

@@ -8,8 +8,11 @@ reads the environment. ``auto`` and the fallbacks are decided from the tensors o
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
+from lightning_moe.config import WgradKernel
 from lightning_moe.ops.wgrad import cutlass_kernel, triton_kernel
 
 __all__ = [
@@ -22,7 +25,7 @@ __all__ = [
     "wide_experts",
 ]
 
-WGRAD_KERNELS = ("auto", "loop", "streams", "triton", "cutlass")
+WGRAD_KERNELS = get_args(WgradKernel)
 
 # Below this many bytes of one expert's weights (w13 + w2), one GEMM launch per expert costs more
 # host time than the GPU time it saves: the grouped GEMM and autograd's addition stay.
