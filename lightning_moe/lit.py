@@ -39,6 +39,7 @@ from typing_extensions import override
 from lightning_moe.checkpoint.hparams import config_from_plain, config_to_plain
 from lightning_moe.checks import check_bool, check_float, check_int
 from lightning_moe.models.transformer import MoETransformer, TransformerConfig
+from lightning_moe.optimizer import adamw_kernel_kwargs, check_optimizer_impl, unscale_before_step
 from lightning_moe.parallel.finite import NonFiniteGuard, check_nonfinite_options, guard_closure, world_group
 from lightning_moe.parallel.rank_mean import mean_over_ranks
 from lightning_moe.parallel.fold_batch import lm_token_mean_loss
@@ -56,13 +57,7 @@ __all__ = [
     "check_wgrad_fusion",
 ]
 
-_OPTIMIZER_IMPLS = ("auto", "fused", "foreach")
 _EXPERT_BIASES = ("experts.b13", "experts.b2")  # MoEConfig.expert_mlp_bias: no weight decay, as other biases
-
-
-def check_optimizer_impl(impl: str, owner: str) -> None:
-    if impl not in _OPTIMIZER_IMPLS:
-        raise ValueError(f"{owner}: optimizer_impl={impl!r} is unknown; choose one of {_OPTIMIZER_IMPLS}.")
 
 
 def check_optimizer_args(
@@ -109,13 +104,6 @@ def check_wgrad_fusion(module: torch.nn.Module, strategy: Any) -> None:
             "in-place accumulation bypasses. Use strategy='folded_moe' (FSDP2) or one device, or set "
             "fuse_wgrad_accumulation=False."
         )
-
-
-def _adamw_kernels(impl: str, params: list[torch.Tensor]) -> dict[str, bool]:
-    """AdamW keyword for ``impl``; ``auto`` fuses when every parameter lives on CUDA."""
-    if impl == "auto":
-        impl = "fused" if params and all(p.is_cuda for p in params) else "default"
-    return {"fused": True} if impl == "fused" else {"foreach": True} if impl == "foreach" else {}
 
 
 class MoELanguageModelBase(L.LightningModule):
@@ -254,8 +242,9 @@ class MoELanguageModelBase(L.LightningModule):
             [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=hp.learning_rate,
             betas=tuple(hp.betas),
-            **_adamw_kernels(hp.get("optimizer_impl", "auto"), decay + no_decay),
+            **adamw_kernel_kwargs(hp.get("optimizer_impl", "auto"), decay + no_decay),
         )
+        unscale_before_step(optimizer)  # clipping under every precision plugin (lightning_moe.optimizer)
         total = self.trainer.max_steps if self._trainer is not None and self.trainer.max_steps > 0 else 10_000
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(hp.warmup_steps, total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -35,6 +35,7 @@ from typing_extensions import override
 
 from lightning_moe.checkpoint.dcp import save_staged, verified_manifest
 from lightning_moe.checkpoint.manifest import CheckpointError
+from lightning_moe.optimizer import unscale_before_step
 from lightning_moe.strategies._core import FoldedMoECore, mesh_aware_clip_norm, mesh_aware_clip_value
 
 __all__ = ["FabricFoldedMoEStrategy"]
@@ -67,6 +68,11 @@ class FabricFoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
         return self.shard_module(module, shard_root=True)
 
     @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """``fabric.setup_optimizers``: a fused optimizer clips under every precision plugin."""
+        return unscale_before_step(super().setup_optimizer(optimizer))
+
+    @override
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
     ) -> tuple[nn.Module, list[Optimizer], Any]:
@@ -94,6 +100,7 @@ class FabricFoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
         module = self.setup_module(module)
         sharded = dict(module.named_parameters())
         for optimizer in optimizers:
+            unscale_before_step(optimizer)  # fused optimizers clip under every precision plugin
             for group in optimizer.param_groups:
                 group["params"] = [sharded[names[id(p)]] for p in group["params"]]
         return module, optimizers, scheduler

@@ -66,6 +66,7 @@ from lightning_moe.checkpoint.dcp import load_distributed, save_distributed
 from lightning_moe.checkpoint.hparams import config_classes, config_from_plain, config_to_plain
 from lightning_moe.parallel.finite import NonFiniteGuard, guard_closure, resolve_nonfinite_options, world_group
 from lightning_moe.parallel.grad import set_gradient_sync
+from lightning_moe.optimizer import unscale_before_step
 from lightning_moe.strategies._core import FoldedMoECore, check_namespace, mesh_aware_clip_norm, mesh_aware_clip_value
 
 __all__ = ["FoldedMoEStrategy", "release_callback_logging"]
@@ -117,6 +118,8 @@ class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            for optimizer in self.optimizers:
+                unscale_before_step(optimizer)  # fused optimizers clip under every precision plugin
         self.setup_precision_plugin()
         self._install_mesh_aware_clipping()
         self._install_nonfinite_guard()

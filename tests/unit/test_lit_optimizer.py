@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from lightning_moe import MoEConfig
-from lightning_moe.lit import MoELanguageModel, _adamw_kernels
+from lightning_moe.lit import MoELanguageModel
+from lightning_moe.optimizer import adamw_kernel_kwargs as _adamw_kernels
 from lightning_moe.models.transformer import TransformerConfig
 
 
