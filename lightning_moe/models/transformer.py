@@ -5,7 +5,7 @@ Legend: B batch, S sequence, H hidden, V vocabulary, N heads, D head dim.
 Packed documents: ``forward(input_ids, position_ids=None, document_ids=None)``. With
 ``document_ids`` (non-decreasing along each row) a token attends only to earlier tokens of its own
 document, and positions (for RoPE) restart at each document unless ``position_ids`` are given.
-Under context parallelism (``parallel/context.py: enable_context_parallel``) the input is this
+Under context parallelism (``models/context_parallel.py: enable_context_parallel``) the input is this
 rank's shard of the sequence and ``position_ids`` are its global positions (required).
 
 The first ``num_dense_layers`` blocks use a dense SwiGLU FFN (as DeepSeek-V3 does); the rest
@@ -29,6 +29,7 @@ from lightning_moe.models.recompute import RecomputePlan, RecomputeScope, Recomp
 from lightning_moe.moe.layer import MoELayer
 from lightning_moe.ops.qk_norm_rope import qk_norm_rope
 from lightning_moe.ops.rope import rope
+from lightning_moe.parallel.context import all_gather_cat, context_parallel_attention, unshard_sequence
 
 __all__ = [
     "TransformerConfig",
@@ -220,8 +221,6 @@ class Attention(nn.Module):
                     "Attention: under context parallelism pass position_ids_BS, the global positions of this rank's "
                     "shard (lightning_moe.parallel.context.cp_chunk_positions)."
                 )
-            from lightning_moe.parallel.context import context_parallel_attention
-
             out = context_parallel_attention(q, k, v, position_ids_BS, self.cp_group, document_ids_BS)
         else:
             out = attend(q, k, v, document_ids=document_ids_BS, backend=self.backend)
@@ -374,10 +373,8 @@ class MoETransformer(nn.Module):
         ids = [t for t in (position_ids_BS, document_ids_BS) if t is not None]
         stacked_KBS = torch.stack([t.to(torch.long) for t in ids])
         if cp_group is not None:
-            from lightning_moe.parallel.context import _all_gather_cat, unshard_sequence
-
             world = torch.distributed.get_world_size(cp_group)
-            gathered = _all_gather_cat(stacked_KBS, cp_group, dim=2)
+            gathered = all_gather_cat(stacked_KBS, cp_group, dim=2)
             stacked_KBS = unshard_sequence(list(gathered.chunk(world, dim=2)), world, dim=2)
         if stacked_KBS.numel() == 0:
             return

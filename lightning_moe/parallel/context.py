@@ -18,6 +18,7 @@ of every rank's dK/dV for its own keys (``reduce_scatter`` where the backend has
 
 The mask is the one of ``models/attention.py``: key position ``<=`` query position and, with
 document ids, the same document. The group's ranks must hold the same batch rows (same ``B``).
+The model hands the group to its own attention modules (``models/context_parallel.py``).
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 __all__ = [
+    "all_gather_cat",
     "context_parallel_attention",
     "cp_chunk_positions",
-    "enable_context_parallel",
+    "reduce_scatter_cat",
     "shard_sequence",
     "unshard_sequence",
 ]
@@ -93,7 +95,7 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _all_gather_cat(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
+def all_gather_cat(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
     """Every rank's ``x`` concatenated along ``dim`` in group-rank order."""
     world = _group_size(group)
     if world == 1:
@@ -104,8 +106,8 @@ def _all_gather_cat(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int) 
     return torch.cat(parts, dim=dim)
 
 
-def _reduce_scatter_cat(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
-    """Inverse of ``_all_gather_cat`` for gradients: this rank's chunk along ``dim``, summed over ranks."""
+def reduce_scatter_cat(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
+    """Inverse of ``all_gather_cat`` for gradients: this rank's chunk along ``dim``, summed over ranks."""
     world = _group_size(group)
     if world == 1:
         return x
@@ -214,7 +216,7 @@ class _ContextParallelAttention(torch.autograd.Function):
             ds = p.mul_(dp.sub_(delta[..., lo:hi].unsqueeze(-1)))  # d(scores), scores = (q * scale) k^T
             dq5[..., lo:hi, :] = torch.matmul(ds, k_all.unsqueeze(2)).mul_(scale)
             dk_all += torch.matmul(ds.transpose(-1, -2), q5[..., lo:hi, :]).sum(2)
-        dkv = _reduce_scatter_cat(torch.cat([dk_all, dv_all], dim=-1), group, dim=2)
+        dkv = reduce_scatter_cat(torch.cat([dk_all, dv_all], dim=-1), group, dim=2)
         dk, dv = dkv.split([D, Dv], dim=-1)
         return dq5.view(B, N, s, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
@@ -228,11 +230,11 @@ def _gather_keys(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Every rank's keys, values, key positions and key document ids, concatenated along S."""
     D = k.shape[-1]
-    kv_all = _all_gather_cat(torch.cat([k, v.to(k.dtype)], dim=-1), group, dim=2)
+    kv_all = all_gather_cat(torch.cat([k, v.to(k.dtype)], dim=-1), group, dim=2)
     k_all, v_all = kv_all.split([D, v.shape[-1]], dim=-1)
     if doc_Bs is None:
-        return k_all, v_all.to(v.dtype), _all_gather_cat(pos_Bs, group, dim=1), None
-    meta = _all_gather_cat(torch.stack([pos_Bs.expand_as(doc_Bs), doc_Bs.to(pos_Bs.dtype)]), group, dim=2)
+        return k_all, v_all.to(v.dtype), all_gather_cat(pos_Bs, group, dim=1), None
+    meta = all_gather_cat(torch.stack([pos_Bs.expand_as(doc_Bs), doc_Bs.to(pos_Bs.dtype)]), group, dim=2)
     return k_all, v_all.to(v.dtype), meta[0], meta[1]
 
 
@@ -281,31 +283,8 @@ def context_parallel_attention(
 
 
 def enable_context_parallel(model: nn.Module, cp_group: dist.ProcessGroup | None) -> None:
-    """Make every ``Attention`` of ``model`` (our transformer) attend across ``cp_group``
-    (``None`` turns it off). The model's forward then takes this rank's shard of the sequence,
-    with ``position_ids_BS`` its global positions. Raises ``TypeError`` naming any other attention
-    module (one this cannot wrap), before changing anything."""
-    from lightning_moe.models.transformer import Attention
+    """Kept for callers that import it from here: the model layer owns this step,
+    :func:`lightning_moe.models.context_parallel.enable_context_parallel` (same arguments)."""
+    from lightning_moe.models.context_parallel import enable_context_parallel as enable
 
-    if cp_group is not None and not isinstance(cp_group, dist.ProcessGroup):
-        raise TypeError(f"enable_context_parallel: cp_group={cp_group!r} must be a torch.distributed ProcessGroup or None.")
-    ours: list[nn.Module] = []
-    prefixes = tuple(name + "." for name, m in model.named_modules() if isinstance(m, Attention) and name)
-    for name, module in model.named_modules():
-        if isinstance(module, Attention):
-            ours.append(module)
-        elif isinstance(module, nn.MultiheadAttention) or "attention" in type(module).__name__.lower():
-            if not name.startswith(prefixes):  # (an empty tuple matches nothing)
-                raise TypeError(
-                    f"enable_context_parallel: module {name or '<root>'!r} ({type(module).__name__}) is attention that "
-                    "context parallelism cannot wrap: only lightning_moe.models.transformer.Attention attends across "
-                    "the CP group. Use MoETransformer, or run this model with cp=1."
-                )
-    if not ours:
-        raise ValueError(
-            f"enable_context_parallel: {type(model).__name__} has no lightning_moe Attention module to make context "
-            "parallel; use MoETransformer, or run with cp=1."
-        )
-    for module in ours:
-        module.cp_group = cp_group
-
+    enable(model, cp_group)

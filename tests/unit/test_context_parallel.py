@@ -16,11 +16,11 @@ from _saved_bytes import saved_bytes
 
 from lightning_moe import MoEConfig
 from lightning_moe.models import MoETransformer, TransformerConfig
+from lightning_moe.models.context_parallel import enable_context_parallel
 from lightning_moe.models.transformer import document_positions
 from lightning_moe.parallel.context import (
     context_parallel_attention,
     cp_chunk_positions,
-    enable_context_parallel,
     shard_sequence,
     unshard_sequence,
 )
