@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from lightning_moe.callbacks.echo import ECHOExpertCloning as ECHOExpertCloning
     from lightning_moe.callbacks.monitor import MoEMonitor as MoEMonitor
     from lightning_moe.callbacks.router_replay import RouterReplay as RouterReplay
+    from lightning_moe.callbacks.step_timer import StepTimer as StepTimer
 
 # public name -> module (under this package) that defines it
 _MODULES: dict[str, str] = {
@@ -24,6 +25,7 @@ _MODULES: dict[str, str] = {
     "ECHOExpertCloning": "echo",
     "CPUOffload": "offload",
     "CUDAGraphCapture": "cuda_graphs",
+    "StepTimer": "step_timer",
 }
 _HERE = Path(__file__).resolve().parent
 
