@@ -41,11 +41,14 @@ from torch.utils.data import Dataset
 __all__ = [
     "IGNORE_INDEX",
     "PACKED_KEYS",
+    "PAD_SLOT",
     "LongDocuments",
     "PackedDataset",
     "PackingMode",
     "check_packed_batch",
     "document_ids_from_lengths",
+    "layout_units",
+    "packed_example",
     "pack_documents",
     "position_ids_from_document_ids",
 ]
@@ -56,7 +59,7 @@ PACKING_MODES = ("none", "pack")
 LONG_DOCUMENTS = ("split", "truncate", "error")
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 PACKED_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
-_PAD = -1  # document slot of padding in a stored row
+PAD_SLOT = -1  # document slot of padding in a stored row
 
 
 def check_choice(owner: str, name: str, value: object, choices: tuple[str, ...]) -> None:
@@ -65,7 +68,7 @@ def check_choice(owner: str, name: str, value: object, choices: tuple[str, ...])
         raise ValueError(f"{owner}: {name}={value!r} is unknown; choose one of {list(choices)}.")
 
 
-def _layout(
+def layout_units(
     starts: list[int], lengths: list[int], row_len: int, long_documents: str, owner: str
 ) -> tuple[list[tuple[int, int, int, int, int]], int]:
     """Place units (a document and its EOS: ``lengths[d]`` tokens from ``starts[d]`` of the stream).
@@ -117,11 +120,11 @@ def _layout(
 def _pack(stream: torch.Tensor, starts: list[int], lengths: list[int], seq_len: int, long_documents: str,
           owner: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(tokens [R, S+1], slots [R, S+1])`` of the packed rows, in ``stream``'s dtype and int32;
-    padding holds token 0 and slot ``_PAD``."""
+    padding holds token 0 and slot ``PAD_SLOT``."""
     row_len = seq_len + 1
-    segments, rows = _layout(starts, lengths, row_len, long_documents, owner)
+    segments, rows = layout_units(starts, lengths, row_len, long_documents, owner)
     tokens = torch.zeros(rows, row_len, dtype=stream.dtype)
-    slots = torch.full((rows, row_len), _PAD, dtype=torch.int32)
+    slots = torch.full((rows, row_len), PAD_SLOT, dtype=torch.int32)
     if not segments:
         return tokens, slots
     seg_row, seg_off, seg_src, seg_len, seg_slot = torch.tensor(segments, dtype=torch.int64).unbind(1)
@@ -134,9 +137,9 @@ def _pack(stream: torch.Tensor, starts: list[int], lengths: list[int], seq_len: 
     return tokens, slots
 
 
-def _example(tokens_S1: torch.Tensor, slots_S1: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
+def packed_example(tokens_S1: torch.Tensor, slots_S1: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
     """One stored row as the four int64 ``[S]`` tensors (module doc)."""
-    pad = slots_S1 == _PAD
+    pad = slots_S1 == PAD_SLOT
     # Padding: the document id after the row's last one.
     doc_S1 = torch.where(pad, int(slots_S1.max()) + 1, slots_S1).long()
     tokens = torch.where(pad, pad_id, tokens_S1.long())
@@ -183,7 +186,7 @@ def pack_documents(
         at += t.numel() + 1
     stream = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
     tokens, slots = _pack(stream, starts, lengths, seq_len, long_documents, owner)
-    rows = [_example(tokens[i], slots[i], eos_id) for i in range(tokens.shape[0])]
+    rows = [packed_example(tokens[i], slots[i], eos_id) for i in range(tokens.shape[0])]
     if not rows:
         return {k: torch.empty(0, seq_len, dtype=torch.int64) for k in PACKED_KEYS}
     return {k: torch.stack([r[k] for r in rows]) for k in PACKED_KEYS}
@@ -229,11 +232,11 @@ class PackedDataset(Dataset[dict[str, torch.Tensor]]):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not -len(self) <= index < len(self):
             raise IndexError(f"PackedDataset: index {index} out of range for {len(self)} rows")
-        return _example(self.rows[index], self.slots[index], self.eos_id)
+        return packed_example(self.rows[index], self.slots[index], self.eos_id)
 
     def fill(self) -> float:
         """Fraction of input positions that hold a document token (not padding)."""
-        return float((self.slots[:, :-1] != _PAD).float().mean()) if len(self) else 0.0
+        return float((self.slots[:, :-1] != PAD_SLOT).float().mean()) if len(self) else 0.0
 
 
 def position_ids_from_document_ids(document_ids_BS: torch.Tensor) -> torch.Tensor:

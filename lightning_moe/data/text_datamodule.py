@@ -23,7 +23,15 @@ Pipeline (deterministic for given files, tokenizer and seed):
             checkpoints); validation is in order.
 
 Batches: ``{"input_ids", "labels"}`` int64 ``[B, S]``, plus ``"position_ids"``, ``"document_ids"`` when
-packed. The records stream from disk and each is kept only as its int32 token ids (and a uint8 mask
+packed.
+
+Memory. With ``cache_dir`` set, steps 1-4 run once into files under it and the rows are read from
+there (``sharded_splits.py``): the records are tokenized one at a time into memory-mapped token
+shards (uint16/uint32 ids, a document index, SFT masks; reused while the source files and the
+tokenizer are unchanged, ``docs/data.md``), the split and the row layout are computed in one pass
+over the document lengths and stored too, and each row is gathered from the mapped files when the
+loader asks for it, so memory does not grow with the corpus. The rows, the split and the order are
+exactly those of the in-memory path. Without ``cache_dir`` the records stream from disk and each is kept only as its int32 token ids (and a uint8 mask
 in SFT), so the corpus costs about 4 bytes per token in memory (5 in SFT), then as much again in
 int32 rows. Packing runs on runs of documents of about ``PACK_CHUNK_TOKENS`` tokens at a time, which
 bounds its working memory; the last row of each run may be part-filled (at most one row per run).
@@ -32,7 +40,7 @@ bounds its working memory; the last row of each run may be part-filled (at most 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -51,7 +59,11 @@ from lightning_moe.data.packing import (
     check_choice,
     pack_documents,
 )
+from lightning_moe.data.row_layout import LayoutSpec
 from lightning_moe.data.sft import tokenize_chat
+from lightning_moe.data.shard_cache import ShardSource, where_of_document
+from lightning_moe.data.shard_rows import ShardRowsDataset
+from lightning_moe.data.sharded_splits import sharded_splits
 from lightning_moe.data.text import FORMATS, TEXT_UNITS, TextFormat, TextUnit, expand_paths, read_records
 from lightning_moe.data.tokenizer import encode_text, eos_token_id, load_tokenizer
 
@@ -170,8 +182,9 @@ class TextDataModule(MoEDataModule):
         tokenizer_dir: a folder a tokenizer was saved to (``save_pretrained``); local files only.
         train_files: a file, a folder or a list of them (``text.py``).
         val_files: validation files; ``None`` holds out ``val_fraction`` of the train records.
-        format: ``"auto"`` (by suffix), ``"text"``, ``"jsonl"`` or ``"parquet"``.
-        field: the jsonl key / parquet column; ``None``: ``"text"`` (lm) or ``"messages"`` (sft).
+        format: ``"auto"`` (by suffix; a saved ``datasets`` folder by its files), ``"text"``, ``"jsonl"``,
+            ``"parquet"`` or ``"datasets"`` (a folder ``Dataset.save_to_disk`` wrote).
+        field: the jsonl key / parquet or dataset column; ``None``: ``"text"`` (lm) or ``"messages"`` (sft).
         text_unit: what one document of a text file is: ``"file"``, ``"line"`` or ``"paragraph"``.
         task: ``"lm"`` (every token a label) or ``"sft"`` (chats; loss on assistant tokens only).
         seq_len: tokens per row.
@@ -182,6 +195,9 @@ class TextDataModule(MoEDataModule):
         long_documents: a document longer than a row: ``"split"``, ``"truncate"`` (warns) or ``"error"``.
         max_documents: read at most this many train records (and as many validation ones); ``None``: all.
         num_workers: DataLoader worker processes.
+        cache_dir: a folder for token shards and row layouts (module doc, "Memory"); ``None`` keeps
+            everything in memory. Safe to delete between runs (it is rebuilt); shared by several
+            data modules and runs (each set is named after what it was made from).
     """
 
     def __init__(
@@ -201,6 +217,7 @@ class TextDataModule(MoEDataModule):
         long_documents: LongDocuments = "split",
         max_documents: int | None = None,
         num_workers: int = 0,
+        cache_dir: str | None = None,
     ) -> None:
         LightningDataModule.__init__(self)  # MoEDataModule's own arguments describe byte corpora
         owner = "TextDataModule"
@@ -220,6 +237,8 @@ class TextDataModule(MoEDataModule):
             raise TypeError(f"{owner}: seed={seed!r} is not an int; use e.g. seed=0.")
         if field is not None and (not isinstance(field, str) or not field):
             raise ValueError(f"{owner}: field={field!r} must be a non-empty str or None (the default per task).")
+        if cache_dir is not None and (not isinstance(cache_dir, str) or not cache_dir):
+            raise ValueError(f"{owner}: cache_dir={cache_dir!r} must be a non-empty folder path or None (in memory).")
         # Paths are listed now (a missing file fails at construction); files are read in setup.
         expand_paths(train_files, format, owner)
         if val_files is not None:
@@ -233,9 +252,10 @@ class TextDataModule(MoEDataModule):
         self.val_fraction, self.seed = val_fraction, seed
         self.packing, self.long_documents = packing, long_documents
         self.max_documents, self.num_workers = max_documents, num_workers
+        self.cache_dir = cache_dir
         self._tokenizer: Any = None
-        self.train_dataset: RowsDataset | None = None  # type: ignore[assignment]
-        self.val_dataset: RowsDataset | None = None  # type: ignore[assignment]
+        self.train_dataset: RowsDataset | ShardRowsDataset | None = None  # type: ignore[assignment]
+        self.val_dataset: RowsDataset | ShardRowsDataset | None = None  # type: ignore[assignment]
 
     @property
     def tokenizer(self) -> Any:
@@ -257,19 +277,46 @@ class TextDataModule(MoEDataModule):
     def _unit(self) -> str:
         return "packed rows" if self.packing == "pack" else "rows"
 
+    def prepare_data(self) -> None:
+        # Once per node (Lightning's local rank 0) before setup: the shards and the layout are written
+        # here, so every rank's setup finds them complete.
+        if self.cache_dir is not None:
+            self._sharded()
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is not None:
             return
-        eos = self.eos_id
-        train, val = self._read_splits()
-        self.train_dataset = RowsDataset(self._rows(train, eos))
-        self.val_dataset = RowsDataset(self._rows(val, eos))
+        if self.cache_dir is not None:
+            self.train_dataset, self.val_dataset = self._sharded()
+        else:
+            eos = self.eos_id
+            train, val = self._read_splits()
+            self.train_dataset = RowsDataset(self._rows(train, eos))
+            self.val_dataset = RowsDataset(self._rows(val, eos))
         if len(self.train_dataset) < self.batch_size:
             raise ValueError(
                 f"TextDataModule: the train split has {len(self.train_dataset)} {self._unit} of "
                 f"seq_len={self.seq_len}, "
                 f"fewer than batch_size={self.batch_size} (partial batches are dropped); lower batch_size or add data."
             )
+
+    def _source(self, files: str | list[str]) -> ShardSource:
+        listed = expand_paths(files, self.format, "TextDataModule")
+        return ShardSource(tuple(str(f) for f in listed), self.format, self.field, self.text_unit, self.task,
+                           self.max_documents)  # fmt: skip
+
+    def _sharded(self) -> tuple[ShardRowsDataset, ShardRowsDataset]:
+        spec = LayoutSpec(self.seq_len, self.packing, self.long_documents, PACK_CHUNK_TOKENS)
+        val = None if self.val_files is None else self._source(self.val_files)
+        splits = sharded_splits(str(self.cache_dir), self._source(self.train_files), val, self.tokenizer,
+                                self.tokenizer_dir, spec, (self.seed, self.val_fraction), self.eos_id)  # fmt: skip
+        counts = {name: s["documents"] for name, s in splits.summary.items()}
+        self._check_split_counts(counts["train"], counts["validation"])
+        for name, s in splits.summary.items():
+            if s["long"]:
+                source = splits.sources[name]
+                self._check_long(s["long"], lambda: where_of_document(source, s["first_long"]))
+        return splits.train, splits.validation
 
     def _tokenized(self, files: str | list[str]) -> Iterable[_Doc]:
         records = read_records(files, self.format, self.field, self.text_unit)
@@ -292,29 +339,36 @@ class TextDataModule(MoEDataModule):
             draw = random.Random(self.seed)
             for doc in self._tokenized(self.train_files):
                 (val if draw.random() < self.val_fraction else train).append(doc)
+        self._check_split_counts(len(train), len(val))
+        return train, val
+
+    def _check_split_counts(self, train: int, val: int) -> None:
         for name, docs in (("train", train), ("validation", val)):
             if not docs:
                 fix = "raise val_fraction or add records" if name == "validation" else "add records"
                 if self.val_files is not None and name == "validation":
                     fix = "check val_files"
                 raise ValueError(
-                    f"TextDataModule: the {name} split holds no document ({len(train)} train, {len(val)} "
+                    f"TextDataModule: the {name} split holds no document ({train} train, {val} "
                     f"validation; val_fraction={self.val_fraction}, seed={self.seed}); {fix}."
                 )
-        return train, val
+
+    def _check_long(self, count: int, first_where: Callable[[], str]) -> None:
+        """Warn (``"truncate"``) or refuse (``"error"``) ``count`` documents longer than a row."""
+        if count and self.long_documents == "truncate":
+            rank_zero_warn(
+                f"TextDataModule: {count} document(s) longer than seq_len={self.seq_len} tokens are truncated "
+                f"to one row (the first: {first_where()}); set long_documents='split' to keep all their tokens."
+            )
+        if count and self.long_documents == "error":
+            raise ValueError(
+                f"TextDataModule: {first_where()} has more tokens than seq_len={self.seq_len} ({count} such "
+                "document(s)); set long_documents='split' or 'truncate', or raise seq_len."
+            )
 
     def _rows(self, docs: list[_Doc], eos: int) -> dict[str, torch.Tensor]:
         long = [d.where for d in docs if d.ids_T.numel() > self.seq_len]
-        if long and self.long_documents == "truncate":
-            rank_zero_warn(
-                f"TextDataModule: {len(long)} document(s) longer than seq_len={self.seq_len} tokens are truncated "
-                f"to one row (the first: {long[0]}); set long_documents='split' to keep all their tokens."
-            )
-        if long and self.long_documents == "error":
-            raise ValueError(
-                f"TextDataModule: {long[0]} has more tokens than seq_len={self.seq_len} ({len(long)} such "
-                "document(s)); set long_documents='split' or 'truncate', or raise seq_len."
-            )
+        self._check_long(len(long), lambda: long[0])
         parts: list[dict[str, torch.Tensor]] = []
         start, tokens = 0, 0
         for end, doc in enumerate(docs, 1):
