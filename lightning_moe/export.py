@@ -11,7 +11,8 @@ Pipeline:
 1. read   the model state dict and hyper-parameters from a Lightning ``.ckpt`` file, or from a
           distributed (DCP) checkpoint directory as the ``folded_moe`` / ``ModelParallelStrategy``
           writes it (``.metadata`` + shards, ``meta.pt`` with the hyper-parameters); sharded
-          experts (DTensors) are read back whole, on one process, without a process group.
+          experts (DTensors) are read back whole, on one process, without a process group
+          (:func:`~lightning_moe.checkpoint.read.load_checkpoint`, re-exported here).
 2. strip  the LightningModule's attribute prefix (``model.`` for :class:`HFMoELanguageModel`).
 3. build  the HF model skeleton on the ``meta`` device from the checkpoint's ``hf_config`` /
           ``pretrained`` hyper-parameter (or ``--hf-config``), swap its MoE blocks with the same
@@ -26,76 +27,16 @@ Pipeline:
 from __future__ import annotations
 
 import argparse
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lightning_moe.checkpoint.manifest import MANIFEST_NAME
+from lightning_moe.checkpoint.read import join_w13, load_checkpoint
+from lightning_moe.models.hf_config import hf_config_from
+
 __all__ = ["export_checkpoint", "export_state_dict", "join_w13", "load_checkpoint", "main", "strip_prefix"]
-
-_METADATA_FILENAME = "meta.pt"  # what Lightning's ModelParallelStrategy writes beside the DCP shards
-
-
-def _torch_load(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # noqa: BLE001 - hyper-parameters may hold classes; the user's own checkpoint
-        warnings.warn(
-            f"export: {path} needs weights_only=False to load; only export checkpoints you trust.", stacklevel=3
-        )
-        return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def _load_dcp_model_state(path: Path) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
-    # Only the model's entries (not the optimizer's), on this process, no process group;
-    # DTensor shards (FSDP2, expert parallel) come back as whole tensors.
-    state = _load_state_dict_from_keys(keys={"state_dict"}, checkpoint_id=str(path))
-    if "state_dict" not in state:
-        raise ValueError(
-            f"export: the distributed checkpoint {path} has no 'state_dict' entry (keys: {sorted(state)}); "
-            "pass a checkpoint written by Trainer.save_checkpoint."
-        )
-    return state["state_dict"]
-
-
-def join_w13(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``<name>.w13.gate`` and ``<name>.w13.up`` (how ``folded_moe`` stores the experts in a DCP
-    folder, any layout) as one ``<name>.w13`` ``[gate | up]``, the one-process layout; the same for
-    the experts' bias ``<name>.b13``."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state_dict.items():
-        if key.endswith((".w13.gate", ".b13.gate")):
-            out[key[: -len(".gate")]] = torch.cat([value, state_dict[key[: -len(".gate")] + ".up"]], dim=-1)
-        elif not key.endswith((".w13.up", ".b13.up")):
-            out[key] = value
-    return out
-
-
-def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """``(model state dict, hyper-parameters)`` of a Lightning ``.ckpt`` file or a DCP directory.
-
-    A DCP folder is verified against its manifest first (``lightning_moe.checkpoint``) and read at
-    any layout it was saved with (ep, etp, tp, edp); its ``w13`` comes back as ``[gate | up]``.
-    """
-    from lightning_moe.checkpoint.hparams import config_from_plain
-
-    path = Path(path)
-    if path.is_dir():
-        from lightning_moe.checkpoint.manifest import verify_checkpoint
-
-        verify_checkpoint(path)
-        meta = _torch_load(path / _METADATA_FILENAME) if (path / _METADATA_FILENAME).is_file() else {}
-        hparams = config_from_plain(dict(meta.get("hyper_parameters", {})))
-        return join_w13(_load_dcp_model_state(path)), hparams
-    if not path.is_file():
-        raise ValueError(f"export: checkpoint {path} does not exist; pass a .ckpt file or a DCP directory.")
-    ckpt = _torch_load(path)
-    if "state_dict" not in ckpt:
-        raise ValueError(f"export: {path} has no 'state_dict' (keys: {sorted(ckpt)}); pass a Lightning checkpoint.")
-    return ckpt["state_dict"], config_from_plain(dict(ckpt.get("hyper_parameters", {})))
 
 
 def strip_prefix(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -109,19 +50,6 @@ def strip_prefix(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, 
             "set --prefix to the LightningModule attribute that holds the model, or '' for none."
         )
     return out
-
-
-def _hf_config(hf_config: Any, pretrained: str | None) -> Any:
-    from transformers import AutoConfig, PretrainedConfig
-
-    if isinstance(hf_config, PretrainedConfig):
-        return hf_config
-    if isinstance(hf_config, (str, Path)):
-        p = Path(hf_config)
-        return AutoConfig.from_pretrained(str(p.parent if p.is_file() else p), local_files_only=True)
-    from lightning_moe.lit_hf import hf_config_from
-
-    return hf_config_from(hf_config, pretrained)
 
 
 def export_state_dict(
@@ -141,8 +69,9 @@ def export_state_dict(
             (``model.layers.0.mlp.experts.w13``, ...), e.g. ``HFMoELanguageModel.model.state_dict()``.
         out_dir: created if missing.
         hf_config: a ``PretrainedConfig``, an inline dict with ``model_type``, or a path to a
-            directory / ``config.json``; else ``pretrained``'s config is used.
-        pretrained: local checkpoint directory whose ``config.json`` describes the model.
+            directory / ``config.json`` (:func:`~lightning_moe.models.hf_config.hf_config_from`).
+        pretrained: local checkpoint directory whose ``config.json`` describes the model; give
+            exactly one of ``hf_config`` and ``pretrained``.
         moe: the MoEConfig overrides the model was swapped with (needed when they add keys).
         dtype: cast floating tensors before saving (``None`` keeps the checkpoint's dtypes).
         max_shard_size: passed to ``save_pretrained``.
@@ -162,7 +91,7 @@ def export_state_dict(
 
         blocked = ("experts.w13", "experts.b13")
         state_dict = {k: unblock_w13(v, etp) if k.endswith(blocked) else v for k, v in state_dict.items()}
-    config = _hf_config(hf_config, pretrained)
+    config = hf_config_from(hf_config, pretrained, owner="export")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     swap_moe_blocks(model, **(moe or {}))
@@ -190,8 +119,8 @@ def export_checkpoint(
     The HF config comes from ``hf_config`` if given, else the checkpoint's ``hf_config`` /
     ``pretrained`` hyper-parameters (what :class:`~lightning_moe.lit_hf.HFMoELanguageModel` saves).
     """
-    state_dict, hparams = load_checkpoint(checkpoint)
-    if etp != 1 and Path(checkpoint).is_dir() and (Path(checkpoint) / "manifest.json").is_file():
+    state_dict, hparams = load_checkpoint(checkpoint, owner="export")
+    if etp != 1 and Path(checkpoint).is_dir() and (Path(checkpoint) / MANIFEST_NAME).is_file():
         raise ValueError(
             f"export: etp={etp} is not needed for {checkpoint}: the folder stores w13 independently of the layout; "
             "drop --etp."

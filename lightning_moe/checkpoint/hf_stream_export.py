@@ -334,8 +334,8 @@ def stream_export_dcp(
 
     from lightning_moe.checkpoint.dcp import load_distributed, load_meta
     from lightning_moe.checkpoint.hf_sharded import reset_nonpersistent_buffers
-    from lightning_moe.export import _hf_config
     from lightning_moe.models.hf import swap_moe_blocks
+    from lightning_moe.models.hf_config import hf_config_from
     from lightning_moe.moe.layer import MoELayer
     from lightning_moe.parallel.layout import FoldedLayout
     from lightning_moe.parallel.mesh import FoldedMesh
@@ -355,7 +355,7 @@ def stream_export_dcp(
         hf_config, pretrained = hparams.get("hf_config"), hparams.get("pretrained")
         if hf_config is None and pretrained is None:
             raise ValueError(f"stream_export_dcp: {path} names no HF config (no hf_config/pretrained); pass hf_config.")
-    config = _hf_config(hf_config, pretrained)
+    config = hf_config_from(hf_config, pretrained, owner="stream_export_dcp")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     swap_moe_blocks(model, **(hparams.get("moe") or {}))
