@@ -9,6 +9,8 @@
 * :mod:`.hparams`: hyper-parameter config dataclasses stored as plain dicts (``weights_only``
   loads need no allow-list) and rebuilt on load;
 * :mod:`.dcp`: the folded strategies' DCP save and load built from the above;
+* :mod:`.read`: a checkpoint (a ``.ckpt`` file or a DCP folder) read whole on one process, for
+  exports and generation;
 * :mod:`.resume`: the newest complete checkpoint of a folder (auto-resume).
 """
 
