@@ -11,6 +11,12 @@ consumed, not what worker processes prefetched) and reports, via ``state_dict``,
 seed and that global position. Lightning saves it in the checkpoint (its fit loop stores the
 ``state_dict`` of every train loader that has one) and calls ``load_state_dict`` on resume before
 the first iterator is made, so the resumed epoch continues with the next unseen batch on every rank.
+
+Memory. Below :data:`LAZY_ORDER_MIN` samples the permutation is ``torch.randperm`` (8 bytes a
+sample). From there on (a corpus read from token shards can have hundreds of millions of rows) it is
+a keyed Feistel permutation (``permutation.py``) computed in chunks as the iterator advances, so the
+order costs constant memory; the kind is part of the loader's state, so a resumed run keeps the
+kind it started with. Either way the indices are handed out chunk by chunk, never as one list.
 """
 
 from __future__ import annotations
@@ -18,12 +24,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-__all__ = ["ResumableDataLoader", "ResumableSampler"]
+from lightning_moe.data.permutation import feistel_permutation
+
+__all__ = ["LAZY_ORDER_MIN", "ORDER_KINDS", "ResumableDataLoader", "ResumableSampler"]
 
 _STATE_KEYS = ("seed", "epoch", "consumed", "shuffle", "dataset_len")
+LAZY_ORDER_MIN = 1 << 20  # samples; from here on the shuffle is a Feistel permutation (module doc)
+ORDER_KINDS = ("randperm", "feistel")
+_INDEX_CHUNK = 1 << 16
 
 
 class ResumableSampler(DistributedSampler):
@@ -50,6 +62,7 @@ class ResumableSampler(DistributedSampler):
         # drop_last: every rank reads the same number of samples, none of them twice.
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
         self.start = 0  # global samples of ``epoch`` already consumed; the next iterator skips them
+        self.order_kind = "feistel" if len(dataset) >= LAZY_ORDER_MIN else "randperm"  # type: ignore[arg-type]
 
     def set_epoch(self, epoch: int) -> None:
         # A saved position belongs to its epoch: moving to another one starts that epoch afresh.
@@ -58,7 +71,11 @@ class ResumableSampler(DistributedSampler):
         super().set_epoch(epoch)
 
     def global_order(self) -> torch.Tensor:
-        """This epoch's permutation, cut to ``total_size`` (a multiple of ``num_replicas``)."""
+        """This epoch's permutation, cut to ``total_size`` (a multiple of ``num_replicas``); the whole
+        tensor, so for small datasets and tests (the iterator computes a Feistel order in chunks)."""
+        if self.shuffle and self.order_kind == "feistel":
+            positions = np.arange(self.total_size, dtype=np.int64)
+            return torch.from_numpy(feistel_permutation(positions, len(self.dataset), self.seed + self.epoch))  # type: ignore[arg-type]
         n = len(self.dataset)  # type: ignore[arg-type]
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed + self.epoch)
@@ -69,20 +86,29 @@ class ResumableSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[int]:
         start, self.start = self.start, 0
-        order = self.global_order()
+        order = self.global_order() if not (self.shuffle and self.order_kind == "feistel") else torch.empty(0)
         # After a change of data-parallel size ``start`` need not divide by it: every rank still
         # reads the same count, and no sample of the remaining stream twice.
         per_rank = (self.total_size - start) // self.num_replicas
+        if self.shuffle and self.order_kind == "feistel":
+            return self._feistel_indices(start, per_rank)
         mine = order[start + self.rank :: self.num_replicas][:per_rank]
-        return iter(mine.tolist())
+        return (i for chunk in mine.split(_INDEX_CHUNK) for i in chunk.tolist())
+
+    def _feistel_indices(self, start: int, per_rank: int) -> Iterator[int]:
+        n, key = len(self.dataset), self.seed + self.epoch  # type: ignore[arg-type]
+        for k in range(0, per_rank, _INDEX_CHUNK):
+            positions = start + self.rank + self.num_replicas * np.arange(k, min(k + _INDEX_CHUNK, per_rank))
+            yield from feistel_permutation(positions, n, key).tolist()
 
 
 class ResumableDataLoader(DataLoader):
     """A ``DataLoader`` over a :class:`ResumableSampler` whose position is a checkpointable state.
 
-    ``state_dict()`` = ``{"seed", "epoch", "consumed", "shuffle", "dataset_len"}``, where
+    ``state_dict()`` = ``{"seed", "epoch", "consumed", "shuffle", "dataset_len", "order"}``, where
     ``consumed`` is the global number of samples (all data-parallel ranks) the current epoch's
-    iterator has handed out. ``load_state_dict`` makes the next iterator continue from there.
+    iterator has handed out and ``order`` the permutation's kind (a state without it, from before
+    the kinds, is ``"randperm"``). ``load_state_dict`` makes the next iterator continue from there.
     Lightning calls both (it treats any train loader with these two methods as resumable).
     """
 
@@ -123,7 +149,7 @@ class ResumableDataLoader(DataLoader):
         else:
             consumed = self._epoch_start + self._batches_out * int(self.batch_size or 1) * s.num_replicas
         return {"seed": s.seed, "epoch": s.epoch, "consumed": consumed, "shuffle": s.shuffle,
-                "dataset_len": len(s.dataset)}  # type: ignore[arg-type]  # fmt: skip
+                "dataset_len": len(s.dataset), "order": s.order_kind}  # type: ignore[arg-type]  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         missing = [k for k in _STATE_KEYS if k not in state_dict]
@@ -137,6 +163,11 @@ class ResumableDataLoader(DataLoader):
                     f"ResumableDataLoader: checkpoint {key}={state_dict[key]!r} but this loader has {key}={now!r}; "
                     "resume with the data settings of the saved run (same data, seq_len, seed)."
                 )
+        kind = state_dict.get("order", "randperm")
+        if kind not in ORDER_KINDS:
+            raise ValueError(f"ResumableDataLoader: checkpoint order={kind!r} is unknown (kinds: {list(ORDER_KINDS)}); "
+                             "pass a state saved by state_dict().")  # fmt: skip
+        s.order_kind = kind
         s.set_epoch(int(state_dict["epoch"]))
         s.start = int(state_dict["consumed"])
         self._epoch_start, self._batches_out, self._counted_epoch = s.start, 0, s.epoch
