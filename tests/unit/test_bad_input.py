@@ -29,6 +29,7 @@ from lightning_moe.lit import MoELanguageModel
 from lightning_moe.lit_hf import HFMoELanguageModel
 from lightning_moe.models.transformer import TransformerConfig
 from lightning_moe.moe.layer import MoELayer
+from lightning_moe.parallel.pipeline import check_batch_split, check_microbatches, check_schedule, split_layers
 from lightning_moe.strategies import FabricFoldedMoEStrategy, FoldedMoEStrategy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -349,3 +350,36 @@ def test_short_parser_message_keeps_the_key_path_and_the_reason() -> None:
     assert short_parser_message(dump) == "data.batch_size: Expected a <class 'int'>. Got value: abc"
     ours = "Parser key \"model\":\n  Errors:\n    - MoEConfig: top_k=9 exceeds num_experts=8; choose top_k <= 8.\n"
     assert short_parser_message(ours) == "MoEConfig: top_k=9 exceeds num_experts=8; choose top_k <= 8."
+
+
+# --- pipeline parallel plan (checked before any process group) --------------------------------------
+
+PIPELINE_CASES: dict[str, Case] = {
+    "layers not divisible": (lambda: split_layers(6, 4), ValueError, "num_layers=6 does not split evenly into 4 stages"),
+    "layers not divisible virtual": (lambda: split_layers(6, 2, 2), ValueError, "virtual_stages=2"),
+    "fewer layers than stages": (lambda: split_layers(3, 2, 2), ValueError, "num_layers=3 is fewer than the 4 stages"),
+    "weights length": (lambda: split_layers(4, 2, weights=[1.0] * 3), ValueError, "weights has 3 entries"),
+    "weight nan": (lambda: split_layers(4, 2, weights=[1.0, NAN, 1.0, 1.0]), ValueError, "cost nan"),
+    "pp=0": (lambda: split_layers(4, 0), ValueError, "pp=0"),
+    "unknown schedule": (lambda: check_schedule("zero_bubble"), ValueError, "schedule='zero_bubble' is unknown"),
+    "interleaved v=1": (lambda: check_schedule("interleaved_1f1b", 1), ValueError, "virtual_stages=1"),
+    "zbv v=3": (lambda: check_schedule("zbv", 3), ValueError, "virtual_stages=3; set virtual_stages=2"),
+    "1f1b v=2": (lambda: check_schedule("1f1b", 2), ValueError, "virtual_stages=2; set virtual_stages=1"),
+    "1f1b micro < pp": (lambda: check_microbatches("1f1b", 2, 4), ValueError, "n_microbatches=2 is fewer than the 4"),
+    "dualpipev micro < stages": (lambda: check_microbatches("dualpipev", 3, 2, 2), ValueError, "n_microbatches=3"),
+    "interleaved rounds": (lambda: check_microbatches("interleaved_1f1b", 9, 4, 2), ValueError, "n_microbatches=9 is not a multiple of its 2 rounds"),
+    "micro=0": (lambda: check_microbatches("gpipe", 0, 2), ValueError, "n_microbatches=0"),
+    "batch not divisible": (lambda: check_batch_split(6, 4), ValueError, "batch_size=6 does not divide into n_microbatches=4"),
+    "batch=0": (lambda: check_batch_split(0, 2), ValueError, "batch_size=0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PIPELINE_CASES))
+def test_bad_pipeline_argument(case: str) -> None:
+    _check(PIPELINE_CASES[case])
+
+
+def test_pipeline_schedule_this_torch_lacks_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    pipelining = pytest.importorskip("torch.distributed.pipelining")
+    monkeypatch.delattr(pipelining, "ScheduleDualPipeV")
+    _check((lambda: check_schedule("dualpipev", 2), ValueError, "schedule='dualpipev' needs torch.distributed.pipelining.ScheduleDualPipeV"))

@@ -1,0 +1,37 @@
+"""Pipeline schedules by name: torch's ``torch.distributed.pipelining`` classes behind checked names.
+
+``build_schedule(name, stages, n_microbatches, loss_fn)`` checks the name, the number of local
+stages and the micro-batch count (``parallel/pipeline.py``) before torch sees them, then returns
+torch's schedule. Gradients are averaged over the micro-batches (``scale_grads=True``): with a
+``loss_fn`` that returns a micro-batch's mean loss, the gradients are those of the mean over the
+step's micro-batches, and an MoE layer's aux losses (attached to its output by
+``AuxLossScaler``) enter them with ``aux_loss_scale = 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_moe.parallel.pipeline import SCHEDULES, check_microbatches, check_schedule
+
+__all__ = ["build_schedule"]
+
+
+def build_schedule(
+    name: str, stages: list[Any], n_microbatches: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> Any:
+    """torch's schedule ``name`` over this rank's ``PipelineStage`` objects (one, or ``virtual_stages``)."""
+    import torch.distributed.pipelining as pipelining
+
+    if not isinstance(stages, list) or not stages:
+        raise ValueError(f"build_schedule: stages={stages!r} must be a non-empty list of this rank's PipelineStage.")
+    check_schedule(name, len(stages))
+    pp = stages[0].group_size
+    check_microbatches(name, n_microbatches, pp, len(stages))
+    cls = getattr(pipelining, SCHEDULES[name].torch_class)
+    if SCHEDULES[name].placement == "single":
+        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)

@@ -1,0 +1,118 @@
+"""One pipeline stage of a decoder-only transformer, cut from the model's public attributes.
+
+Legend: B batch, S sequence, H hidden, V vocabulary.
+
+A model with ``embed``, ``layers`` (a ModuleList of blocks called as ``block(x_BSH, cos, sin)``),
+``norm``, ``lm_head`` and ``config.tie_embeddings`` (``MoETransformer``) is cut without copying:
+:func:`build_transformer_stage` returns a :class:`TransformerStage` holding the model's own
+embedding (first stage), its slice of blocks, and the final norm and head (last stage). Parameter
+names stay the model's (``embed.weight``, ``layers.3.attn.q_proj.weight``, ``lm_head.weight``), so
+a stage's state dict is a slice of the model's. Build the model under ``torch.device("meta")``
+and each rank allocates only its stages (:func:`materialize_stage`).
+
+``forward``: the first stage takes token ids ``[B, S]``, the others the hidden states ``[B, S, H]``
+of the stage before; the last returns logits ``[B, S, V]``, the others hidden states. Every stage
+builds the RoPE tables for positions ``0..S-1`` with the ``rope_tables(S, device)`` it was given.
+Packed documents, explicit positions and context parallel are not carried between stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+__all__ = ["RopeTables", "TransformerStage", "build_transformer_stage", "materialize_stage"]
+
+RopeTables = Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]]
+
+
+class TransformerStage(nn.Module):
+    """The embedding (first stage), a contiguous run of blocks, and the norm and head (last stage)."""
+
+    def __init__(
+        self,
+        blocks: dict[int, nn.Module],
+        rope_tables: RopeTables,
+        embed: nn.Module | None = None,
+        norm: nn.Module | None = None,
+        lm_head: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.embed = embed
+        self.layers = nn.ModuleDict({str(i): block for i, block in sorted(blocks.items())})
+        self.norm = norm
+        self.lm_head = lm_head
+        self.rope_tables = rope_tables
+
+    @property
+    def is_first(self) -> bool:
+        return self.embed is not None
+
+    @property
+    def is_last(self) -> bool:
+        return self.lm_head is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_BSH = self.embed(x) if self.embed is not None else x
+        cos_SD, sin_SD = self.rope_tables(x_BSH.shape[1], x_BSH.device)
+        for block in self.layers.values():
+            x_BSH = block(x_BSH, cos_SD, sin_SD)
+        if self.lm_head is None:
+            return x_BSH
+        return self.lm_head(self.norm(x_BSH))
+
+
+def build_transformer_stage(model: Any, layers: range, num_layers: int, rope_tables: RopeTables) -> TransformerStage:
+    """The stage of ``model`` that runs blocks ``layers`` (first stage if it starts at 0, last if it
+    ends at ``num_layers``). Shares the model's modules; raises ``ValueError`` for a model without
+    the attributes or with tied embeddings split over two stages."""
+    for name in ("embed", "layers", "norm", "lm_head", "config"):
+        if not hasattr(model, name):
+            raise ValueError(
+                f"build_transformer_stage: model {type(model).__name__} has no attribute {name!r}; "
+                "pass a model with embed, layers, norm, lm_head and config (MoETransformer)."
+            )
+    if len(model.layers) != num_layers:
+        raise ValueError(
+            f"build_transformer_stage: num_layers={num_layers} but the model has {len(model.layers)} blocks; "
+            "pass len(model.layers)."
+        )
+    if not isinstance(layers, range) or layers.step != 1 or not 0 <= layers.start < layers.stop <= num_layers:
+        raise ValueError(
+            f"build_transformer_stage: layers={layers!r} must be a non-empty range(start, stop) inside "
+            f"[0, {num_layers}); pass one entry of split_layers(...)."
+        )
+    first, last = layers.start == 0, layers.stop == num_layers
+    if getattr(model.config, "tie_embeddings", False) and first != last:
+        raise ValueError(
+            "build_transformer_stage: tie_embeddings=True shares the embedding with the head, which sit on "
+            "different pipeline stages; set tie_embeddings=False for pipeline parallel."
+        )
+    return TransformerStage(
+        {i: model.layers[i] for i in layers},
+        rope_tables,
+        embed=model.embed if first else None,
+        norm=model.norm if last else None,
+        lm_head=model.lm_head if last else None,
+    )
+
+
+def materialize_stage(stage: nn.Module, device: torch.device | str, init_std: float) -> nn.Module:
+    """Allocate a stage built on the meta device on ``device`` and initialise it as ``MoETransformer``
+    does: weights of two or more dims ``normal(0, init_std)``, norm weights one, other vectors and
+    every buffer (counters, expert biases) zero."""
+    stage.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in stage.named_parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=init_std)
+            elif "norm" in name:
+                nn.init.ones_(p)
+            else:
+                nn.init.zeros_(p)
+        for b in stage.buffers():
+            b.zero_()
+    return stage
