@@ -27,7 +27,8 @@ strategy's device mesh (``strategy="folded_moe"``: the dense mesh) from ``config
 
 from __future__ import annotations
 
-import math
+import copy
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import lightning as L
@@ -37,10 +38,10 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStr
 from typing_extensions import override
 
 from lightning_moe.checkpoint.hparams import config_from_plain, config_to_plain
-from lightning_moe.checks import check_bool, check_float, check_int
+from lightning_moe.checks import check_bool
 from lightning_moe.models.transformer import MoETransformer, TransformerConfig
-from lightning_moe.optimizer import adamw_kernel_kwargs, check_optimizer_impl, unscale_before_step
-from lightning_moe.parallel.finite import NonFiniteGuard, check_nonfinite_options, guard_closure, world_group
+from lightning_moe.optimizer import OptimizerConfig, build_adamw, check_optimizer_fields, optimizer_config_from
+from lightning_moe.parallel.finite import NonFiniteGuard, forwarded_nonfinite_options, guard_closure, world_group
 from lightning_moe.parallel.rank_mean import mean_over_ranks
 from lightning_moe.parallel.fold_batch import lm_token_mean_loss
 from lightning_moe.moe.utils import find_moe_layers, reset_global_aux_counts, set_aux_loss_scale, update_expert_biases
@@ -51,30 +52,14 @@ if TYPE_CHECKING:
 __all__ = [
     "MoELanguageModel",
     "MoELanguageModelBase",
-    "check_optimizer_args",
-    "check_optimizer_impl",
     "check_vocab",
     "check_wgrad_fusion",
 ]
 
 _EXPERT_BIASES = ("experts.b13", "experts.b2")  # MoEConfig.expert_mlp_bias: no weight decay, as other biases
-
-
-def check_optimizer_args(
-    owner: str, learning_rate: Any, weight_decay: Any, warmup_steps: Any, betas: Any, log_layer_load: Any
-) -> None:
-    """The AdamW and schedule arguments, checked at construction (torch would refuse them at the first step)."""
-    check_float(owner, "learning_rate", learning_rate, fix="use e.g. 3e-3")
-    check_float(owner, "weight_decay", weight_decay, fix="use 0 or more, e.g. 0.1")
-    check_int(owner, "warmup_steps", warmup_steps, minimum=0, fix="use 0 (no warm-up) or more")
-    if (
-        isinstance(betas, (str, bytes))
-        or not hasattr(betas, "__len__")
-        or len(betas) != 2
-        or not all(not isinstance(b, bool) and isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)
-    ):
-        raise ValueError(f"{owner}: betas={betas!r} must be two numbers in [0, 1); use e.g. betas=(0.9, 0.95).")
-    check_bool(owner, "log_layer_load", log_layer_load)
+_DEPRECATED_ARGUMENTS = (
+    "learning_rate", "weight_decay", "warmup_steps", "betas", "optimizer_impl", "guard_nonfinite", "skip_nonfinite",
+)  # fmt: skip
 
 
 def check_vocab(owner: str, model_vocab: int | None, datamodule: Any) -> None:
@@ -110,49 +95,64 @@ class MoELanguageModelBase(L.LightningModule):
     """Causal language modelling on ``batch["input_ids"]`` / ``batch["labels"]`` (labels shifted).
 
     A subclass builds ``self.model`` (the network whose MoE layers are logged and kept in step)
-    after calling this ``__init__``, then saves its hyper-parameters, and defines ``forward``.
+    after calling this ``__init__`` (it passes its own ``**options`` on), then saves its
+    hyper-parameters, and defines ``forward``.
 
     Args:
-        learning_rate: peak AdamW learning rate.
-        weight_decay: AdamW weight decay (not applied to norms, biases and the router's expert bias).
-        warmup_steps: linear warm-up steps, then cosine decay to 10 % over ``max_steps``.
-        betas: AdamW betas.
+        optimizer: AdamW and its warm-up + cosine schedule
+            (:class:`~lightning_moe.optimizer.OptimizerConfig`, or a dict of its fields; YAML
+            ``optimizer: {learning_rate: 3e-3, warmup_steps: 30}``). Default: ``OptimizerConfig()``.
         log_layer_load: log each MoE layer's ``max/mean`` routed-token load.
-        optimizer_impl: AdamW kernels: ``fused`` (one kernel per step and dtype), ``foreach``, or
-            ``auto`` = fused when every parameter is on CUDA, else torch's default.
-        guard_nonfinite: before every optimizer step (and before clipping), a NaN/inf loss or
-            gradient raises ``FloatingPointError`` naming the first parameter and module holding it;
-            no weight changes (``parallel/finite.py``: local shards, one 16-byte all-reduce over the
-            world; measured: 4 % of a tiny-model CPU step). ``MoEConfig.check_finite`` is a different,
-            opt-in check: router logits in every layer's forward.
-        skip_nonfinite: skip up to this many non-finite steps in a row instead (gradients dropped,
-            the optimizer changes nothing, the step still counts toward ``global_step`` and the LR
-            schedule; each is logged as a warning), raising at the next; 0 raises at the first.
-            Under ``strategy="folded_moe"`` the strategy runs the guard, with these options unless
-            the strategy sets different ones (two different non-default settings are an error).
+        learning_rate, weight_decay, warmup_steps, betas, optimizer_impl: deprecated spellings of
+            ``optimizer``'s fields (mapped into it with a ``DeprecationWarning``; not together with
+            ``optimizer``).
+        guard_nonfinite, skip_nonfinite: deprecated here; the strategy owns the non-finite guard
+            (``FoldedMoEStrategy(guard_nonfinite=..., skip_nonfinite=...)``, ``parallel/finite.py``).
+            Given here they are forwarded to ``folded_moe`` with a ``DeprecationWarning``. Under a
+            strategy of another package, which has no guard, this module runs it before every
+            optimizer step with these options (default: on, raising at the first non-finite step).
+            ``MoEConfig.check_finite`` is a different, opt-in check: router logits in every
+            layer's forward.
     """
 
     model: torch.nn.Module
 
     def __init__(
         self,
-        learning_rate: float = 3e-3,
-        weight_decay: float = 0.1,
-        warmup_steps: int = 20,
-        betas: tuple[float, float] = (0.9, 0.95),
+        optimizer: OptimizerConfig | None = None,
         log_layer_load: bool = True,
-        optimizer_impl: str = "auto",
-        guard_nonfinite: bool = True,
-        skip_nonfinite: int = 0,
+        *,
+        learning_rate: float | None = None,
+        weight_decay: float | None = None,
+        warmup_steps: int | None = None,
+        betas: tuple[float, float] | None = None,
+        optimizer_impl: str | None = None,
+        guard_nonfinite: bool | None = None,
+        skip_nonfinite: int | None = None,
     ) -> None:
         super().__init__()
-        check_optimizer_impl(optimizer_impl, type(self).__name__)
-        check_optimizer_args(type(self).__name__, learning_rate, weight_decay, warmup_steps, betas, log_layer_load)
-        check_nonfinite_options(type(self).__name__, guard_nonfinite, skip_nonfinite)
-        self.nonfinite_options = (guard_nonfinite, skip_nonfinite)
-        self._nonfinite_guard = NonFiniteGuard(type(self).__name__, skip_nonfinite) if guard_nonfinite else None
+        owner = type(self).__name__
+        flat = {"learning_rate": learning_rate, "weight_decay": weight_decay, "warmup_steps": warmup_steps,
+                "betas": betas, "optimizer_impl": optimizer_impl}  # fmt: skip
+        self.optimizer_config = optimizer_config_from(owner, optimizer, flat)
+        check_bool(owner, "log_layer_load", log_layer_load)
+        self.log_layer_load = log_layer_load
+        self.forwarded_nonfinite_options = forwarded_nonfinite_options(owner, guard_nonfinite, skip_nonfinite)
+        options = {"guard_nonfinite": True, "skip_nonfinite": 0, **self.forwarded_nonfinite_options}
+        guard_on, skip = options["guard_nonfinite"], options["skip_nonfinite"]
+        self._nonfinite_guard = NonFiniteGuard(owner, skip) if guard_on else None  # under other strategies
         self.val_history: list[tuple[int, float]] = []
         self._val_sum = torch.zeros(2)
+
+    @override
+    def save_hyperparameters(self, *args: Any, frame: Any = None, **kwargs: Any) -> None:
+        """Lightning's, then the optimizer's arguments stored as one ``optimizer`` entry (the config)."""
+        super().save_hyperparameters(*args, frame=frame or inspect.currentframe().f_back, **kwargs)  # type: ignore[union-attr]
+        for name in _DEPRECATED_ARGUMENTS:
+            self._hparams.pop(name, None)
+        self._hparams["optimizer"] = self.optimizer_config
+        self._hparams["log_layer_load"] = self.log_layer_load
+        self._hparams_initial = copy.deepcopy(self._hparams)
 
     @property
     @override
@@ -209,15 +209,19 @@ class MoELanguageModelBase(L.LightningModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Config dataclasses in the hyper-parameters become plain dicts (``weights_only`` loads)."""
+        """Config dataclasses in the hyper-parameters become plain dicts (``weights_only`` loads); the
+        optimizer config is stored as the dict of its fields, which the constructor takes back."""
         if "hyper_parameters" in checkpoint:
-            checkpoint["hyper_parameters"] = config_to_plain(checkpoint["hyper_parameters"])
+            hparams = config_to_plain(checkpoint["hyper_parameters"])
+            if isinstance(hparams.get("optimizer"), OptimizerConfig):
+                hparams = {**hparams, "optimizer": hparams["optimizer"].as_dict()}
+            checkpoint["hyper_parameters"] = hparams
 
     @override
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         strategy = self.trainer.strategy if self._trainer is not None else None
         guard = self._nonfinite_guard
-        if guard is not None and optimizer_closure is not None and not getattr(strategy, "guards_nonfinite", False):
+        if guard is not None and optimizer_closure is not None and not getattr(strategy, "owns_nonfinite_guard", False):
             scaler = getattr(self.trainer.precision_plugin, "scaler", None) if strategy is not None else None
             device = strategy.root_device if strategy is not None else self.device
             optimizer_closure = guard_closure(
@@ -231,22 +235,16 @@ class MoELanguageModelBase(L.LightningModule):
 
     @override
     def configure_optimizers(self) -> Any:
+        """AdamW from :attr:`optimizer_config` (no decay for vectors and per-expert biases) with its
+        warm-up + cosine schedule over ``max_steps`` (10 000 steps when unset), stepped every step."""
         decay, no_decay = [], []
         for name, p in self.named_parameters():
             if not p.requires_grad:
                 continue
             is_bias = name.endswith(_EXPERT_BIASES)  # [E, ...] per-expert biases: biases, not matrices
             (decay if p.dim() >= 2 and not is_bias else no_decay).append(p)
-        hp = self.hparams
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.learning_rate,
-            betas=tuple(hp.betas),
-            **adamw_kernel_kwargs(hp.get("optimizer_impl", "auto"), decay + no_decay),
-        )
-        unscale_before_step(optimizer)  # clipping under every precision plugin (lightning_moe.optimizer)
         total = self.trainer.max_steps if self._trainer is not None and self.trainer.max_steps > 0 else 10_000
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(hp.warmup_steps, total))
+        optimizer, scheduler = build_adamw(self.optimizer_config, decay, no_decay, total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # --- helpers -----------------------------------------------------------------------------
@@ -276,7 +274,7 @@ class MoELanguageModelBase(L.LightningModule):
             for key, value in layer.last_aux_losses.items():
                 totals[key] = totals.get(key, 0) + value
             counts = layer.last_tokens_per_expert
-            if self.hparams.log_layer_load and counts is not None:
+            if self.log_layer_load and counts is not None:
                 counts = counts.float()
                 self.log(f"load_imbalance/{name}", counts.max() / counts.mean().clamp(min=1e-9))
         for key, value in totals.items():
@@ -288,28 +286,13 @@ class MoELanguageModel(MoELanguageModelBase):
 
     Args:
         model: the transformer's shape (vocabulary, layers, MoE config).
-        learning_rate, weight_decay, warmup_steps, betas, log_layer_load, optimizer_impl,
-            guard_nonfinite, skip_nonfinite: as in :class:`MoELanguageModelBase`.
+        options: :class:`MoELanguageModelBase`'s arguments (``optimizer``, ``log_layer_load``, ...).
     """
 
-    def __init__(
-        self,
-        model: TransformerConfig,
-        learning_rate: float = 3e-3,
-        weight_decay: float = 0.1,
-        warmup_steps: int = 20,
-        betas: tuple[float, float] = (0.9, 0.95),
-        log_layer_load: bool = True,
-        optimizer_impl: str = "auto",
-        guard_nonfinite: bool = True,
-        skip_nonfinite: int = 0,
-    ) -> None:
+    def __init__(self, model: TransformerConfig, **options: Any) -> None:
         if isinstance(model, dict):  # a checkpoint's hyper-parameters store configs as plain dicts
             model = config_from_plain(model)
-        super().__init__(
-            learning_rate, weight_decay, warmup_steps, betas, log_layer_load, optimizer_impl,
-            guard_nonfinite, skip_nonfinite,
-        )  # fmt: skip
+        super().__init__(**options)
         self.save_hyperparameters()
         self.config = model
         self.model = MoETransformer(model)
@@ -321,14 +304,3 @@ class MoELanguageModel(MoELanguageModelBase):
         if position_ids is None and document_ids is None:
             return self.model(input_ids)
         return self.model(input_ids, position_ids, document_ids)
-
-
-
-def _warmup_cosine(warmup: int, total: int):  # noqa: ANN202 - returns a LambdaLR schedule
-    def schedule(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return schedule

@@ -141,11 +141,11 @@ class HFMoELanguageModel(MoELanguageModelBase):
         fused_norms: compute the model's RMSNorms with one fused kernel each
             (:func:`~lightning_moe.models.hf_norms.swap_rms_norms`: same weights and checkpoint
             keys; in bf16 outputs differ from transformers' by about one unit in the last place).
-        learning_rate, weight_decay, warmup_steps, betas, log_layer_load, optimizer_impl,
-            guard_nonfinite, skip_nonfinite: as in :class:`~lightning_moe.lit.MoELanguageModelBase`.
         load_sharded: build the ``pretrained`` model on ``meta`` and read its weights in
             ``configure_model``, each rank only its shards under the strategy's layout (needs
             ``pretrained`` and ``swap=True``; untied embeddings).
+        options: :class:`~lightning_moe.lit.MoELanguageModelBase`'s arguments (``optimizer``,
+            ``log_layer_load``, ...).
     """
 
     def __init__(
@@ -157,21 +157,11 @@ class HFMoELanguageModel(MoELanguageModelBase):
         dtype: DtypeName = "float32",
         attn_implementation: str | None = "sdpa",
         experts_implementation: str | None = None,
-        learning_rate: float = 3e-3,
-        weight_decay: float = 0.1,
-        warmup_steps: int = 20,
-        betas: tuple[float, float] = (0.9, 0.95),
-        log_layer_load: bool = True,
-        optimizer_impl: str = "auto",
         fused_norms: bool = True,
-        guard_nonfinite: bool = True,
-        skip_nonfinite: int = 0,
         load_sharded: bool = False,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            learning_rate, weight_decay, warmup_steps, betas, log_layer_load, optimizer_impl,
-            guard_nonfinite, skip_nonfinite,
-        )  # fmt: skip
+        super().__init__(**options)
         self.save_hyperparameters()
         if load_sharded:
             self.model = _meta_hf_model(pretrained, swap, dtype, attn_implementation)

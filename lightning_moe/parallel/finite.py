@@ -40,8 +40,9 @@ NaN gradients, which the scaler skips (halving its scale, as for any overflow).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -58,8 +59,9 @@ __all__ = [
     "NonFiniteGuard",
     "check_nonfinite_options",
     "find_nonfinite",
+    "forward_nonfinite_options",
+    "forwarded_nonfinite_options",
     "guard_closure",
-    "resolve_nonfinite_options",
     "world_group",
 ]
 
@@ -104,22 +106,44 @@ def check_nonfinite_options(owner: str, guard_nonfinite: object, skip_nonfinite:
         )
 
 
-def resolve_nonfinite_options(first: tuple[str, bool, int], second: tuple[str, bool, int]) -> tuple[bool, int]:
-    """The ``(guard_nonfinite, skip_nonfinite)`` of two owners (a strategy and a module).
+def forwarded_nonfinite_options(owner: str, guard_nonfinite: object, skip_nonfinite: object) -> dict[str, Any]:
+    """The guard options a LightningModule was given (``None`` = not given), checked.
 
-    Equal options, or one owner at the default ``(True, 0)``: the other owner's options. Two
-    different non-default settings raise ``ValueError`` naming both.
+    The strategy, which takes the optimizer step, owns ``guard_nonfinite`` and ``skip_nonfinite``;
+    a module still accepts them with a ``DeprecationWarning`` and hands them on with
+    :func:`forward_nonfinite_options` (under a strategy of another package the module runs the guard
+    itself, with these options).
     """
-    (owner_a, *a), (owner_b, *b) = first, second
-    opt_a, opt_b = (bool(a[0]), int(a[1])), (bool(b[0]), int(b[1]))
-    if opt_a == opt_b or opt_b == DEFAULT_OPTIONS:
-        return opt_a
-    if opt_a == DEFAULT_OPTIONS:
-        return opt_b
-    raise ValueError(
-        f"{owner_a}: guard_nonfinite={opt_a[0]}, skip_nonfinite={opt_a[1]} disagrees with {owner_b}'s "
-        f"guard_nonfinite={opt_b[0]}, skip_nonfinite={opt_b[1]}; set the options in one place."
+    given = {k: v for k, v in (("guard_nonfinite", guard_nonfinite), ("skip_nonfinite", skip_nonfinite)) if v is not None}
+    if not given:
+        return given
+    check_nonfinite_options(owner, given.get("guard_nonfinite", True), given.get("skip_nonfinite", 0))
+    warnings.warn(
+        f"{owner}: {', '.join(f'{k}=' for k in given)} on the module is deprecated; the strategy owns the "
+        f"non-finite guard: pass it to the strategy, e.g. FoldedMoEStrategy({', '.join(f'{k}=...' for k in given)}) "
+        "(YAML: under trainer.strategy.init_args). It is forwarded there for now.",
+        DeprecationWarning,
+        stacklevel=4,  # the caller of the module's constructor
     )
+    return given
+
+
+def forward_nonfinite_options(owner: str, options: tuple[bool, int], source: str, forwarded: dict[str, Any]) -> tuple[bool, int]:
+    """``owner``'s ``(guard_nonfinite, skip_nonfinite)`` with the options ``source`` (a module) forwarded.
+
+    A forwarded option replaces the owner's option where that is at its default (``True``, ``0``);
+    where the owner was set to another value, ``ValueError`` names both (set it in one place).
+    """
+    merged = dict(zip(("guard_nonfinite", "skip_nonfinite"), options))
+    defaults = dict(zip(("guard_nonfinite", "skip_nonfinite"), DEFAULT_OPTIONS))
+    for name, value in forwarded.items():
+        if merged[name] not in (value, defaults[name]):
+            raise ValueError(
+                f"{owner}: {name}={merged[name]!r} disagrees with {name}={value!r} forwarded from {source}; "
+                f"set {name} on {owner} only."
+            )
+        merged[name] = value
+    return bool(merged["guard_nonfinite"]), int(merged["skip_nonfinite"])
 
 
 def _clean_name(name: str) -> str:

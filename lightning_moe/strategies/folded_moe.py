@@ -64,7 +64,7 @@ from typing_extensions import override
 from lightning_moe.checkpoint.atomic import publish, remove, staging_path
 from lightning_moe.checkpoint.dcp import load_distributed, save_distributed
 from lightning_moe.checkpoint.hparams import config_classes, config_from_plain, config_to_plain
-from lightning_moe.parallel.finite import NonFiniteGuard, guard_closure, resolve_nonfinite_options, world_group
+from lightning_moe.parallel.finite import NonFiniteGuard, forward_nonfinite_options, guard_closure, world_group
 from lightning_moe.parallel.grad import set_gradient_sync
 from lightning_moe.optimizer import unscale_before_step
 from lightning_moe.strategies._core import FoldedMoECore, check_namespace, mesh_aware_clip_norm, mesh_aware_clip_value
@@ -87,11 +87,10 @@ class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
     Arguments as :class:`~lightning_moe.strategies._core.FoldedMoECore`: ``tp cp ep etp pp dp edp
     order dispatcher expert_init_seed save_distributed_checkpoint process_group_backend timeout
     guard_nonfinite skip_nonfinite sequence_parallel vocab_parallel``. The non-finite guard runs in :meth:`optimizer_step` for any
-    LightningModule; a module with its own ``nonfinite_options`` (``MoELanguageModelBase``) leaves
-    it to the strategy, the two settings merged by ``resolve_nonfinite_options``.
+    LightningModule; the strategy owns its options (a module's deprecated ones are forwarded here).
     """
 
-    guards_nonfinite = True  # MoELanguageModelBase leaves its non-finite guard to this strategy
+    owns_nonfinite_guard = True  # MoELanguageModelBase leaves its non-finite guard to this strategy
     _nonfinite_guard: NonFiniteGuard | None = None
 
     strategy_name = "folded_moe"
@@ -149,10 +148,9 @@ class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
 
     def _install_nonfinite_guard(self) -> None:
         owner, module = type(self).__name__, self.lightning_module
-        guard, skip = self.guard_nonfinite, self.skip_nonfinite
-        module_options = getattr(module, "nonfinite_options", None)
-        if module_options is not None:
-            guard, skip = resolve_nonfinite_options((owner, guard, skip), (type(module).__name__, *module_options))
+        forwarded = getattr(module, "forwarded_nonfinite_options", None) or {}
+        options = (self.guard_nonfinite, self.skip_nonfinite)
+        guard, skip = forward_nonfinite_options(owner, options, type(module).__name__, forwarded)
         self._nonfinite_guard = NonFiniteGuard(owner, skip) if guard else None
 
     @override

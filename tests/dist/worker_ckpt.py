@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader
 import lightning_moe  # noqa: F401 - registers "folded_moe"
 from _models import ACCUM, CLIP, RecordingLM, TokenData, leave_together
 from lightning_moe.lit import MoELanguageModel
+from lightning_moe.optimizer import OptimizerConfig
 from lightning_moe.parallel.checkpoint import gather_full_state, stored_expert_ids
 from lightning_moe.strategies import FoldedMoEStrategy
 
@@ -56,7 +57,7 @@ class AdamLM(RecordingLM):
 
     def __init__(self) -> None:
         super().__init__()
-        self.hparams.learning_rate, self.hparams.warmup_steps = 1e-2, 1
+        self.optimizer_config = OptimizerConfig(learning_rate=1e-2, warmup_steps=1)
 
     def configure_optimizers(self) -> Any:
         return MoELanguageModel.configure_optimizers(self)

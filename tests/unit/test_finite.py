@@ -21,7 +21,7 @@ from lightning_moe.parallel.finite import (
     NonFiniteGuard,
     check_nonfinite_options,
     find_nonfinite,
-    resolve_nonfinite_options,
+    forward_nonfinite_options,
 )
 
 EXPERT_W13 = "model.layers.1.ffn.experts.w13"
@@ -156,12 +156,24 @@ def test_guard_nonfinite_must_be_a_bool() -> None:
         check_nonfinite_options("Owner", 1, 0)
 
 
-def test_options_of_strategy_and_module_merge_and_disagreeing_ones_are_refused() -> None:
-    assert resolve_nonfinite_options(("S", True, 0), ("M", True, 3)) == (True, 3)
-    assert resolve_nonfinite_options(("S", False, 0), ("M", True, 0)) == (False, 0)
-    assert resolve_nonfinite_options(("S", True, 2), ("M", True, 2)) == (True, 2)
-    with pytest.raises(ValueError, match="S: guard_nonfinite=True, skip_nonfinite=2 disagrees with M's"):
-        resolve_nonfinite_options(("S", True, 2), ("M", False, 0))
+def test_options_forwarded_from_a_module_replace_the_strategy_defaults_and_conflicts_are_refused() -> None:
+    assert forward_nonfinite_options("S", (True, 0), "M", {"skip_nonfinite": 3}) == (True, 3)
+    assert forward_nonfinite_options("S", (False, 0), "M", {}) == (False, 0)
+    assert forward_nonfinite_options("S", (False, 0), "M", {"skip_nonfinite": 0}) == (False, 0)
+    assert forward_nonfinite_options("S", (True, 2), "M", {"guard_nonfinite": True, "skip_nonfinite": 2}) == (True, 2)
+    with pytest.raises(ValueError, match="S: skip_nonfinite=2 disagrees with skip_nonfinite=0 forwarded from M"):
+        forward_nonfinite_options("S", (True, 2), "M", {"guard_nonfinite": False, "skip_nonfinite": 0})
+    with pytest.raises(ValueError, match="S: guard_nonfinite=False disagrees with guard_nonfinite=True forwarded"):
+        forward_nonfinite_options("S", (False, 0), "M", {"guard_nonfinite": True})
+
+
+def test_module_guard_options_are_deprecated_and_forwarded() -> None:
+    with pytest.warns(DeprecationWarning, match="the strategy owns the non-finite guard"):
+        model = MoELanguageModel(_config(), skip_nonfinite=2)
+    assert model.forwarded_nonfinite_options == {"skip_nonfinite": 2}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert MoELanguageModel(_config()).forwarded_nonfinite_options == {}
 
 
 # --- the Trainer: MoELanguageModel on one device ---------------------------------------------------

@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 from lightning_moe.cli import main
 from lightning_moe.lit_hf import HFMoELanguageModel
 from lightning_moe.models.hf import HFMoELayer
+from lightning_moe.optimizer import OptimizerConfig
 from lightning_moe.moe.utils import find_moe_layers
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "hf_qwen3_moe_tiny.yaml"
@@ -97,10 +98,10 @@ def test_module_shares_the_base_and_saves_every_init_argument() -> None:
     assert issubclass(MoELanguageModel, MoELanguageModelBase)
     assert dict(lit.hparams) == {
         "hf_config": TINY, "pretrained": None, "moe": None, "swap": True, "dtype": "float32",
-        "attn_implementation": "sdpa", "experts_implementation": None, "learning_rate": 3e-3,
-        "weight_decay": 0.1, "warmup_steps": 3, "betas": (0.9, 0.95), "log_layer_load": True,
-        "optimizer_impl": "foreach", "fused_norms": False, "guard_nonfinite": True, "skip_nonfinite": 0,
-        "load_sharded": False,
+        "attn_implementation": "sdpa", "experts_implementation": None, "fused_norms": False,
+        "load_sharded": False, "log_layer_load": True,
+        "optimizer": OptimizerConfig(learning_rate=3e-3, weight_decay=0.1, warmup_steps=3, betas=(0.9, 0.95),
+                                     optimizer_impl="foreach"),
     }  # fmt: skip
     assert lit.val_history == [] and lit.device_mesh is None
     with pytest.raises(ValueError, match="HFMoELanguageModel: optimizer_impl='fast' is unknown"):

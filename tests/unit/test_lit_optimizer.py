@@ -42,9 +42,9 @@ def test_unknown_optimizer_impl_is_refused_naming_the_value() -> None:
 
 def test_warmup_cosine_ramps_linearly_then_decays_to_ten_percent_of_peak() -> None:
     """warmup=4, total=14: (step+1)/4 for steps 0..3, then 0.1 + 0.45 * (1 + cos(pi * (step-4)/10))."""
-    from lightning_moe.lit import _warmup_cosine
+    from lightning_moe.optimizer import warmup_cosine
 
-    schedule = _warmup_cosine(4, 14)
+    schedule = warmup_cosine(4, 14)
     want = {0: 0.25, 1: 0.5, 3: 1.0, 4: 1.0, 9: 0.55, 14: 0.1, 40: 0.1}
     for step, factor in want.items():
         assert schedule(step) == pytest.approx(factor, abs=1e-12), step
