@@ -17,6 +17,10 @@ Stages of :meth:`FoldedMesh.build` (every rank must call it, in the same order):
 Both meshes share the world, so a rank's coordinate in one is independent of the other: the
 dense view decides who shares attention weights, the expert view who shares experts. Axis names
 are the ``FoldedLayout`` names (``AXIS_NAMES``).
+
+Pipeline parallel: both meshes carry the ``pp`` axis at the same stride (``FoldedLayout`` refuses
+an order where they would differ), so their pp groups hold the same ranks; ``mesh("pp")`` and
+``group("pp")`` are the dense mesh's, the one group a pipeline sends activations over.
 """
 
 from __future__ import annotations
