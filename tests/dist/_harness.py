@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 __all__ = [
-    "Launch", "Suite", "ValidationLoss", "free_port", "launch_torchrun", "run_cli_fit", "run_torchrun",
-    "run_torchrun_module", "validation_loss",
+    "Launch", "Suite", "ValidationLoss", "free_port", "launch_torchrun", "lost_port_race", "run_cli_fit",
+    "run_torchrun", "run_torchrun_module", "validation_loss",
 ]
 
 HERE = Path(__file__).resolve().parent
@@ -52,6 +52,11 @@ _PORT_TAKEN = ("EADDRINUSE", "Address already in use")
 # A gloo rank aborting in C++ teardown (a joinable std::thread destroyed) after its work is done;
 # seen once in CI on the 2-core machine, with rank 0's full report already printed.
 _TEARDOWN_ABORT = ("terminate called without an active exception",)
+
+
+def lost_port_race(returncode: int | None, output: str) -> bool:
+    """True when a job failed only because the port ``free_port`` gave was taken before it bound it."""
+    return returncode not in (0, None) and any(marker in output for marker in _PORT_TAKEN)
 
 
 def launch_torchrun(
