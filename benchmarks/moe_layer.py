@@ -30,7 +30,7 @@ import peers  # noqa: E402  (the peer implementations, benchmarks/peers.py)
 from gpu_clocks import ClockSampler  # noqa: E402  (benchmarks/gpu_clocks.py)
 from profiling import device_kernels, step_timeline  # noqa: E402  (benchmarks/profiling.py)
 
-from lightning_moe import MoEConfig, MoELayer  # noqa: E402
+from lightning_moe import MoEConfig, MoELayer, resources  # noqa: E402
 from lightning_moe.config import Fp8Config, KernelConfig  # noqa: E402
 from lightning_moe.ops.grouped_gemm import offsets_from_counts  # noqa: E402
 from lightning_moe.ops.permute import build_permutation, permute_rows  # noqa: E402
@@ -338,7 +338,7 @@ def main() -> None:
     out = dict(
         device=torch.cuda.get_device_name() if dev == "cuda" else "cpu",
         torch=torch.__version__,
-        kernels=os.environ.get("LIGHTNING_MOE_KERNELS", "auto"),
+        kernels=resources.kernels_mode(),
     )
     out["dense_bf16_tflops"] = round(peers.dense_ceiling(dev), 1)
     print(json.dumps(out), flush=True)

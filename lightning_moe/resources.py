@@ -11,16 +11,48 @@ finds them:
 :func:`csrc_dir` and :func:`configs_dir` return the packaged directory when it exists and the
 checkout's otherwise. :func:`resolve_recipe` turns what a user gives ``--config`` into a file: an
 existing path wins, then a bare recipe name (``tiny_moe`` or ``tiny_moe.yaml``) is looked up among
-:func:`recipe_names`. Nothing here reads the environment or imports Lightning.
+:func:`recipe_names`.
+
+The machine facts the package takes from the environment are read here and nowhere else, each once
+per process (a cached function; :func:`reread_environment` forgets them, for tests that change a
+variable):
+
+* ``LIGHTNING_MOE_KERNELS`` (:func:`kernels_mode`): ``auto`` (unset or empty), ``csrc`` or
+  ``torch``: whether the csrc kernels are built on this machine. Case and surrounding whitespace do
+  not matter; any other value is a ``ValueError`` naming it.
+* ``LIGHTNING_MOE_CACHE`` (:func:`build_cache_dir`): the root of the kernel build cache, default
+  ``~/.cache/lightning_moe``.
+* ``LIGHTNING_MOE_CUTLASS_DIR`` (:func:`cutlass_dir`): a CUTLASS checkout for the optional
+  kernels, instead of the ``nvidia-cutlass`` package's headers.
+
+Nothing here imports torch or Lightning.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
+import os
 import re
 from pathlib import Path
+from typing import Literal, get_args
 
-__all__ = ["RECIPE_SUFFIX", "configs_dir", "csrc_dir", "recipe_names", "recipe_path", "resolve_recipe"]
+__all__ = [
+    "RECIPE_SUFFIX",
+    "KernelsMode",
+    "build_cache_dir",
+    "configs_dir",
+    "csrc_dir",
+    "cutlass_dir",
+    "kernels_mode",
+    "parse_kernels_mode",
+    "recipe_names",
+    "recipe_path",
+    "reread_environment",
+    "resolve_recipe",
+]
+
+KernelsMode = Literal["auto", "csrc", "torch"]
 
 RECIPE_SUFFIX = ".yaml"
 _PACKAGED_CSRC = "_csrc"
@@ -96,3 +128,40 @@ def resolve_recipe(value: str) -> str:
     if value.endswith(RECIPE_SUFFIX) and "\n" not in value:
         raise _unknown(value)
     return value
+
+
+def parse_kernels_mode(raw: str | None) -> KernelsMode:
+    """The kernels mode a value of ``LIGHTNING_MOE_KERNELS`` names (``None`` or blank: ``auto``)."""
+    mode = (raw or "").strip().lower() or "auto"
+    if mode not in get_args(KernelsMode):
+        raise ValueError(
+            f"LIGHTNING_MOE_KERNELS={raw!r} is unknown; choose one of {', '.join(get_args(KernelsMode))}, "
+            "or unset it (auto)."
+        )
+    return mode  # type: ignore[return-value]
+
+
+@functools.cache
+def kernels_mode() -> KernelsMode:
+    """``LIGHTNING_MOE_KERNELS`` of this process, read once: whether the csrc kernels are built here."""
+    return parse_kernels_mode(os.environ.get("LIGHTNING_MOE_KERNELS"))
+
+
+@functools.cache
+def build_cache_dir() -> Path:
+    """Root of the kernel build cache: ``$LIGHTNING_MOE_CACHE`` or ``~/.cache/lightning_moe``, read once."""
+    root = os.environ.get("LIGHTNING_MOE_CACHE", "").strip()
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "lightning_moe"
+
+
+@functools.cache
+def cutlass_dir() -> Path | None:
+    """``$LIGHTNING_MOE_CUTLASS_DIR`` (a CUTLASS checkout), read once; ``None`` when unset or blank."""
+    root = os.environ.get("LIGHTNING_MOE_CUTLASS_DIR", "").strip()
+    return Path(root).expanduser() if root else None
+
+
+def reread_environment() -> None:
+    """Forget the machine facts read so far; the next call of each reads the environment again."""
+    for read in (kernels_mode, build_cache_dir, cutlass_dir):
+        read.cache_clear()

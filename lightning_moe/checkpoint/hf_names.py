@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_moe.models.hf_families import FAMILIES, Family
+from lightning_moe.models.hf_routing import _correction_bias
 
 __all__ = ["CHECKPOINT_RENAMES", "CheckpointRenames", "LayerNames", "family_named", "module_layer_names",
            "saved_layer_names", "stored_bias_shape"]  # fmt: skip
@@ -125,7 +126,7 @@ def _names(layer_name: str, fam: Family, renames: CheckpointRenames, prefix: str
     return LayerNames(
         prefix=prefix,
         router=prefix + (renames.router or f"{fam.router}.weight"),
-        bias=None if fam.bias is None else prefix + (renames.bias or f"{fam.router}.{fam.bias}"),
+        bias=None if fam.bias is None else prefix + (renames.bias or fam.bias),
         shared=None if fam.shared is None else f"{prefix}{fam.shared}.",
         shared_gate=None if fam.shared_gate is None else f"{prefix}{fam.shared_gate}.weight",
         per_expert=renames.per_expert,
@@ -155,7 +156,5 @@ def module_layer_names(layer_name: str, family: str, owner: str = "hf checkpoint
 def stored_bias_shape(layer: Any) -> tuple[int, ...] | None:
     """The shape of a swapped layer's correction bias in its HF block (ERNIE keeps ``[1, E]``, ours
     is ``[E]``); ``None`` when the family has none."""
-    from lightning_moe.models.hf import _correction_bias
-
     bias = _correction_bias(family_named(layer.family, "hf checkpoint"), layer.hf_block)
     return None if bias is None else tuple(bias.shape)

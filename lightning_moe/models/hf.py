@@ -67,7 +67,6 @@ import ast
 import inspect
 import textwrap
 import warnings
-from dataclasses import fields
 from typing import Any
 
 import torch
@@ -75,6 +74,20 @@ import torch.nn as nn
 
 from lightning_moe.config import MoEConfig
 from lightning_moe.models.hf_families import FAMILIES, Family, family_of
+from lightning_moe.models.hf_packed import packed_attention_mask, packed_forward_kwargs
+from lightning_moe.models.hf_routing import (
+    SUPPORTED_BLOCKS,
+    _attr,
+    _check_refused,
+    _correction_bias,
+    _expert_biases,
+    _interleaved,
+    _router_bias,
+    _router_module,
+    _shared,
+    _transposed,
+    moe_config_from_block,
+)
 from lightning_moe.moe.layer import MoELayer
 
 __all__ = [
@@ -87,8 +100,6 @@ __all__ = [
     "swap_moe_blocks",
 ]
 
-# HF class name -> family; matched against the class and its bases, so subclasses swap too.
-SUPPORTED_BLOCKS: dict[str, str] = {f.block: f.name for f in FAMILIES.values() if f.refused is None}
 _BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES.values()}
 # Fields that decide the layer's math; export refuses a layer whose values no longer match HF's.
 _ROUTING_FIELDS = (
@@ -111,7 +122,6 @@ _ROUTING_FIELDS = (
     "swiglu_limit",
     "swiglu_up_offset",
 )
-_MOE_FIELDS = frozenset(f.name for f in fields(MoEConfig))
 # Parameters of the router_bias / expert_mlp_bias options: zero when an override adds them to a block without them.
 _OVERRIDE_BIASES = ("router.bias", "experts.b13", "experts.b2")
 
@@ -135,6 +145,7 @@ class HFMoELayer(MoELayer):
         jitter_noise: float = 0.0,
         hf_routing: dict[str, Any] | None = None,
         hf_output_router_logits: bool | None = None,
+        flat_output: bool = False,
     ) -> None:
         super().__init__(config, layer_name=layer_name)
         self.family = family
@@ -143,6 +154,7 @@ class HFMoELayer(MoELayer):
         self.jitter_noise = jitter_noise
         self.hf_routing = dict(hf_routing or {})
         self.hf_output_router_logits = hf_output_router_logits
+        self.flat_output = flat_output
         self._last_router_logits: torch.Tensor | None = None
         if returns_router_logits:
             self.router.register_forward_hook(self._keep_logits)
@@ -156,6 +168,8 @@ class HFMoELayer(MoELayer):
         self._last_router_logits = output.logits_TE
 
     def forward(self, x: torch.Tensor) -> Any:  # tensor, or (tensor, router_logits) for 4.x parents
+        if self.flat_output:  # ERNIE-4.5-VL hands each modality's rows over as one flat vector
+            x = x.reshape(-1, self.config.hidden_size)
         if self.training and self.jitter_noise > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         y = super().forward(x)
@@ -163,6 +177,8 @@ class HFMoELayer(MoELayer):
             return y
         logits_TE = self._last_router_logits
         self._last_router_logits = None
+        if self.flat_output:
+            return y.flatten(), logits_TE.flatten()  # type: ignore[union-attr]
         return y, logits_TE.to(x.dtype)  # type: ignore[union-attr]
 
     def extra_repr(self) -> str:
@@ -170,40 +186,6 @@ class HFMoELayer(MoELayer):
 
 
 # --- reading HF blocks -----------------------------------------------------------------------
-
-
-def _family(module: nn.Module) -> str | None:
-    """The family name of a supported (not refused) HF block, else ``None``."""
-    fam = family_of(module)
-    return fam.name if fam is not None and fam.refused is None else None
-
-
-def _router_module(fam: Family, block: nn.Module) -> nn.Module:
-    return block.get_submodule(fam.router)
-
-
-def _router_owners(fam: Family, block: nn.Module) -> tuple[nn.Module, ...]:
-    """Where routing attributes live: the router, its top-level holder (``gate`` of ``gate.wg``), the block."""
-    return (_router_module(fam, block), block.get_submodule(fam.router.split(".")[0]), block)
-
-
-def _correction_bias(fam: Family, block: nn.Module) -> torch.Tensor | None:
-    if fam.bias is None:
-        return None
-    owner_name, _, attr = fam.bias.rpartition(".")
-    owner = _router_module(fam, block)
-    owner = owner.get_submodule(owner_name) if owner_name else owner
-    return getattr(owner, attr, None)
-
-
-def _attr(name: str, *owners: Any, default: Any = None) -> Any:
-    """First ``owner.<name>`` that exists (``name`` may be ``"a|b"`` for alternatives)."""
-    for key in name.split("|"):
-        for owner in owners:
-            if owner is not None and hasattr(owner, key):
-                return getattr(owner, key)
-    return default
-
 
 def _returns_tuple(block_cls: type) -> bool:
     """Whether ``block_cls.forward`` returns a tuple (``(hidden, router_logits)`` in transformers 4.x)."""
@@ -214,24 +196,6 @@ def _returns_tuple(block_cls: type) -> bool:
     func = tree.body[0]
     returns = [n for n in ast.walk(func) if isinstance(n, ast.Return) and n.value is not None]
     return any(isinstance(r.value, ast.Tuple) for r in returns)
-
-
-def _check_silu(name: str, *owners: Any) -> None:
-    act = _attr("hidden_act", *owners, default="silu")
-    if act not in ("silu", "swish"):
-        raise ValueError(
-            f"swap_moe_blocks: block {name} uses hidden_act={act!r}; MoELayer experts are SwiGLU (silu) only. "
-            "Leave this model unswapped."
-        )
-
-
-def _transposed(fam: Family, experts: nn.Module) -> bool:
-    return fam.experts_transposed or bool(getattr(experts, "is_transposed", False))
-
-
-def _interleaved(fam: Family, experts: nn.Module) -> bool:
-    return fam.gate_up_interleaved or not bool(getattr(experts, "is_concatenated", True))
-
 
 def _gate_first(t: torch.Tensor) -> torch.Tensor:
     """Interleaved ``[g0, u0, g1, u1, ...]`` last-dim columns as ``[gate | up]`` (a new tensor)."""
@@ -244,12 +208,6 @@ def _interleave(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(t)
     out[..., ::2], out[..., 1::2] = t[..., :F], t[..., F:]
     return out
-
-
-def _expert_biases(experts: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(gate_up_proj_bias [E, 2F], down_proj_bias [E, H])`` of fused HF experts, or ``None``s."""
-    return getattr(experts, "gate_up_proj_bias", None), getattr(experts, "down_proj_bias", None)
-
 
 def _experts_tensors(name: str, fam: Family, experts: nn.Module) -> dict[str, torch.Tensor]:
     """``experts.w13 [E, H, 2F]``, ``experts.w2 [E, F, H]`` and, with biases, ``experts.b13 [E, 2F]``
@@ -284,174 +242,6 @@ def _experts_tensors(name: str, fam: Family, experts: nn.Module) -> dict[str, to
         out["experts.b2"] = b2.detach().clone(memory_format=copy)
     return out
 
-
-def _router_bias(fam: Family, block: nn.Module) -> torch.Tensor | None:
-    bias = getattr(_router_module(fam, block), "bias", None)
-    return bias if isinstance(bias, torch.Tensor) else None
-
-
-def _expert_math(name: str, fam: Family, block: nn.Module, *owners: Any) -> dict[str, Any]:
-    """The MoEConfig fields of the block's router bias, expert biases and activation."""
-    experts = block.experts
-    fields_: dict[str, Any] = {
-        "router_bias": _router_bias(fam, block) is not None,
-        "expert_mlp_bias": not isinstance(experts, nn.ModuleList) and _expert_biases(experts)[0] is not None,
-        "swiglu_alpha": 1.0, "swiglu_limit": None, "swiglu_up_offset": 0.0,
-    }  # fmt: skip
-    if fam.activation == "swiglu_clamped":
-        alpha = _attr("alpha|swiglu_alpha", experts, *owners)
-        limit = _attr("limit|swiglu_limit", experts, *owners)
-        if alpha is None or limit is None:
-            raise ValueError(
-                f"swap_moe_blocks: the clamped SwiGLU of {name} has alpha={alpha!r}, limit={limit!r}; set swiglu_alpha "
-                "and swiglu_limit in the HF config."
-            )
-        fields_.update(swiglu_alpha=float(alpha), swiglu_limit=float(limit), swiglu_up_offset=1.0)
-    return fields_
-
-
-def _softmax(num_experts: int, top_k: int, norm: bool, **extra: Any) -> dict[str, Any]:
-    out = {"num_experts": num_experts, "top_k": top_k, "score_func": "softmax", "pre_softmax": True,
-           "norm_topk_prob": norm, "scaling_factor": None, "num_groups": None, "group_topk": None,
-           "group_score_topk": None, "expert_bias": False, "routing_weight_on_input": False}  # fmt: skip
-    out.update(extra)
-    return out
-
-
-def _single_expert_renormalised(name: str, top_k: int, norm: bool) -> None:
-    if top_k == 1 and norm:
-        raise ValueError(
-            f"swap_moe_blocks: {name} has num_experts_per_tok=1 with renormalisation (HF weight 1.0 per token, "
-            "MoELayer the raw score); set norm_topk_prob=False or top_k >= 2 to swap this model."
-        )
-
-
-def _routing(name: str, fam: Family, block: nn.Module, num_experts: int) -> dict[str, Any]:
-    owners = _router_owners(fam, block)
-    top_k = int(_attr("top_k|num_experts_per_tok|moe_topk", *owners))
-    norm = fam.norm if fam.norm is not None else bool(_attr("norm_topk_prob", *owners, default=fam.routing == "sigmoid"))
-    if fam.routing == "softmax":
-        _single_expert_renormalised(name, top_k, norm)
-        return _softmax(num_experts, top_k, norm)
-    if fam.routing == "softmax_k":
-        if top_k == 1:
-            raise ValueError(
-                f"swap_moe_blocks: {name} has num_experts_per_tok=1: a softmax over one selected logit is 1.0 for "
-                "every token and gives the router no gradient; MoELayer refuses it. Use top_k >= 2."
-            )
-        return _softmax(num_experts, top_k, True, pre_softmax=False)
-    if fam.routing == "softmax_bias":
-        # HF divides by clamp(sum, min=moe_norm_min), MoELayer by sum + 1e-20: equal for any sum above 1e-12.
-        _single_expert_renormalised(name, top_k, norm)
-        return _softmax(num_experts, top_k, norm, expert_bias=True)
-    if fam.routing == "sigmoid_input":  # top-k of the logits = top-k of their sigmoid
-        return {"num_experts": num_experts, "top_k": top_k, "score_func": "sigmoid", "pre_softmax": False,
-                "norm_topk_prob": False, "scaling_factor": None, "num_groups": None, "group_topk": None,
-                "group_score_topk": None, "expert_bias": False, "routing_weight_on_input": True}  # fmt: skip
-    n_group = int(_attr("num_group|n_group", *owners, default=1) or 1)
-    topk_group = int(_attr("topk_group", *owners, default=1) or 1)
-    scaling = float(_attr("routed_scaling_factor", *owners, default=1.0))
-    if fam.routing == "softmax_scaled":
-        method = _attr("topk_method", *owners, default="greedy")
-        groups: tuple[int | None, int | None] = (None, None)
-        if method not in ("greedy", "group_limited_greedy"):
-            raise ValueError(
-                f"swap_moe_blocks: {name} has topk_method={method!r}; only 'greedy' and 'group_limited_greedy' "
-                "are known. Leave this model unswapped."
-            )
-        if method == "group_limited_greedy" and topk_group < n_group:
-            groups = (n_group, topk_group)  # each group scored by its best expert
-        return _softmax(num_experts, top_k, False, scaling_factor=scaling, num_groups=groups[0], group_topk=groups[1],
-                        group_score_topk=1 if groups[0] else None)  # fmt: skip
-    # sigmoid (DeepSeek-V3 family)
-    grouped = n_group > 1 and topk_group < n_group  # all groups kept: the grouping selects nothing
-    if top_k == 1 and norm:
-        raise ValueError(
-            f"swap_moe_blocks: {name} has num_experts_per_tok=1 with norm_topk_prob=True (HF weight 1.0 per "
-            "token, MoELayer the raw sigmoid score); set norm_topk_prob=False or top_k >= 2."
-        )
-    return {"num_experts": num_experts, "top_k": top_k, "score_func": "sigmoid", "pre_softmax": False,
-            "norm_topk_prob": norm, "scaling_factor": scaling,
-            "num_groups": n_group if grouped else None, "group_topk": topk_group if grouped else None,
-            "group_score_topk": 2 if grouped else None, "expert_bias": True,
-            "routing_weight_on_input": False}  # fmt: skip
-
-
-def _shared(family: str | Family, block: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
-    fam = _BY_NAME[family] if isinstance(family, str) else family
-    shared = getattr(block, fam.shared, None) if fam.shared else None
-    gate = getattr(block, fam.shared_gate, None) if fam.shared_gate else None
-    return shared, gate
-
-
-def _check_shared(name: str, shared: nn.Module | None, gate: nn.Module | None) -> None:
-    linears = [getattr(shared, n, None) for n in ("gate_proj", "up_proj", "down_proj")] if shared is not None else []
-    if shared is not None and any(not isinstance(m, nn.Linear) for m in linears):
-        raise ValueError(
-            f"swap_moe_blocks: the shared expert of {name} ({type(shared).__name__}) is not a gate_proj/up_proj/"
-            "down_proj SwiGLU MLP; leave this model unswapped."
-        )
-    if any(m.bias is not None for m in linears) or (gate is not None and gate.bias is not None):
-        raise ValueError(
-            f"swap_moe_blocks: the shared expert of {name} has biases (e.g. mlp_bias=True); MoELayer's shared "
-            "expert has none. Leave this model unswapped or build it with mlp_bias=False."
-        )
-
-
-def _check_refused(name: str, block: nn.Module, fam: Family) -> None:
-    if fam.refused is not None:
-        raise ValueError(
-            f"swap_moe_blocks: block {name} ({type(block).__name__}, {fam.name}) cannot be swapped: {fam.refused}. "
-            "Leave this model unswapped."
-        )
-
-
-def moe_config_from_block(
-    block: nn.Module, hf_config: Any = None, name: str = "block", **overrides: Any
-) -> tuple[MoEConfig, dict[str, Any]]:
-    """The :class:`MoEConfig` equivalent to an HF block, and the routing fields it fixed.
-
-    ``hf_config`` (the model's ``config``) supplies the aux loss: Switch loss with
-    ``router_aux_loss_coef`` when ``output_router_logits`` is on, else none. ``overrides`` are
-    MoEConfig fields and win over everything derived.
-    """
-    fam = family_of(block)
-    if fam is None:
-        raise ValueError(
-            f"moe_config_from_block: {type(block).__name__} is not supported; supported: {sorted(SUPPORTED_BLOCKS)}."
-        )
-    _check_refused(name, block, fam)
-    unknown = set(overrides) - _MOE_FIELDS
-    if unknown:
-        raise ValueError(
-            f"swap_moe_blocks: unknown MoEConfig fields {sorted(unknown)}; choose from {sorted(_MOE_FIELDS)}."
-        )
-    experts_cfg = getattr(block.experts, "config", None)
-    _check_silu(name, experts_cfg, getattr(block, "config", None), hf_config)
-    num_experts, hidden = _router_module(fam, block).weight.shape
-    routing = _routing(name, fam, block, int(num_experts))
-    first = block.experts[0] if isinstance(block.experts, nn.ModuleList) else None
-    if first is not None:
-        ffn = _attr("gate_proj|w1", first).weight.shape[0]
-    else:
-        ffn = block.experts.down_proj.shape[1 if _transposed(fam, block.experts) else -1]
-    shared, shared_gate = _shared(fam, block)
-    _check_shared(name, shared, shared_gate)
-    routing["shared_expert_ffn_size"] = None if shared is None else int(shared.gate_proj.weight.shape[0])
-    routing["shared_expert_gate"] = shared_gate is not None
-    routing.update(_expert_math(name, fam, block, experts_cfg, getattr(block, "config", None), hf_config))
-    use_aux = bool(getattr(hf_config, "output_router_logits", False))
-    derived: dict[str, Any] = {
-        "hidden_size": int(hidden),
-        "ffn_hidden_size": int(ffn),
-        **routing,
-        "aux_loss": "switch" if use_aux else "none",
-        "aux_loss_coeff": float(getattr(hf_config, "router_aux_loss_coef", 1e-2) or 0.0) if use_aux else 0.0,
-    }
-    derived.update(overrides)
-    return MoEConfig(**derived), routing
-
-
 # --- swap ------------------------------------------------------------------------------------
 
 
@@ -459,11 +249,9 @@ def _param(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=requires_grad)
 
 
-def _build_layer(name: str, block: nn.Module, hf_config: Any, overrides: dict[str, Any]) -> HFMoELayer:
-    fam = family_of(block)
-    assert fam is not None
-    family = fam.name
-    config, routing = moe_config_from_block(block, hf_config, name, **overrides)
+def _build_layer(
+    name: str, block: nn.Module, fam: Family, config: MoEConfig, routing: dict[str, Any], hf_config: Any
+) -> HFMoELayer:
     gate_w = _router_module(fam, block).weight
     device, requires_grad = gate_w.device, gate_w.requires_grad
     tensors: dict[str, torch.Tensor] = {"router.weight": gate_w.detach().clone()}
@@ -486,12 +274,13 @@ def _build_layer(name: str, block: nn.Module, hf_config: Any, overrides: dict[st
         layer = HFMoELayer(
             config,
             layer_name=name,
-            family=family,
+            family=fam.name,
             hf_block=hf_block,
             returns_router_logits=_returns_tuple(type(block)),
             jitter_noise=float(getattr(block, "jitter_noise", 0.0) or 0.0),
             hf_routing=routing,
             hf_output_router_logits=getattr(hf_config, "output_router_logits", None),
+            flat_output=fam.flat_output,
         )
     layer.to_empty(device=device)
     for buf in layer.buffers():
@@ -536,19 +325,19 @@ def swap_moe_blocks(model: nn.Module, **overrides: Any) -> nn.Module:
             routing cannot be expressed exactly by :class:`MoELayer`.
     """
     hf_config = getattr(model, "config", None)
-    for n, m in model.named_modules():
-        fam = family_of(m)
-        if n and fam is not None:
-            _check_refused(n, m, fam)
-    targets = [(n, m) for n, m in model.named_modules() if n and _family(m) is not None]
+    found = [(n, m, fam) for n, m in model.named_modules() if n and (fam := family_of(m)) is not None]
+    for n, m, fam in found:
+        _check_refused(n, m, fam)
+    # every block's config first: a block that cannot be swapped leaves the model untouched
+    targets = [(n, m, fam, *moe_config_from_block(m, hf_config, n, family=fam, **overrides)) for n, m, fam in found]
     if not targets:
         found = sorted({type(m).__name__ for m in model.modules() if "moe" in type(m).__name__.lower()})
         raise ValueError(
             f"swap_moe_blocks: no supported MoE block in {type(model).__name__} (MoE-like classes found: {found}); "
             f"supported: {sorted(SUPPORTED_BLOCKS)}."
         )
-    for name, block in targets:
-        layer = _build_layer(name, block, hf_config, overrides)
+    for name, block, fam, config, routing in targets:
+        layer = _build_layer(name, block, fam, config, routing, hf_config)
         parent, attr = _parent_and_attr(model, name)
         setattr(parent, attr, layer)
     if hf_config is not None and getattr(hf_config, "output_router_logits", False):
@@ -653,94 +442,3 @@ def export_moe_blocks(model: nn.Module) -> nn.Module:
         warnings.warn("export_moe_blocks: nested HFMoELayer left in place.", stacklevel=2)
     return model
 
-
-# --- packed rows -----------------------------------------------------------------------------
-# Legend here: B batch, S sequence; document ids as in ``lightning_moe.data.packing``.
-
-# Attention backends that honour a 4-D mask (others, e.g. flash_attention_2, ignore or refuse it).
-_MASKED_ATTENTION = ("sdpa", "eager")
-_LAYER_KINDS = ("full_attention", "sliding_attention")
-
-
-def packed_attention_mask(
-    document_ids_BS: torch.Tensor, *, additive_dtype: torch.dtype | None = None, sliding_window: int | None = None
-) -> torch.Tensor:
-    """The 4-D attention mask ``[B, 1, S, S]`` of packed rows: causal, within one document only.
-
-    Query ``i`` sees key ``j`` iff ``j <= i``, ``document_ids[j] == document_ids[i]`` and, with a
-    ``sliding_window``, ``i - j < sliding_window`` (transformers' window rule). Boolean (``True``
-    = attend; what sdpa takes) unless ``additive_dtype`` is given: then 0 where attended and that
-    dtype's minimum elsewhere (what the eager attention adds to its scores). transformers passes a
-    4-D mask through unchanged, so it replaces the causal mask the model would build.
-    """
-    B, S = document_ids_BS.shape
-    i_S1 = torch.arange(S, device=document_ids_BS.device)[:, None]
-    j_1S = torch.arange(S, device=document_ids_BS.device)[None, :]
-    allowed_SS = j_1S <= i_S1
-    if sliding_window is not None:
-        allowed_SS = allowed_SS & (i_S1 - j_1S < sliding_window)
-    same_BSS = document_ids_BS[:, :, None] == document_ids_BS[:, None, :]
-    mask_B1SS = (same_BSS & allowed_SS)[:, None]
-    if additive_dtype is None:
-        return mask_B1SS
-    blocked = torch.finfo(additive_dtype).min
-    return torch.zeros(mask_B1SS.shape, dtype=additive_dtype, device=mask_B1SS.device).masked_fill_(~mask_B1SS, blocked)
-
-
-def _attention_kinds(config: Any) -> tuple[set[str], int | None]:
-    """The layer kinds (``full_attention``/``sliding_attention``) of an HF config, and its window."""
-    window = getattr(config, "sliding_window", None) or None  # qwen2_moe stores 0 for "off"
-    layer_types = getattr(config, "layer_types", None)
-    kinds = set(layer_types) if layer_types else {"sliding_attention" if window else "full_attention"}
-    unknown = kinds - set(_LAYER_KINDS)
-    if unknown:
-        raise ValueError(
-            f"packed_forward_kwargs: layer_types {sorted(unknown)} of {type(config).__name__} have no packed mask here "
-            f"(known: {list(_LAYER_KINDS)}); run this model on unpacked rows (packing='none')."
-        )
-    if "sliding_attention" in kinds and window is None:
-        raise ValueError(
-            f"packed_forward_kwargs: {type(config).__name__} has sliding_attention layers but sliding_window="
-            f"{getattr(config, 'sliding_window', None)!r}; set sliding_window in the HF config."
-        )
-    return kinds, window
-
-
-def packed_forward_kwargs(
-    model: nn.Module, input_ids: torch.Tensor, document_ids: torch.Tensor, position_ids: torch.Tensor | None = None
-) -> dict[str, Any]:
-    """``attention_mask`` and ``position_ids`` that make an HF causal LM attend within documents only.
-
-    ``document_ids`` ``[B, S]`` like ``input_ids`` (non-decreasing along each row; checked with
-    ``check_packed_batch``, as are ``position_ids``); ``position_ids`` defaults to the
-    position within each document (``position_ids_from_document_ids``). The mask is
-    :func:`packed_attention_mask`: boolean for ``attn_implementation="sdpa"``, additive in the
-    model's dtype for ``"eager"``; a model mixing full and sliding-window layers (``layer_types``)
-    gets one mask per kind, as its forward accepts. Other attention backends raise ``ValueError``.
-    (Given restarting position ids and no mask, transformers finds the boundaries from the position
-    ids itself; the explicit mask follows the document ids, which are checked, instead.)
-    """
-    from lightning_moe.data.packing import check_packed_batch, position_ids_from_document_ids
-
-    config = getattr(model, "config", None)
-    impl = getattr(config, "_attn_implementation", None)
-    if impl not in _MASKED_ATTENTION:
-        raise ValueError(
-            f"packed_forward_kwargs: attn_implementation={impl!r} does not take the 4-D mask that keeps attention "
-            f"within a document; build the model with attn_implementation in {list(_MASKED_ATTENTION)}."
-        )
-    if position_ids is None:
-        position_ids = position_ids_from_document_ids(document_ids)
-    check_packed_batch({"input_ids": input_ids, "document_ids": document_ids, "position_ids": position_ids})
-    kinds, window = _attention_kinds(config)
-    dtype = None
-    if impl == "eager":
-        weight = model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else None
-        dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.float32
-    masks = {
-        kind: packed_attention_mask(document_ids, additive_dtype=dtype,
-                                    sliding_window=window if kind == "sliding_attention" else None)
-        for kind in sorted(kinds)
-    }  # fmt: skip
-    mask: Any = masks if len(masks) > 1 else next(iter(masks.values()))
-    return {"attention_mask": mask, "position_ids": position_ids}

@@ -59,7 +59,8 @@ class Family:
         routing: one of :data:`ROUTINGS`.
         norm: renormalise the K weights: ``True``/``False``, or ``None`` to read the router's
             (or block's) ``norm_topk_prob``.
-        bias: attribute path, from the router module, of the selection-only correction bias.
+        bias: attribute path, from the block, of the selection-only correction bias
+            (``gate.e_score_correction_bias``; MiniMax-M2 and AFMoE keep it on the block itself).
         shared: attribute of the ungated or gated shared-expert MLP on the block.
         shared_gate: attribute of the shared expert's ``Linear(H, 1)`` sigmoid gate.
         experts_transposed: the fused expert weights are stored ``gate_up_proj [E, H, 2F]`` and
@@ -68,6 +69,10 @@ class Family:
             columns (gate ``[..., ::2]``, up ``[..., 1::2]``; gpt-oss); the swap stores them gate
             first and the export interleaves them again.
         activation: one of :data:`ACTIVATIONS`.
+        routing_by: ``(attribute, ((value, routing), ...))``: the routing rule named by an HF
+            attribute (Cohere2-MoE's ``expert_selection_fn``: ``softmax`` or ``sigmoid``).
+        flat_output: the block returns ``(y.flatten(), router_logits.flatten())`` (ERNIE-4.5-VL's
+            per-modality blocks).
         refused: why the block cannot be swapped (``None``: it can).
     """
 
@@ -82,16 +87,21 @@ class Family:
     experts_transposed: bool = False
     gate_up_interleaved: bool = False
     activation: str = "swiglu"
+    routing_by: tuple[str, tuple[tuple[str, str], ...]] | None = None
+    flat_output: bool = False
     refused: str | None = None
 
     def __post_init__(self) -> None:
-        if self.routing not in ROUTINGS:
-            raise ValueError(f"Family {self.name}: routing={self.routing!r} is not one of {ROUTINGS}.")
+        routings = [self.routing, *(r for _, r in (self.routing_by[1] if self.routing_by else ()))]
+        for routing in routings:
+            if routing not in ROUTINGS:
+                raise ValueError(f"Family {self.name}: routing={routing!r} is not one of {ROUTINGS}.")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"Family {self.name}: activation={self.activation!r} is not one of {ACTIVATIONS}.")
 
 
-_V3 = dict(routing="sigmoid", norm=None, bias="e_score_correction_bias", shared="shared_experts")
+_V3 = dict(routing="sigmoid", norm=None, bias="gate.e_score_correction_bias", shared="shared_experts")
+_GRANITE = dict(router="router", routing="softmax_k", norm=True)
 
 FAMILIES: dict[str, Family] = {
     f.block: f
@@ -104,9 +114,9 @@ FAMILIES: dict[str, Family] = {
         Family("dots1", "Dots1MoE", **_V3),
         Family("olmoe", "OlmoeSparseMoeBlock"),
         Family("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", routing="softmax_bias", norm=True,
-               bias="moe_statics.e_score_correction_bias", shared="shared_experts"),
+               bias="gate.moe_statics.e_score_correction_bias", shared="shared_experts"),
         Family("hunyuan_v1_moe", "HunYuanMoEV1Moe", router="gate.wg", norm=True, shared="shared_mlp"),
-        Family("granitemoe", "GraniteMoeMoE", router="router", routing="softmax_k", norm=True),
+        Family("granitemoe", "GraniteMoeMoE", **_GRANITE),
         Family("deepseek_v2", "DeepseekV2Moe", routing="softmax_scaled", norm=False, shared="shared_experts"),
         Family("qwen3_next", "Qwen3NextSparseMoeBlock", shared="shared_expert", shared_gate="shared_expert_gate"),
         Family("qwen3_5_moe", "Qwen3_5MoeSparseMoeBlock", norm=True, shared="shared_expert",
@@ -119,6 +129,34 @@ FAMILIES: dict[str, Family] = {
                gate_up_interleaved=True, activation="swiglu_clamped"),
         Family("llama4", "Llama4TextMoe", router="router", routing="sigmoid_input", norm=False,
                shared="shared_expert", experts_transposed=True),
+        Family("minimax_m2", "MiniMaxM2SparseMoeBlock", routing="sigmoid", norm=True, bias="e_score_correction_bias"),
+        Family("glm4_moe_lite", "Glm4MoeLiteMoE", **_V3),
+        Family("exaone_moe", "ExaoneMoeSparseMoEBlock", **_V3),
+        Family("kimi_linear", "KimiLinearMoE", **_V3),
+        Family("glm4v_moe", "Glm4vMoeTextMoE", **_V3),
+        Family("afmoe", "AfmoeSparseMoeBlock", router="router.gate", routing="sigmoid", norm=True, bias="expert_bias",
+               shared="shared_experts"),
+        Family("lfm2_moe", "Lfm2MoeSparseMoeBlock", routing="sigmoid", bias="expert_bias"),
+        Family("cohere2_moe", "Cohere2MoeSparseMoeBlock", routing="softmax_k", shared="shared_experts",
+               routing_by=("expert_selection_fn", (("softmax", "softmax_k"), ("sigmoid", "sigmoid")))),
+        Family("longcat_flash", "LongcatFlashMoE", router="router.classifier", routing="softmax_bias", norm=False,
+               bias="router.e_score_correction_bias"),
+        Family("granitemoeshared", "GraniteMoeSharedMoE", **_GRANITE),
+        Family("granitemoe_swa", "GraniteMoeSWAMoE", **_GRANITE),
+        Family("granitemoehybrid", "GraniteMoeHybridMoE", **_GRANITE),
+        Family("jamba", "JambaSparseMoeBlock", router="router", norm=False),
+        Family("qwen3_vl_moe", "Qwen3VLMoeTextSparseMoeBlock", norm=True),
+        Family("ernie4_5_vl_moe", "Ernie4_5_VLMoeSparseMoeBlock", routing="softmax_bias", norm=True,
+               bias="gate.moe_statics.e_score_correction_bias", flat_output=True),
+        Family("nemotron_h", "NemotronHMoE", refused=(
+            "its experts are ungated MLPs (down(act(up(x))) with relu2, no gate projection) behind an optional "
+            "latent projection; MoELayer's experts are gated SwiGLU (a MoEConfig option for ungated experts "
+            "with a relu2 activation would be needed)")),
+        Family("jetmoe", "JetMoeMoE", router="router.layer", refused=(
+            "its FFN block adds one learned output bias [H] after the weighted sum of the experts, which "
+            "MoELayer has no parameter for (a MoEConfig option for a layer output bias would be needed; "
+            "per-expert down biases would give other gradients), and its attention experts (JetMoeMoA) are "
+            "a mixture of attention heads, not an FFN MoE")),
     )
 }  # fmt: skip
 

@@ -2,29 +2,23 @@
 
 The choice is made per call from the tensor (device, dtype) and once per process for the build
 (:func:`lightning_moe.ops.build.load_extension` caches its result). ``LIGHTNING_MOE_KERNELS``
-forces a path: ``auto`` (default), ``csrc`` (raise if the kernels are unavailable), ``torch``.
+forces a path: ``auto`` (default), ``csrc`` (raise if the kernels are unavailable), ``torch``; it is
+read once per process, by :func:`lightning_moe.resources.kernels_mode`.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from functools import cache
 from types import ModuleType
 
 import torch
 
-__all__ = ["csrc_extension", "kernels_mode", "SUPPORTED_KERNEL_DTYPES"]
+from lightning_moe.resources import kernels_mode
+
+__all__ = ["csrc_extension", "SUPPORTED_KERNEL_DTYPES"]
 
 SUPPORTED_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MODES = ("auto", "csrc", "torch")
-
-
-def kernels_mode() -> str:
-    mode = os.environ.get("LIGHTNING_MOE_KERNELS", "auto").lower()
-    if mode not in _MODES:
-        raise ValueError(f"LIGHTNING_MOE_KERNELS={mode!r} is unknown; choose one of {_MODES}.")
-    return mode
 
 
 @cache

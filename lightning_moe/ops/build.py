@@ -13,8 +13,8 @@ sources, the flags and the torch / CUDA / Python versions, so a stale build is n
 Concurrent builds (several ranks on one node) are serialised by torch's lock file in that
 directory.
 
-Environment (machine facts only, each read where it is used; these three are the only ones the
-JIT builders read):
+Environment (machine facts only, each read once per process by :mod:`lightning_moe.resources`;
+these three are the only ones the JIT builders use):
 
 * ``LIGHTNING_MOE_KERNELS``: whether to build (below).
 * ``LIGHTNING_MOE_CACHE``: the build cache directory (default ``~/.cache/lightning_moe``).
@@ -39,22 +39,21 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import re
 import sys
 import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import Literal
+from typing import get_args
 
 import torch
 
 from lightning_moe import resources
+from lightning_moe.resources import KernelsMode
 
 __all__ = ["cache_dir", "csrc_dir", "kernel_files", "load_extension"]
 
-KernelsMode = Literal["auto", "csrc", "torch"]
-_MODES: tuple[str, ...] = ("auto", "csrc", "torch")
+_MODES: tuple[str, ...] = get_args(KernelsMode)
 _NAME = "lightning_moe_C"  # library name and TORCH_LIBRARY namespace
 _CUDA_FLAGS: tuple[str, ...] = (
     "-O3",
@@ -77,17 +76,7 @@ def csrc_dir() -> Path:
 
 def cache_dir() -> Path:
     """Root of the build cache: ``$LIGHTNING_MOE_CACHE`` or ``~/.cache/lightning_moe``."""
-    root = os.environ.get("LIGHTNING_MOE_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "lightning_moe"
-
-
-def _mode_from_env() -> KernelsMode:
-    mode = os.environ.get("LIGHTNING_MOE_KERNELS", "auto").strip().lower()
-    if mode not in _MODES:
-        raise ValueError(
-            f"LIGHTNING_MOE_KERNELS={mode!r} is not a kernels mode; choose one of {', '.join(_MODES)}."
-        )
-    return mode  # type: ignore[return-value]
+    return resources.build_cache_dir()
 
 
 def load_extension(mode: KernelsMode | None = None) -> ModuleType | None:
@@ -97,7 +86,7 @@ def load_extension(mode: KernelsMode | None = None) -> ModuleType | None:
     once per process; in ``auto`` mode a failure warns once and later calls return ``None``
     quietly.
     """
-    mode = _mode_from_env() if mode is None else mode
+    mode = resources.kernels_mode() if mode is None else mode
     if mode not in _MODES:
         raise ValueError(f"load_extension: mode={mode!r} is not a kernels mode; choose one of {', '.join(_MODES)}.")
     if mode == "torch":

@@ -11,7 +11,7 @@ The sources sit in ``csrc/cutlass/`` of a source checkout or ``lightning_moe/_cs
 an installed wheel (:func:`lightning_moe.resources.csrc_dir`); :func:`cutlass_kernel_files` lists
 every file a build reads. Environment: ``LIGHTNING_MOE_CUTLASS_DIR`` (above),
 ``LIGHTNING_MOE_KERNELS=torch`` (never build) and ``LIGHTNING_MOE_CACHE`` (the build cache), as
-in ``ops/build.py``; nothing else.
+in ``ops/build.py``, each read once per process by :mod:`lightning_moe.resources`; nothing else.
 
 :func:`load_cutlass_extension` returns ``torch.ops.lightning_moe_cutlass_C`` or ``None``. Missing
 headers, another GPU or ``LIGHTNING_MOE_KERNELS=torch`` give ``None`` quietly (the kernels are an
@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import warnings
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from lightning_moe import resources
 from lightning_moe.ops import build
 
 __all__ = [
@@ -54,9 +54,9 @@ CUDA_FLAGS: tuple[str, ...] = (
 
 def cutlass_include_dirs() -> tuple[Path, Path] | None:
     """``(include, tools/util/include)`` of the CUTLASS found, or ``None``."""
-    explicit = os.environ.get("LIGHTNING_MOE_CUTLASS_DIR")
-    if explicit:
-        root = Path(explicit).expanduser()
+    explicit = resources.cutlass_dir()
+    if explicit is not None:
+        root = explicit
     else:
         try:
             spec = importlib.util.find_spec("cutlass_library")  # nvidia-cutlass; not imported
@@ -87,7 +87,7 @@ def cutlass_kernel_files() -> list[Path]:
 
 def cutlass_unavailable_reason() -> str | None:
     """Why the CUTLASS kernels cannot be used here (cheap checks, no compiler run); ``None`` if they can."""
-    if build._mode_from_env() == "torch":
+    if resources.kernels_mode() == "torch":
         return "LIGHTNING_MOE_KERNELS=torch"
     if torch.version.cuda is None or not torch.cuda.is_available():
         return "no CUDA device"

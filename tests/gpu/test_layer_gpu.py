@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_moe import MoEConfig, MoELayer
+from lightning_moe import MoEConfig, MoELayer, resources
 
 pytestmark = [
     pytest.mark.gpu,
@@ -13,8 +13,16 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _reread_kernels_mode_after() -> object:
+    """Torn down after monkeypatch restored the variable: later tests read this process's own mode."""
+    yield
+    resources.reread_environment()
+
+
 def _run(layer: MoELayer, x: torch.Tensor, go: torch.Tensor, mode: str, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("LIGHTNING_MOE_KERNELS", mode)
+    resources.reread_environment()  # the mode is read once per process
     layer.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_(True)
     y = layer(x)
