@@ -12,13 +12,13 @@ the same way the in-memory rows are made, so the two paths give identical items:
 * ``packing="none"``: one piece of one document, padded with EOS; labels where a next token of
   the piece exists (and, in SFT, is the assistant's).
 
-The layout and shard files are mapped on first use in each process (``DataLoader`` workers too).
+The layout and shard files are read with positional reads (``shard_reader.ArrayFile``) of the few
+bytes a row needs, opened on first use in each process (``DataLoader`` workers too).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 
 from lightning_moe.data.packing import IGNORE_INDEX, PAD_SLOT, packed_example
 from lightning_moe.data.row_layout import SEGMENT_FIELDS, layout_files
-from lightning_moe.data.shard_reader import TokenShards
+from lightning_moe.data.shard_reader import ArrayFile, TokenShards
 
 __all__ = ["ShardRowsDataset"]
 
@@ -47,19 +47,9 @@ class ShardRowsDataset(Dataset[dict[str, torch.Tensor]]):
     def __init__(self, shards: TokenShards, layout_dir: str | Path, split: str, rows: int, seq_len: int, eos_id: int,
                  packing: str) -> None:  # fmt: skip
         self.shards = shards
-        self.rows_path, self.segments_path = layout_files(Path(layout_dir), split)
+        rows_path, segments_path = layout_files(Path(layout_dir), split)
+        self._first_segment, self._segments = ArrayFile(rows_path, "<i8"), ArrayFile(segments_path, "<i8")
         self.num_rows, self.seq_len, self.eos_id, self.packing = rows, seq_len, eos_id, packing
-        self._maps: tuple[np.ndarray, np.ndarray] | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_maps": None}
-
-    def _layout(self) -> tuple[np.ndarray, np.ndarray]:
-        if self._maps is None:
-            first = np.memmap(self.rows_path, dtype="<i8", mode="r")
-            segments = np.memmap(self.segments_path, dtype="<i8", mode="r").reshape(-1, SEGMENT_FIELDS)
-            self._maps = (first, segments)
-        return self._maps
 
     def __len__(self) -> int:
         return self.num_rows
@@ -68,8 +58,8 @@ class ShardRowsDataset(Dataset[dict[str, torch.Tensor]]):
         if not -len(self) <= index < len(self):
             raise IndexError(f"ShardRowsDataset: index {index} out of range for {len(self)} rows")
         index %= len(self)
-        first, segments = self._layout()
-        row_segments = np.asarray(segments[int(first[index]) : int(first[index + 1])])
+        first, end = self._first_segment.read(index, 2).tolist()
+        row_segments = self._segments.read(first * SEGMENT_FIELDS, (end - first) * SEGMENT_FIELDS).reshape(-1, SEGMENT_FIELDS)
         if self.packing == "pack":
             return self._packed(row_segments)
         return self._single(row_segments[0])

@@ -16,11 +16,17 @@ Formats (``format=``):
   ``ValueError`` naming the file and the line number.
 * ``"parquet"``: the document is each row's ``field`` column, read in record batches with
   ``pyarrow`` (an optional dependency: without it, ``ImportError`` saying how to install it).
-  (HF ``datasets`` is not needed: these readers cover local files.)
-* ``"auto"``: by suffix (``.jsonl``/``.json`` -> jsonl, ``.parquet`` -> parquet, else text).
+* ``"datasets"``: a folder ``datasets.Dataset.save_to_disk`` wrote (``state.json``,
+  ``dataset_info.json`` and Arrow files), opened with ``datasets.load_from_disk`` (memory-mapped)
+  and read in batches; the document is each row's ``field`` column. ``datasets`` is an optional
+  dependency: without it, ``ImportError`` saying how to install it. A saved ``DatasetDict`` is
+  refused with its split names: pass ``<folder>/<split>``.
+* ``"auto"``: by suffix (``.txt``/``.md``/``.text`` -> text, ``.jsonl``/``.json`` -> jsonl,
+  ``.parquet`` -> parquet; a file named with another suffix is refused, so set the format); a
+  folder that ``save_to_disk`` wrote is a ``datasets`` source, any other folder is searched for files.
 
-``paths`` is a file, a folder (its files with the format's suffixes, sorted by relative path) or a
-list of either, read in the given order. Files must be UTF-8; any other is refused naming it.
+``paths`` is a file, a folder (its files with the format's suffixes, sorted by relative path), a
+saved dataset's folder or a list of them, read in the given order. Files must be UTF-8; any other is refused naming it.
 """
 
 from __future__ import annotations
@@ -30,14 +36,17 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-__all__ = ["FORMATS", "TEXT_UNITS", "Record", "TextFormat", "TextUnit", "expand_paths", "read_records"]
+__all__ = ["FORMATS", "TEXT_UNITS", "Record", "TextFormat", "TextUnit", "expand_paths", "is_saved_dataset",
+           "read_records"]
 
-TextFormat = Literal["auto", "text", "jsonl", "parquet"]
+TextFormat = Literal["auto", "text", "jsonl", "parquet", "datasets"]
 TextUnit = Literal["file", "line", "paragraph"]
-FORMATS = ("auto", "text", "jsonl", "parquet")
+FORMATS = ("auto", "text", "jsonl", "parquet", "datasets")
 TEXT_UNITS = ("file", "line", "paragraph")
 _SUFFIXES = {"text": (".txt", ".md", ".text"), "jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}
 _PARQUET_BATCH_ROWS = 1024
+_DATASET_FILES = ("state.json", "dataset_info.json")  # a folder Dataset.save_to_disk wrote
+_DATASET_DICT_FILE = "dataset_dict.json"  # a folder DatasetDict.save_to_disk wrote
 
 
 class Record(NamedTuple):
@@ -47,9 +56,18 @@ class Record(NamedTuple):
     where: str
 
 
+def is_saved_dataset(path: Path) -> bool:
+    """Whether ``path`` is a folder that ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk`` wrote."""
+    if not path.is_dir():
+        return False
+    return all((path / n).is_file() for n in _DATASET_FILES) or (path / _DATASET_DICT_FILE).is_file()
+
+
 def _format_of(path: Path, format: str) -> str:
     if format != "auto":
         return format
+    if path.is_dir():
+        return "datasets"
     for name, suffixes in _SUFFIXES.items():
         if path.suffix.lower() in suffixes:
             return name
@@ -71,7 +89,14 @@ def expand_paths(
         if not isinstance(item, (str, Path)):
             raise TypeError(f"{owner}: path {item!r} is a {type(item).__name__}; pass str paths.")
         p = Path(item)
-        if p.is_file():
+        if format == "datasets" and not is_saved_dataset(p):
+            raise ValueError(f"{owner}: path {str(p)!r} is not a folder that datasets' save_to_disk wrote "
+                             f"(none of {list(_DATASET_FILES)} / {_DATASET_DICT_FILE!r} in it); pass such a folder.")
+        if p.is_file() and format == "auto" and not any(p.suffix.lower() in group for group in _SUFFIXES.values()):
+            known = "/".join(s for group in _SUFFIXES.values() for s in group)
+            raise ValueError(f"{owner}: file {str(p)!r} has an unknown extension {p.suffix or '(none)'!r} (known: "
+                             f"{known}); rename it, or set format='text', 'jsonl' or 'parquet'.")  # fmt: skip
+        if p.is_file() or is_saved_dataset(p):
             files.append(p)
         elif p.is_dir():
             found = sorted((f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in suffixes),
@@ -149,6 +174,29 @@ def _parquet_records(path: Path, field: str) -> Iterator[Record]:
             row += 1
 
 
+def _datasets_records(path: Path, field: str) -> Iterator[Record]:
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(
+            f"read_records: {path} is a saved datasets folder, which needs the datasets package (not "
+            "installed); `pip install datasets`, or export the data to jsonl or parquet."
+        ) from None
+    data = datasets.load_from_disk(str(path))
+    if not hasattr(data, "column_names") or isinstance(data.column_names, dict):
+        splits = sorted(data.keys()) if hasattr(data, "keys") else []
+        raise ValueError(f"read_records: {path} holds a DatasetDict (splits {splits}); pass one split's folder, "
+                         f"e.g. {path / (splits[0] if splits else 'train')}.")  # fmt: skip
+    if field not in data.column_names:
+        raise ValueError(f"read_records: {path} has no column {field!r} (columns: {data.column_names}); "
+                         "set the field name to the column that holds the documents.")  # fmt: skip
+    row = 0
+    for batch in data.select_columns([field]).iter(batch_size=_PARQUET_BATCH_ROWS):
+        for value in batch[field]:
+            yield Record(value, f"{path}:row {row}")
+            row += 1
+
+
 def read_records(
     paths: str | Path | Sequence[str | Path],
     format: TextFormat = "auto",
@@ -179,6 +227,8 @@ def _records(files: list[Path], format: str, field: str, text_unit: str) -> Iter
                 yield from _jsonl_records(path, field)
             elif kind == "parquet":
                 yield from _parquet_records(path, field)
+            elif kind == "datasets":
+                yield from _datasets_records(path, field)
             else:
                 yield from _text_records(path, text_unit)
         except UnicodeDecodeError as exc:
