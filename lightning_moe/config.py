@@ -47,7 +47,7 @@ RouterDtype = Literal["float32", "float64", "bfloat16"]
 
 GemmKernel = Literal["auto", "torch", "cutlass"]
 GemmCutlassTile = Literal["cooperative-128x256-c2x1", "pingpong-64x256"]
-WgradKernel = Literal["auto", "loop", "streams", "triton", "cutlass"]
+WgradKernel = Literal["auto", "loop", "streams", "cutlass"]
 
 # The FP8 recipes and formats of ``lightning_moe.ops.fp8.recipe`` (which imports them from here, so that
 # the configuration imports no torch).
@@ -63,8 +63,7 @@ class KernelConfig:
     """Which kernels the experts' GEMMs run (``MoEConfig(kernels=KernelConfig(...))``).
 
     Read once, when the layer is built; the defaults are the measured-fastest choice per shape. The
-    optional kernels (CUTLASS: sm_90 and the CUTLASS headers; Triton: an importable ``triton``) are
-    used only where they can run; elsewhere the torch path runs whatever is asked for.
+    optional CUTLASS kernels (sm_90 and the CUTLASS headers) are used only where they can run; elsewhere the torch path runs whatever is asked for.
 
     Args:
         gemm: the experts' forward and data-gradient GEMMs of the ``torch`` experts backend.
@@ -79,10 +78,9 @@ class KernelConfig:
             experts where it is available, else per-expert cuBLAS GEMMs (beta = 1) dealt over
             ``wgrad_streams_*`` CUDA streams from 16 experts on, in one stream below;
             ``loop``: per-expert cuBLAS GEMMs in one stream; ``streams``: the same over
-            ``wgrad_streams_*`` streams; ``triton``: one grouped Triton launch (opt-in: no faster
-            than the loop on the H200); ``cutlass``: the CUTLASS grouped kernel for every width,
-            and for fresh gradients (``.grad`` is ``None``) too, with beta = 0 (opt-in: slower than
-            ``F.grouped_mm`` there on the H200).
+            ``wgrad_streams_*`` streams; ``cutlass``: the CUTLASS grouped kernel for every width.
+            Fresh gradients (``.grad`` is ``None``) are written by ``F.grouped_mm`` whatever is
+            asked for (``docs/kernels.md`` has the measurements).
         wgrad_streams_w13: CUDA streams of the ``streams`` kernel for the up-projection ``w13``.
         wgrad_streams_w2: the same for the down-projection ``w2``.
     """
@@ -97,10 +95,15 @@ class KernelConfig:
         check_fields("KernelConfig", self, _KERNEL_RULES)
 
 
+_TRITON_WGRAD_REMOVED = (
+    "the grouped Triton weight-gradient kernel was no faster than the kernels 'auto' picks on the H200; "
+    "use wgrad='auto' (or 'cutlass', 'streams', 'loop')"
+)
+
 _KERNEL_RULES: tuple[FieldRule, ...] = (
     choice_field("gemm", GemmKernel),
     choice_field("gemm_cutlass_tile", GemmCutlassTile),
-    choice_field("wgrad", WgradKernel),
+    choice_field("wgrad", WgradKernel, removed={"triton": _TRITON_WGRAD_REMOVED}),
     int_field("wgrad_streams_w13", fix="set 1 (one stream) or more"),
     int_field("wgrad_streams_w2", fix="set 1 (one stream) or more"),
 )

@@ -4,12 +4,13 @@ Per shape (one expert weight of a benchmark layer: ``dw[e] += x_e^T @ dy_e`` ove
 
 * ``grouped fresh``  — ``F.grouped_mm`` into a new buffer (what autograd computes; adds nothing)
 * ``grouped + add``  — the same, then ``dw.add_`` (autograd's accumulation into an existing ``.grad``)
-* ``cuBLAS loop``    — one ``addmm_`` with beta = 1 per expert (``ops/wgrad/cublas_loop.py``)
-* ``triton <tile>``  — the grouped Triton kernel (``ops/wgrad/triton_kernel.py``) with each tile tried
+* ``cuBLAS loop``    — one ``addmm_`` with beta = 1 per expert (``ops/wgrad/cublas_loop.py``), in one
+  stream and over several, plus two layouts of the same GEMMs
+* ``cutlass <tiling>`` — the CUTLASS grouped kernel (``ops/wgrad/cutlass_kernel.py``), where it builds
 
 Prints ms (median of 10 after warm-up, CUDA events), TFLOP/s, the bandwidth of reading and writing
-the gradient once, and each Triton tile's largest relative error against an fp32 reference on a few
-experts. ``--json`` writes the rows.
+the gradient once, and each CUTLASS tiling's largest relative error against an fp32 reference on a
+few experts. ``--json`` writes the rows.
 
     python benchmarks/probes/wgrad_kernels.py --shapes deepseek-v3 mixtral-8x7b --json out.json
 """
@@ -29,7 +30,6 @@ import torch.nn.functional as F
 from lightning_moe.ops import build_cutlass
 from lightning_moe.ops.wgrad import accumulate_wgrad_
 from lightning_moe.ops.wgrad import cutlass_kernel as wgrad_cutlass
-from lightning_moe.ops.wgrad.triton_kernel import WgradTile, grouped_wgrad_accumulate_
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared modules
 import peers  # noqa: E402  (benchmarks/peers.py: the shared timer)
@@ -40,50 +40,6 @@ SHAPES = {
     "deepseek-v3": (8192, 7168, 2048, 256, 8),
     "mixtral-8x7b": (16384, 4096, 14336, 8, 2),
 }
-
-TILES = (
-    WgradTile(128, 128, 64, 4, 3, "init"),
-    WgradTile(128, 128, 64, 4, 3, "early"),
-    WgradTile(128, 128, 64, 4, 3, "late"),
-    WgradTile(128, 128, 64, 8, 3, "init"),
-    WgradTile(128, 128, 64, 8, 4, "init"),
-    WgradTile(128, 128, 32, 4, 4, "init"),
-    WgradTile(128, 128, 128, 8, 2, "init"),
-    WgradTile(128, 256, 64, 8, 3, "init"),
-    WgradTile(128, 256, 64, 8, 3, "late"),
-    WgradTile(256, 128, 64, 8, 3, "init"),
-    WgradTile(256, 128, 64, 8, 3, "late"),
-    WgradTile(64, 256, 64, 4, 3, "init"),
-    WgradTile(64, 128, 64, 4, 4, "init"),
-    WgradTile(128, 64, 64, 4, 4, "init"),
-    WgradTile(128, 128, 64, 4, 3, "init", 2),
-    WgradTile(128, 128, 64, 4, 3, "init", 3),
-    WgradTile(128, 128, 64, 8, 3, "init", 2),
-    WgradTile(128, 256, 64, 8, 3, "init", 1),
-)
-
-
-# The tiles worth trying again the fastest of the full sweep on the H200, and TMA variants.
-SHORT_TILES = (
-    WgradTile(128, 128, 32, 4, 4, "init"),
-    WgradTile(128, 128, 64, 4, 3, "early"),
-    WgradTile(128, 128, 32, 4, 4, "tma"),
-    WgradTile(128, 128, 64, 4, 3, "tma"),
-    WgradTile(128, 128, 64, 8, 3, "tma"),
-    WgradTile(128, 256, 64, 8, 3, "tma"),
-    WgradTile(128, 256, 32, 8, 4, "tma"),
-    WgradTile(256, 128, 64, 8, 3, "tma"),
-    WgradTile(128, 128, 64, 4, 3, "tma", 2),
-    WgradTile(128, 256, 64, 8, 3, "tma", 1),
-)
-
-
-AnyTile = WgradTile
-
-
-def _accumulate(dw: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, tile: AnyTile) -> None:
-    grouped_wgrad_accumulate_(dw, x, dy, offs, tile)
-
 
 def _loop_transposed(dw: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, bounds: list[int]) -> None:
     """The cuBLAS loop computing each gradient's transpose (``dw[e]^T += dy_e^T x_e``): another kernel choice."""
@@ -138,14 +94,11 @@ def _routed_offsets(tokens: int, experts: int, top_k: int, gen: torch.Generator)
     return torch.bincount(choice.flatten(), minlength=experts).cumsum(0).to(torch.int32)
 
 
-def _max_rel_err(tile: AnyTile | str, x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, dw: torch.Tensor) -> float:
-    """Largest |error| / max |expected| over the first few experts, against fp32 (a str tile: CUTLASS's)."""
+def _max_rel_err(tiling: str, x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, dw: torch.Tensor) -> float:
+    """Largest |error| / max |expected| of a CUTLASS tiling over the first few experts, against fp32."""
     few = min(4, offs.numel())
     probe = dw[:few].clone()
-    if isinstance(tile, str):
-        wgrad_cutlass.grouped_wgrad_accumulate_(probe, x, dy, offs[:few].contiguous(), tiling=tile)
-    else:
-        _accumulate(probe, x, dy, offs[:few], tile)
+    wgrad_cutlass.grouped_wgrad_accumulate_(probe, x, dy, offs[:few].contiguous(), tiling=tiling)
     bounds = [0] + offs[:few].tolist()
     worst = 0.0
     for e in range(few):
@@ -155,9 +108,7 @@ def _max_rel_err(tile: AnyTile | str, x: torch.Tensor, dy: torch.Tensor, offs: t
     return worst
 
 
-def run_weight(
-    label: str, rows_offs: torch.Tensor, D: int, O: int, tiles: tuple[AnyTile, ...], cutlass_only: bool = False
-) -> list[dict]:
+def run_weight(label: str, rows_offs: torch.Tensor, D: int, O: int, cutlass_only: bool = False) -> list[dict]:
     E, R = rows_offs.numel(), int(rows_offs[-1])
     dev = torch.device("cuda")
     x = torch.randn(R, D, device=dev, dtype=torch.bfloat16)
@@ -197,51 +148,28 @@ def run_weight(
     if not cutlass_only:
         _top_kernels(label, "cuBLAS loop", lambda: accumulate_wgrad_(dw, x, dy, bounds))
         _top_kernels(label, "cuBLAS loop 2 streams", lambda: accumulate_wgrad_(dw, x, dy, bounds, streams=2))
-    for tile in tiles:
-        try:
-            err = _max_rel_err(tile, x, dy, offs, dw)
-            record(f"triton {tile.label()}", _time_ms(lambda t=tile: _accumulate(dw, x, dy, offs, t)), err)
-        except Exception as exc:  # a tile that does not compile or fit: say so, keep going
-            print(json.dumps({"weight": label, "arm": f"triton {tile.label()}", "error": str(exc)[:300]}), flush=True)
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["deepseek-v3", "mixtral-8x7b"], choices=sorted(SHAPES))
-    parser.add_argument("--tiles", choices=("all", "short", "none"), default="all", help="Triton tiles to try")
     parser.add_argument("--cutlass-only", action="store_true",
                         help="time the CUTLASS tilings against the grouped GEMM (+ add) and the two-stream loop only")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("wgrad_kernels.py times CUDA kernels; no GPU is visible.")
-    import triton
-
-    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
+    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
     gen = torch.Generator().manual_seed(0)
-    tiles = {"all": TILES, "short": SHORT_TILES, "none": ()}[args.tiles]
     results = []
     for name in args.shapes:
         tokens, hidden, ffn, experts, top_k = SHAPES[name]
         offs = _routed_offsets(tokens, experts, top_k, gen)
-        results += run_weight(f"{name} w13", offs, hidden, 2 * ffn, tiles, args.cutlass_only)
+        results += run_weight(f"{name} w13", offs, hidden, 2 * ffn, args.cutlass_only)
         torch.cuda.empty_cache()
-        results += run_weight(f"{name} w2", offs, ffn, hidden, tiles, args.cutlass_only)
+        results += run_weight(f"{name} w2", offs, ffn, hidden, args.cutlass_only)
         torch.cuda.empty_cache()
-    for name in args.shapes:  # the tile with the least time over both weights
-        per_tile: dict[str, list[float]] = {}
-        for row in results:
-            if row["weight"].startswith(name + " ") and row["arm"].startswith("triton "):
-                per_tile.setdefault(row["arm"], []).append(row["ms"])
-        loop = sum(r["ms"] for r in results if r["weight"].startswith(name + " ") and r["arm"] == "cuBLAS loop")
-        added = sum(r["ms"] for r in results if r["weight"].startswith(name + " ") and r["arm"] == "grouped + add")
-        both = {arm: sum(ms) for arm, ms in per_tile.items() if len(ms) == 2}
-        if both:
-            arm = min(both, key=both.__getitem__)
-            tile = next(t for t in tiles if f"triton {t.label()}" == arm)
-            print(f"best {name}: {both[arm]:.2f} ms (cuBLAS loop {loop:.2f}; grouped + add {added:.2f}) "
-                  f"tile={','.join(map(str, tile))}")
     for name in args.shapes:  # the CUTLASS tiling with the least time over both weights
         both = {}
         for row in results:

@@ -118,7 +118,7 @@ def _build() -> tuple[ModuleType | None, str | None]:
     ops, reason = build._compile_and_load(_NAME, cutlass_sources(), _build_key(include), CUDA_FLAGS, (include, util))
     if ops is None:
         warnings.warn(
-            f"lightning_moe: CUTLASS kernels unavailable ({reason}); the cuBLAS/Triton paths are used instead.",
+            f"lightning_moe: CUTLASS kernels unavailable ({reason}); the cuBLAS and torch paths are used instead.",
             RuntimeWarning,
             stacklevel=3,
         )

@@ -68,12 +68,12 @@ class _ExpertSwiGLUMLP(torch.autograd.Function):
         offs_E: torch.Tensor,
         w_R: torch.Tensor | None,
         backend: GemmBackend,
-        kernels: tuple[str, str, str],
+        kernels: tuple[str, str],
         b13: torch.Tensor | None,
         b2: torch.Tensor | None,
         opts: SwiGLUOptions,
     ) -> torch.Tensor:
-        gemm = (backend, *kernels[:2])
+        gemm = (backend, *kernels)
         expert_R = None if b13 is None and b2 is None else expert_of_rows(offs_E, x_RH.shape[0])
         h_R2F = gmm(x_RH, w13, offs_E, *gemm)
         if b13 is not None:
@@ -83,7 +83,7 @@ class _ExpertSwiGLUMLP(torch.autograd.Function):
         if b2 is not None:  # y = w * (a @ w2 + b2), with w already inside a
             b2_RH = bias_rows(b2, expert_R)
             y_RH.add_(b2_RH if w_R is None else b2_RH * w_R.unsqueeze(-1).to(b2_RH.dtype))
-        ctx.gemm, ctx.wgrad, ctx.opts = gemm, (backend, kernels[2]), opts
+        ctx.gemm, ctx.wgrad, ctx.opts = gemm, (backend,), opts
         ctx.save_for_backward(x_RH, h_R2F, w13, w2, offs_E, w_R, b13, b2, expert_R)
         return y_RH
 
@@ -128,10 +128,11 @@ def expert_swiglu_mlp(
 ) -> torch.Tensor:
     """SwiGLU experts over rows grouped by ``offs_E`` (inclusive int32 cumsum); differentiable.
 
-    ``gemm_kernel``, ``gemm_tile``, ``wgrad_kernel``: the resolved ``KernelConfig`` values
-    (``ops/grouped_gemm.gmm`` and ``gmm_wgrad`` say what they choose). ``b13 [E, 2F]`` and
+    ``gemm_kernel``, ``gemm_tile``: the resolved ``KernelConfig`` values (``ops/grouped_gemm.gmm``
+    says what they choose). ``wgrad_kernel`` is taken with them and changes nothing here: this path
+    writes fresh weight gradients, which ``F.grouped_mm`` always computes. ``b13 [E, 2F]`` and
     ``b2 [E, H]``: optional biases of the two projections (``y = w * (act(x @ w13 + b13) @ w2 + b2)``);
     ``opts``: the activation's constants (:class:`~lightning_moe.ops.swiglu.SwiGLUOptions`)."""
     return _ExpertSwiGLUMLP.apply(
-        x_RH, w13, w2, offs_E, w_R, backend, (gemm_kernel, gemm_tile, wgrad_kernel), b13, b2, opts
+        x_RH, w13, w2, offs_E, w_R, backend, (gemm_kernel, gemm_tile), b13, b2, opts
     )

@@ -11,9 +11,9 @@ Backends (one facade, chosen once per ``GroupedExperts``):
   16-byte aligned, i.e. D and O multiples of 8 in bf16 or 4 in fp32. For wide experts on Hopper
   the forward and data-gradient GEMMs run our CUTLASS grouped GEMM instead, when it is built
   (``ops/grouped_gemm_cutlass.py``: same contract, measured faster there; ``gemm_kernel`` and
-  ``gemm_tile``, from ``KernelConfig``, choose); the weight gradient runs our CUTLASS
-  weight-gradient GEMM with beta = 0 when ``wgrad_kernel="cutlass"`` asks for it
-  (``ops/wgrad/choice.fresh_wgrad_tiling``: measured slower than ``F.grouped_mm``).
+  ``gemm_tile``, from ``KernelConfig``, choose); the weight gradient always runs ``F.grouped_mm``
+  (the CUTLASS weight-gradient kernel pays only where it adds into an existing ``.grad``:
+  ``ops/wgrad/``).
 * ``loop`` — one matmul per expert; the reference, and the fallback for odd sizes.
 * ``grouped_gemm`` — the ``grouped_gemm`` package, when importable (``ops/grouped_gemm_gg.py``).
 """
@@ -27,8 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from lightning_moe.ops import grouped_gemm_cutlass
-from lightning_moe.ops.wgrad import cutlass_kernel as wgrad_cutlass
-from lightning_moe.ops.wgrad.choice import fresh_wgrad_tiling
 
 __all__ = [
     "GemmBackend",
@@ -84,12 +82,9 @@ def _torch_gmm(
     return F.grouped_mm(x_RD, w_EDO, offs=offs_E)
 
 
-def _torch_wgrad(x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor, wgrad_kernel: str) -> torch.Tensor:
+def _torch_wgrad(x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     if x_RD.shape[0] == 0:
         return x_RD.new_zeros(offs_E.shape[0], x_RD.shape[1], dy_RO.shape[1])
-    tiling = fresh_wgrad_tiling(wgrad_kernel, x_RD, dy_RO)  # only when asked for (measured slower)
-    if tiling is not None:
-        return wgrad_cutlass.grouped_wgrad(x_RD, dy_RO, offs_E, tiling)
     return F.grouped_mm(x_RD.t(), dy_RO, offs=offs_E)
 
 
@@ -158,12 +153,8 @@ def gmm(
     return _FORWARD[backend](x_RD, w_EDO, offs_E)
 
 
-def gmm_wgrad(
-    x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor, backend: GemmBackend, wgrad_kernel: str = "auto"
-) -> torch.Tensor:
-    """Per-expert ``x_e^T @ dy_e`` stacked to ``[E, D, O]`` (experts with no rows get zeros).
-
-    ``wgrad_kernel="cutlass"`` makes the ``torch`` backend write it with the CUTLASS kernel (beta = 0)."""
+def gmm_wgrad(x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor, backend: GemmBackend) -> torch.Tensor:
+    """Per-expert ``x_e^T @ dy_e`` stacked to ``[E, D, O]`` (experts with no rows get zeros)."""
     if backend == "torch":
-        return _torch_wgrad(x_RD, dy_RO, offs_E, wgrad_kernel)
+        return _torch_wgrad(x_RD, dy_RO, offs_E)
     return _WGRAD[backend](x_RD, dy_RO, offs_E)

@@ -46,7 +46,7 @@ class _Kernels(NamedTuple):
     """The GEMM arguments of one call, resolved once: ``gmm(..., *gemm)``, ``gmm_wgrad(..., *wgrad)``."""
 
     gemm: tuple[GemmBackend, str, str]
-    wgrad: tuple[GemmBackend, str]
+    wgrad: tuple[GemmBackend]
 
 
 class _ExpertMath(NamedTuple):
@@ -237,7 +237,7 @@ def local_experts(
     fusion = None
     if fuse_wgrad and may_fuse(wgrad_kernel, w13, w2, x_TH):
         fusion = WgradFusion(offs_E, x_TH, (w13, w2), wgrad_kernel, wgrad_streams)
-    kernels = _Kernels((backend, gemm_kernel, gemm_tile), (backend, wgrad_kernel))
+    kernels = _Kernels((backend, gemm_kernel, gemm_tile), (backend,))
     biased = b13 is not None or b2 is not None
     math = _ExpertMath(opts, expert_of_rows(offs_E, x_RH.shape[0]) if biased else None)
     h_R2F = _PermuteUp.apply(x_TH, x_RH, w13, perm, offs_E, kernels, not rebuild_x, fusion, b13, math)

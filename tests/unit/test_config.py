@@ -115,7 +115,8 @@ def test_config_is_keyword_only() -> None:
 BAD_KERNELS = {
     "gemm": (dict(gemm="cublas"), "gemm='cublas' is not one of ('auto', 'torch', 'cutlass')"),
     "gemm_cutlass_tile": (dict(gemm_cutlass_tile="pingpong-128x128"), "gemm_cutlass_tile='pingpong-128x128' is not one of"),
-    "wgrad": (dict(wgrad="cublaslt"), "wgrad='cublaslt' is not one of ('auto', 'loop', 'streams', 'triton', 'cutlass')"),
+    "wgrad": (dict(wgrad="cublaslt"), "wgrad='cublaslt' is not one of ('auto', 'loop', 'streams', 'cutlass')"),
+    "wgrad_triton_removed": (dict(wgrad="triton"), "wgrad='triton' was removed; the grouped Triton weight-gradient kernel"),
     "wgrad_streams_w13": (dict(wgrad_streams_w13=0), "wgrad_streams_w13=0 must be an int >= 1"),
     "wgrad_streams_w2": (dict(wgrad_streams_w2=1.5), "wgrad_streams_w2=1.5 must be an int >= 1"),
     "wgrad_streams_bool": (dict(wgrad_streams_w2=True), "wgrad_streams_w2=True must be an int >= 1"),
@@ -148,7 +149,7 @@ def test_kernel_config_defaults_and_nesting() -> None:
 
 
 # The only environment variables the package reads: machine facts, each documented in ops/__init__.py.
-MACHINE_ENV = {"LIGHTNING_MOE_KERNELS", "LIGHTNING_MOE_CACHE", "LIGHTNING_MOE_CUTLASS_DIR", "TRITON_INTERPRET"}
+MACHINE_ENV = {"LIGHTNING_MOE_KERNELS", "LIGHTNING_MOE_CACHE", "LIGHTNING_MOE_CUTLASS_DIR"}
 
 
 def test_the_package_reads_only_documented_machine_level_environment_variables() -> None:

@@ -88,3 +88,13 @@ def test_the_build_cache_and_cutlass_directories(monkeypatch: pytest.MonkeyPatch
     resources.reread_environment()
     assert build.cache_dir() == resources.build_cache_dir() == tmp_path
     assert resources.cutlass_dir() is None  # blank is unset
+
+
+def test_only_the_resources_module_reads_the_environment() -> None:
+    root = Path(resources.__file__).parent
+    readers = sorted(
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        if re.search(r"os\.(environ|getenv)\b", path.read_text())
+    )
+    assert readers == ["resources.py"]

@@ -23,7 +23,7 @@ backward) work with it: ``tests/unit/test_wgrad_accumulation.py`` and, on 4 rank
 
 Kernels (``KernelConfig.wgrad``, read when the layer is built; :func:`choice.fusion_kernel` resolves
 ``auto`` per layer call from the shapes). One file per backend, one for the choice:
-``cublas_loop.py``, ``cutlass_kernel.py``, ``triton_kernel.py``, ``choice.py``; ``fusion.py`` holds
+``cublas_loop.py``, ``cutlass_kernel.py``, ``choice.py``; ``fusion.py`` holds
 what one layer call needs (:class:`WgradFusion`) and when the in-place path is safe.
 Every cuBLAS one reads the row ranges from pinned host memory that the forward filled without
 blocking (:class:`HostOffsets`), so the backward never drains the device queue:
@@ -44,12 +44,15 @@ blocking (:class:`HostOffsets`), so the backward never drains the device queue:
   GEMMs take 18.2 ms for both weights and CUTLASS 20.0 (``benchmarks/probes/wgrad_in_layer.py``; alone,
   started from an idle device, the loop is paced by its host launches and looks slower); Mixtral a tie.
   ``KernelConfig(wgrad_streams_w13=..., wgrad_streams_w2=...)`` sets the stream counts (2 each).
-* ``triton`` (CUDA, Triton importable) — one grouped Triton kernel that reads the row ranges from
-  the device offsets (``triton_kernel.py``): one launch, no host sync, but on the H200 no
-  faster than the loop for any tile tried (DeepSeek-V3: 22.3 vs 22.6 ms for both weights, layer
-  53.3 ms), so opt-in.
 
-Measured and dropped: one strided-batched GEMM over rows padded to the largest expert (no faster,
+Fresh gradients (``.grad`` is ``None``) are not this package's business: ``F.grouped_mm`` writes
+them (``ops/grouped_gemm.gmm_wgrad``).
+
+Measured and dropped: a grouped Triton kernel reading the row ranges on the device (one launch, no
+host sync; on the H200 DeepSeek-V3 22.3 ms for both weights against 22.6 for the one-stream loop and
+~19 for two streams, Qwen3-30B-A3B 2.64 against 2.16 for CUTLASS), the CUTLASS kernel writing fresh
+gradients with beta = 0 (slower than ``F.grouped_mm`` inside the step: Qwen3-30B-A3B 8.22 vs 8.08 ms,
+DeepSeek-V3 42.38 vs 41.81), one strided-batched GEMM over rows padded to the largest expert (no faster,
 +1.3 GiB), cuBLASLt instead of cuBLAS (same kernels and per-GEMM memsets; layer 48.1 vs 47.0 ms),
 the transposed product (same), running them on side streams beside the data-gradient GEMM
 (DeepSeek-V3 layer 46.66 vs 46.67 ms, +0.8 GiB activation peak).
@@ -58,7 +61,6 @@ the transposed product (same), running them on side streams beside the data-grad
 from lightning_moe.ops.wgrad.choice import (
     WGRAD_KERNELS,
     auto_kernel,
-    fresh_wgrad_tiling,
     fusion_kernel,
     fusion_pays,
     may_fuse,
@@ -74,7 +76,6 @@ __all__ = [
     "accumulate_wgrad_",
     "accumulation_target",
     "auto_kernel",
-    "fresh_wgrad_tiling",
     "fusion_kernel",
     "fusion_pays",
     "may_fuse",

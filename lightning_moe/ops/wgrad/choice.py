@@ -13,12 +13,11 @@ from typing import get_args
 import torch
 
 from lightning_moe.config import WgradKernel
-from lightning_moe.ops.wgrad import cutlass_kernel, triton_kernel
+from lightning_moe.ops.wgrad import cutlass_kernel
 
 __all__ = [
     "WGRAD_KERNELS",
     "auto_kernel",
-    "fresh_wgrad_tiling",
     "fusion_kernel",
     "fusion_pays",
     "may_fuse",
@@ -62,13 +61,13 @@ def _check(kernel: str) -> None:
 
 def fusion_kernel(kernel: str, offs_E: torch.Tensor, x: torch.Tensor, weights: tuple[torch.Tensor, ...] = ()) -> str:
     """The kernel one layer call runs for the requested ``kernel``: never ``auto``, and never one
-    that cannot run on these tensors (CUTLASS unavailable, Triton missing, streams off CUDA: the loop)."""
+    that cannot run on these tensors (CUTLASS unavailable, streams off CUDA: the loop)."""
     _check(kernel)
     if kernel == "cutlass" or (kernel == "auto" and weights and not wide_experts(weights[-1])):
         kernel = "cutlass" if cutlass_kernel.supported(x, *weights) else auto_kernel(offs_E.numel())
     elif kernel == "auto":
         kernel = auto_kernel(offs_E.numel())
-    if (kernel == "triton" and not triton_kernel.supported(x)) or (kernel == "streams" and not x.is_cuda):
+    if kernel == "streams" and not x.is_cuda:
         kernel = "loop"
     return kernel
 
@@ -79,24 +78,9 @@ def may_fuse(kernel: str, w13: torch.Tensor, w2: torch.Tensor, x_TH: torch.Tenso
         return False
     if w13.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
-    # One grouped launch per weight (CUTLASS, Triton) pays for any width; per-expert cuBLAS GEMMs
-    # only for wide experts.
-    if kernel == "triton" or (kernel in ("auto", "cutlass") and cutlass_kernel.supported(x_TH, w13, w2)):
+    # One grouped CUTLASS launch per weight pays for any width; per-expert cuBLAS GEMMs only for
+    # wide experts.
+    if kernel in ("auto", "cutlass") and cutlass_kernel.supported(x_TH, w13, w2):
         return True
     return wide_experts(w2)
 
-
-def fresh_wgrad_tiling(kernel: str, x_RD: torch.Tensor, dy_RO: torch.Tensor) -> str | None:
-    """The CUTLASS tiling for a fresh ``[E, D, O]`` weight gradient (``.grad`` is ``None``), or ``None``
-    for ``F.grouped_mm``: CUTLASS (beta = 0) only when ``kernel == "cutlass"`` asks for it.
-
-    ``auto`` keeps ``F.grouped_mm``: inside the layer step on the H200 (``benchmarks/layer_arms.py``,
-    fresh gradients) the CUTLASS kernel was slower on both shapes measured: Qwen3-30B-A3B 8.22 vs
-    8.08 ms a step, DeepSeek-V3 42.38 vs 41.81. Its edge over cuBLAS is the accumulation fused into
-    its epilogue, which a fresh gradient does not need.
-    """
-    if kernel != "cutlass" or not x_RD.is_cuda or dy_RO.dtype != x_RD.dtype:
-        return None
-    if x_RD.shape[1] % 8 or dy_RO.shape[1] % 8 or not cutlass_kernel.supported(x_RD):
-        return None
-    return cutlass_kernel.DEFAULT_TILE

@@ -5,9 +5,7 @@ Legend: R rows grouped by expert, D input width, O output width, E experts.
 ``grad_EDO[e] += x_e^T @ dy_e`` for all experts in one warp-specialised launch that reads each
 expert's row range from the device offsets (no host sync) and adds the old gradient in its
 epilogue (beta = 1): the gradient is read once and written once, with no per-expert launch,
-memset or host bound. ``grouped_wgrad`` is the same GEMM writing a fresh gradient (beta = 0: the
-old one is not read; experts without rows are zeroed by a small kernel): what a step without
-gradient accumulation needs (``.grad`` is ``None``). H200, both weights of one layer: Qwen3-30B-A3B 2.16 ms vs 2.81 for the
+memset or host bound. H200, both weights of one layer: Qwen3-30B-A3B 2.16 ms vs 2.81 for the
 grouped GEMM plus autograd's addition (``benchmarks/probes/wgrad_kernels.py --cutlass-only``), so the
 fusion uses it for narrow experts. For wide experts it does not win where it counts: timed
 inside the DeepSeek-V3 layer step (``benchmarks/probes/wgrad_in_layer.py``) it takes 20.0 ms vs 18.2 for
@@ -29,7 +27,7 @@ import torch
 
 from lightning_moe.ops.build_cutlass import load_cutlass_extension
 
-__all__ = ["DEFAULT_TILE", "TILES", "grouped_wgrad", "grouped_wgrad_accumulate_", "reference_accumulate_", "supported"]
+__all__ = ["DEFAULT_TILE", "TILES", "grouped_wgrad_accumulate_", "reference_accumulate_", "supported"]
 
 TILES = {"cooperative-c1x2": 0}
 DEFAULT_TILE = "cooperative-c1x2"
@@ -53,17 +51,12 @@ def grouped_wgrad_accumulate_(
     )
 
 
-def grouped_wgrad(x_RD: torch.Tensor, dy_RO: torch.Tensor, offs_E: torch.Tensor, tiling: str | None = None) -> torch.Tensor:
-    """A fresh ``[E, D, O]`` gradient: ``out[e] = x_RD[lo:hi]^T @ dy_RO[lo:hi]`` (zeros for experts without rows)."""
-    return _extension("grouped_wgrad").grouped_wgrad(
-        x_RD.contiguous(), dy_RO.contiguous(), _int32(offs_E), _tile_index(tiling)
-    )
-
-
 def _tile_index(tiling: str | None) -> int:
     name = DEFAULT_TILE if tiling is None else tiling
     if name not in TILES:
-        raise ValueError(f"grouped_wgrad: tiling={name!r} is not one of {tuple(TILES)}; choose one of them.")
+        raise ValueError(
+            f"grouped_wgrad_accumulate_: tiling={name!r} is not one of {tuple(TILES)}; choose one of them."
+        )
     return TILES[name]
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from lightning_moe.ops.wgrad import cutlass_kernel, triton_kernel
+from lightning_moe.ops.wgrad import cutlass_kernel
 from lightning_moe.ops.wgrad.choice import fusion_kernel
 from lightning_moe.ops.wgrad.cublas_loop import accumulate_wgrad_
 
@@ -66,22 +66,19 @@ class WgradFusion:
         self.host: HostOffsets | None = None  # copy_offsets(), once the forward's first GEMM is launched
 
     def copy_offsets(self) -> None:
-        """Start the host copy of the row offsets the cuBLAS kernels need in backward (not for Triton/CUTLASS)."""
+        """Start the host copy of the row offsets the cuBLAS kernels need in backward (not for CUTLASS)."""
         if not self.grouped and self.host is None:
             self.host = HostOffsets(self.offs_E)
 
     @property
     def grouped(self) -> bool:
         """One grouped launch that reads the row ranges on the device (no host offsets needed)."""
-        return self.kernel in ("triton", "cutlass")
+        return self.kernel == "cutlass"
 
     def accumulate_(self, grad_EDO: torch.Tensor, x_RD: torch.Tensor, dy_RO: torch.Tensor, weight: str) -> None:
         """``grad_EDO[e] += x_e^T dy_e``; ``weight`` (``"w13"``/``"w2"``) picks the stream count."""
         if self.kernel == "cutlass":
             cutlass_kernel.grouped_wgrad_accumulate_(grad_EDO, x_RD, dy_RO, self.offs_E)
-            return
-        if self.kernel == "triton":
-            triton_kernel.grouped_wgrad_accumulate_(grad_EDO, x_RD, dy_RO, self.offs_E)
             return
         self.copy_offsets()  # normally done in the forward already
         streams = self.streams[weight] if self.kernel == "streams" else 1
