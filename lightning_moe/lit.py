@@ -40,7 +40,7 @@ from typing_extensions import override
 from lightning_moe.checkpoint.hparams import config_from_plain, config_to_plain
 from lightning_moe.checks import check_bool
 from lightning_moe.models.transformer import MoETransformer, TransformerConfig
-from lightning_moe.optimizer import OptimizerConfig, build_adamw, check_optimizer_fields, optimizer_config_from
+from lightning_moe.optimizer import OptimizerConfig, build_adamw, optimizer_config_from
 from lightning_moe.parallel.finite import NonFiniteGuard, forwarded_nonfinite_options, guard_closure, world_group
 from lightning_moe.parallel.rank_mean import mean_over_ranks
 from lightning_moe.parallel.fold_batch import lm_token_mean_loss

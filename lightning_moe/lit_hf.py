@@ -22,7 +22,6 @@ whole model.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -30,49 +29,12 @@ import torch.nn as nn
 from typing_extensions import override
 
 from lightning_moe.lit import MoELanguageModelBase
+from lightning_moe.models.hf_config import hf_config_from
 
 __all__ = ["HFMoELanguageModel", "build_hf_model", "hf_config_from"]
 
 DtypeName = Literal["float32", "bfloat16", "float16"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def hf_config_from(hf_config: dict[str, Any] | None = None, pretrained: str | None = None) -> Any:
-    """A transformers ``PretrainedConfig`` from an inline dict or a local checkpoint directory.
-
-    Exactly one of ``hf_config`` (must contain ``model_type``, e.g. ``"qwen3_moe"``) and
-    ``pretrained`` (a directory with ``config.json``) must be given. No hub access is attempted.
-    """
-    from transformers import AutoConfig
-
-    if (hf_config is None) == (pretrained is None):
-        raise ValueError(
-            "HFMoELanguageModel: give exactly one of hf_config (a dict with model_type) and pretrained "
-            f"(a local checkpoint directory); got hf_config={'set' if hf_config else None}, pretrained={pretrained!r}."
-        )
-    if pretrained is not None:
-        if not (Path(pretrained) / "config.json").is_file():
-            raise ValueError(
-                f"HFMoELanguageModel: pretrained={pretrained!r} has no config.json; pass a local directory written "
-                "by save_pretrained (hub names are not fetched)."
-            )
-        return AutoConfig.from_pretrained(pretrained, local_files_only=True)
-    assert hf_config is not None
-    if "model_type" not in hf_config:
-        raise ValueError(
-            f"HFMoELanguageModel: hf_config has no model_type (keys: {sorted(hf_config)}); add e.g. model_type: qwen3_moe."
-        )
-    kwargs = dict(hf_config)
-    model_type = kwargs.pop("model_type")
-    try:
-        return AutoConfig.for_model(model_type, **kwargs)
-    except ValueError as exc:
-        if "Unrecognized model identifier" not in str(exc):
-            raise
-        raise ValueError(
-            f"HFMoELanguageModel: hf_config model_type={model_type!r} is not a model type of this transformers; "
-            "use an MoE family, e.g. qwen3_moe, qwen2_moe, mixtral or deepseek_v3."
-        ) from None
 
 
 def build_hf_model(
@@ -187,15 +149,12 @@ class HFMoELanguageModel(MoELanguageModelBase):
             return
         from lightning_moe.checkpoint.hf_sharded import load_hf_checkpoint_sharded, reset_nonpersistent_buffers
         from lightning_moe.strategies._core import FoldedMoECore
+        from lightning_moe.strategies.sharding import parallelize_module
 
         strategy = self._trainer.strategy if self._trainer is not None else None
         device = torch.device("cpu")
         if isinstance(strategy, FoldedMoECore):
-            from lightning_moe.parallel.parallelize import parallelize_moe_model
-
-            parallelize_moe_model(
-                self, mesh=strategy.folded_mesh, dispatcher=strategy.dispatcher, **strategy._parallel_options()
-            )
+            parallelize_module(self, strategy.module_plan)
             device = strategy.root_device  # type: ignore[attr-defined]
         elif strategy is not None:
             device = strategy.root_device

@@ -1,184 +1,69 @@
 """The strategy core that ``FoldedMoEStrategy`` (Trainer) and ``FabricFoldedMoEStrategy`` share.
 
 Both strategies are :class:`FoldedMoECore` placed before Lightning's ``ModelParallelStrategy``
-of their side (``class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy)``), as Lightning's
-two ``ModelParallelStrategy`` classes share ``_setup_device_mesh``. The core holds everything that
-does not depend on Trainer or Fabric:
+of their side (``class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy)``). The core reads
+as a table of contents; each concern is a module of plain functions a user can call without a
+strategy:
 
-1. ``__init__``: typed degrees and options and the checks that need no world size (pp, order,
-   positive ints, the dispatcher name, ``sequence_parallel``/``vocab_parallel`` need ``tp > 1``),
-   then the Lightning strategy's own constructor;
-2. ``setup_environment``: :func:`folded_layout` for the world size and the model checks (num_experts
-   % ep, ffn % etp, heads % tp; with ``cp > 1`` no ``aux_loss="seq"``) *before* any collective;
-   then the accelerator's device, the default
-   process group (WORLD: gloo on CPU, nccl on GPU) and :meth:`FoldedMesh.build` (new groups);
-3. meshes: :attr:`folded_mesh` (dense and expert views), :attr:`device_mesh` (the dense mesh, as
-   Lightning's ``ModelParallelStrategy.device_mesh``), :attr:`expert_bias_group`,
-   :attr:`data_parallel_size` and :attr:`distributed_sampler_kwargs` (DP rank and size);
-   :attr:`context_parallel` (the CP group, size and rank) and :meth:`shard_batch` (this CP rank's
-   load-balanced chunks of a batch, with global position ids);
-4. :meth:`shard_module`: with ``cp > 1`` ``enable_context_parallel`` on the module's attention (a
-   model it cannot wrap is refused, naming the module); ``parallelize_moe_model`` (with
-   ``sequence_parallel`` and ``vocab_parallel``) unless the module is sharded already; with
-   ``cp > 1`` the MoE layers' switch aux-loss counts summed over the CP group (``tp_cp`` with
-   sequence parallel); then
-   materialisation of a meta-device module (its MoE layers' global aux-loss counters zeroed), then
-   expert seeding per global expert id (always after
-   meta-device init, so every EP rank holds different experts and the values do not depend on the
-   layout; with ``expert_init_seed`` also after ordinary init);
-5. :func:`mesh_aware_clip_norm` / :func:`mesh_aware_clip_value`: gradient clipping over DTensors on
-   both meshes (``parallel/grad.py``).
+- ``layout.py``: constructor checks, :func:`folded_layout` for a world size, views of the mesh
+  (CP group, loss group, expert-bias group, sampler arguments);
+- ``module_setup.py``: :func:`prepare_module`, the ordered steps over ``sharding.py``
+  (context parallel, ``parallelize_moe_model``, aux-loss counts) and ``materialize.py``
+  (meta-device materialisation, expert seeding per global expert id);
+- ``guards.py``: the rank-liveness watchdog and the non-finite guard (Trainer and Fabric);
+- ``clipping.py``: gradient clipping over both meshes;
+- ``checkpoint_io.py`` and ``optimizers.py``: used by the two strategies' own classes.
+
+Stages of the core:
+
+1. ``__init__``: typed degrees and options and the checks that need no world size, then the
+   Lightning strategy's own constructor;
+2. ``setup_environment``: :func:`folded_layout` for the world size and the model checks *before*
+   any collective; then the accelerator's device, the default process group (WORLD: gloo on CPU,
+   nccl on GPU), the liveness watchdog and :meth:`FoldedMesh.build` (new groups);
+3. meshes: :attr:`folded_mesh`, :attr:`device_mesh` (the dense mesh, as Lightning's
+   ``ModelParallelStrategy.device_mesh``), :attr:`expert_bias_group`, :attr:`context_parallel`,
+   :attr:`loss_group`, :meth:`shard_batch`, :attr:`data_parallel_size`,
+   :attr:`distributed_sampler_kwargs`;
+4. :attr:`module_plan` and :meth:`shard_module` (:func:`prepare_module` on this strategy's device).
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_moe.checks import check_bool
-from lightning_moe.moe.layer import MoELayer
-from lightning_moe.moe.utils import reset_global_aux_counts
-from lightning_moe.parallel.fold_batch import ContextParallel, shard_batch
 from lightning_moe.parallel.finite import check_nonfinite_options
-from lightning_moe.parallel.grad import clip_grad_norm_, clip_grad_value_
-from lightning_moe.parallel.layout import FoldedLayout
-from lightning_moe.parallel.liveness import (
-    check_liveness_timeout,
-    collective_timeout,
-    ensure_watchdog,
-    is_collective_failure,
-    running_watchdog,
-)
+from lightning_moe.parallel.fold_batch import ContextParallel, shard_batch
+from lightning_moe.parallel.liveness import check_liveness_timeout, collective_timeout
 from lightning_moe.parallel.mesh import FoldedMesh
-from lightning_moe.parallel.parallelize import (
-    DispatcherKind,
-    check_dispatcher,
-    check_model_for_layout,
-    init_experts_by_id,
-    parallelize_moe_model,
+from lightning_moe.parallel.parallelize import DispatcherKind, check_model_for_layout
+from lightning_moe.strategies.guards import note_dead_rank, start_liveness_watchdog
+from lightning_moe.strategies.layout import (
+    Degree,
+    check_args,
+    check_parallel_options,
+    context_parallel_of,
+    expert_bias_group_of,
+    folded_layout,
+    loss_group_of,
+    sampler_kwargs_of,
 )
+from lightning_moe.strategies.module_setup import prepare_module
+from lightning_moe.strategies.sharding import ModulePlan, check_model_for_context_parallel, parallel_options
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = [
-    "Degree",
-    "FoldedMoECore",
-    "check_args",
-    "check_model_for_context_parallel",
-    "check_namespace",
-    "check_parallel_options",
-    "folded_layout",
-    "mesh_aware_clip_norm",
-    "mesh_aware_clip_value",
-]
-
-Degree = Literal["auto"] | int
-
-
-def check_namespace(obj: Any, owner: str) -> None:
-    """Raise if ``obj`` comes from the ``pytorch_lightning`` package (separate registries/classes)."""
-    for cls in type(obj).__mro__:
-        if cls.__module__.split(".")[0] == "pytorch_lightning":
-            raise TypeError(
-                f"{owner}: got {cls.__module__}.{cls.__name__} from the `pytorch_lightning` namespace; lightning-moe "
-                "supports the `lightning` namespace only: use `import lightning.pytorch as pl` (and `lightning.Fabric`)."
-            )
-
-
-def check_args(
-    owner: str, tp: int, cp: int, ep: int, etp: int, pp: int, dp: Degree, edp: Degree, order: str, dispatcher: str
-) -> None:
-    """Checks that need no world size (constructor time)."""
-    check_dispatcher(dispatcher, owner)
-    if pp != 1 and isinstance(pp, int) and pp > 1:
-        raise ValueError(f"{owner}: pp={pp} is not supported; pipeline parallel comes later; set pp=1.")
-    for name, value in (("dp", dp), ("edp", edp)):
-        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{owner}: {name}={value!r} must be 'auto' or a positive int.")
-    # Order tokens and positive degrees are checked by FoldedLayout with a world that always divides.
-    world = tp * cp * ep * etp * pp if all(isinstance(d, int) and d > 0 for d in (tp, cp, ep, etp, pp)) else 1
-    FoldedLayout(world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
-
-
-def check_parallel_options(owner: str, tp: int, sequence_parallel: Any, vocab_parallel: Any) -> None:
-    """``sequence_parallel`` and ``vocab_parallel`` are bools and act on a TP group: both need ``tp > 1``."""
-    for name, value in (("sequence_parallel", sequence_parallel), ("vocab_parallel", vocab_parallel)):
-        check_bool(owner, name, value)
-        if value and tp == 1:
-            raise ValueError(
-                f"{owner}: {name}=True needs tensor parallel (it splits over the TP group) but tp=1; "
-                f"set tp>1 or {name}=False."
-            )
-
-
-def check_model_for_context_parallel(owner: str, module: nn.Module, cp: int) -> None:
-    """With ``cp > 1``: attention that context parallel cannot wrap raises ``TypeError`` naming the
-    module (``enable_context_parallel``'s check, nothing enabled yet); no MoE layer may use
-    ``aux_loss="seq"`` (its per-sequence counts would see only this rank's chunks): ``ValueError``
-    naming the layer. No collective."""
-    if cp == 1:
-        return
-    from lightning_moe.parallel.context import enable_context_parallel
-
-    try:
-        enable_context_parallel(module, None)  # checks every attention module; the group stays unset
-    except ValueError:
-        pass  # no attention at all yet: a module that configure_model builds is checked when it is sharded
-    for name, m in module.named_modules():
-        if isinstance(m, MoELayer) and m.config.aux_loss == "seq":
-            raise ValueError(
-                f"{owner}: cp={cp} with aux_loss='seq' at {name!r} is not supported: each context-parallel "
-                "rank holds only chunks of every sequence; use aux_loss='switch' or 'global', or cp=1."
-            )
-
-
-def folded_layout(
-    owner: str, world_size: int, tp: int, cp: int, ep: int, etp: int, pp: int, dp: Degree, edp: Degree, order: str
-) -> FoldedLayout:
-    """The layout for ``world_size`` ranks; raises ``ValueError`` before any collective."""
-    layout = FoldedLayout(world_size, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
-    if dp != "auto" and dp != layout.dp:
-        raise ValueError(
-            f"{owner}: dp={dp} but world_size={world_size} / (tp={tp} * cp={cp} * pp={pp}) = {layout.dp}; "
-            f"set dp='auto' or dp={layout.dp}."
-        )
-    if edp != "auto" and edp != layout.edp:
-        raise ValueError(
-            f"{owner}: edp={edp} but world_size={world_size} / (etp={etp} * ep={ep} * pp={pp}) = {layout.edp}; "
-            f"set edp='auto' or edp={layout.edp}."
-        )
-    return layout
-
-
-def mesh_aware_clip_norm(
-    module: nn.Module, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
-) -> torch.Tensor:
-    """Clip ``module``'s gradients to a total norm over both meshes; returns the norm before clipping."""
-    return clip_grad_norm_(module.parameters(), float(max_norm), float(norm_type), error_if_nonfinite)
-
-
-def mesh_aware_clip_value(module: nn.Module, clip_val: float) -> None:
-    """Clamp ``module``'s gradients to ``[-clip_val, clip_val]`` (DTensors on either mesh)."""
-    clip_grad_value_(module.parameters(), float(clip_val))
-
-
-def _is_sharded(module: nn.Module) -> bool:
-    """True if ``module`` was sharded already (FSDP2 modules or DTensor parameters inside)."""
-    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
-        isinstance(p, DTensor) for p in module.parameters()
-    )
+__all__ = ["FoldedMoECore"]
 
 
 class FoldedMoECore:
-    """Degrees, layout, meshes, sampler arguments, sharding, meta-device init and expert seeding.
+    """Degrees, layout, meshes, sampler arguments and module preparation of a folded strategy.
 
     Listed before Lightning's ``ModelParallelStrategy`` (Trainer or Fabric) in a strategy's bases;
     the strategy supplies the rest of Lightning's interface.
@@ -214,7 +99,10 @@ class FoldedMoECore:
         guard_nonfinite: before every optimizer step, check the loss and the gradients (local
             shards, one 16-byte all-reduce over the world) and raise ``FloatingPointError`` naming
             the first parameter and module holding NaN/inf, before clipping and before any weight
-            changes (``parallel/finite.py``; measured: 4 % of a tiny-model CPU step).
+            changes (``parallel/finite.py``; measured: 4 % of a tiny-model CPU step). The strategy
+            owns this option and ``skip_nonfinite``: the Trainer's strategy runs the guard in its
+            ``optimizer_step``, Fabric's in the step the optimizer from ``fabric.setup`` calls
+            (the losses of ``fabric.backward`` since the last step) - ``strategies/guards.py``.
         skip_nonfinite: with the guard on, skip up to this many non-finite steps in a row (their
             gradients are dropped, the optimizer changes nothing; the step still counts toward
             ``global_step`` and the LR schedule) and raise at the next; 0 raises at the first.
@@ -292,32 +180,19 @@ class FoldedMoECore:
 
     @property
     def expert_bias_group(self) -> Any:
-        """Group the router's token counts are summed over: the ranks that route different tokens.
-
-        DP x CP (``dp_cp``); with ``sequence_parallel`` every TP rank routes its own sequence shard
-        too, so the whole world (``pp=1``). ``None`` when every rank routes the same tokens.
-        """
-        lay = self.folded_mesh.layout
-        if self.sequence_parallel and lay.tp > 1:
-            return torch.distributed.group.WORLD
-        return self.folded_mesh.group("dp_cp") if lay.dp * lay.cp > 1 else None
+        """Group the router's token counts are summed over (``layout.expert_bias_group_of``)."""
+        return expert_bias_group_of(self.folded_mesh, self.sequence_parallel)
 
     @property
     def context_parallel(self) -> ContextParallel:
         """The CP group (``None`` at ``cp=1``), its size and this rank's coordinate in it."""
-        lay = self.folded_mesh.layout
-        if lay.cp == 1:
-            return ContextParallel(None, 1, 0)
-        return ContextParallel(self.folded_mesh.group("cp"), lay.cp, self.folded_mesh.rank("cp"))
+        return context_parallel_of(self.folded_mesh)
 
     @property
     def loss_group(self) -> tuple[Any, int]:
         """The ranks whose labelled tokens make up one micro-batch of the step, and their number:
         ``dp_cp`` (``(None, 1)`` with one data rank). ``lm_token_mean_loss`` divides by their count."""
-        lay = self.folded_mesh.layout
-        if lay.dp * lay.cp == 1:
-            return None, 1
-        return self.folded_mesh.group("dp_cp"), lay.dp * lay.cp
+        return loss_group_of(self.folded_mesh)
 
     def shard_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This CP rank's part of ``batch`` (``fold_batch.shard_batch``); the batch itself at ``cp=1``.
@@ -340,44 +215,30 @@ class FoldedMoECore:
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Data-parallel rank and size: tensor/context-parallel ranks of one DP rank read the same batch."""
-        return {"num_replicas": self.folded_mesh.layout.dp, "rank": self.folded_mesh.rank("dp")}
+        return sampler_kwargs_of(self.folded_mesh)
+
+    # ---- processes ------------------------------------------------------------------------------
 
     @override
     def setup_environment(self) -> None:
-        """Layout and model checks (no collective), then the device, WORLD and the folded mesh."""
+        """Layout and model checks (no collective), then the device, WORLD, the watchdog and the folded mesh."""
         strategy: Any = self
         owner = type(self).__name__
         world = strategy.num_nodes * strategy.num_processes
         layout = folded_layout(owner, world, self.tp, self.cp, self.ep, self.etp, self.pp, self.dp, self.edp, self.order)
         module = self._module_to_check()
         if module is not None:
-            check_model_for_layout(module, layout, **self._parallel_options())
+            check_model_for_layout(module, layout, **parallel_options(self.sequence_parallel, self.vocab_parallel))
             check_model_for_context_parallel(owner, module, layout.cp)
         if strategy.accelerator is not None:
             strategy.accelerator.setup_device(strategy.root_device)
         strategy._setup_distributed()
-        self._start_watchdog(layout, strategy.global_rank)
+        start_liveness_watchdog(owner, layout, strategy.global_rank, self.rank_liveness_timeout_s)
         self._folded_mesh = FoldedMesh.build(layout, strategy.root_device.type)
-
-    def _start_watchdog(self, layout: FoldedLayout, rank: int) -> None:
-        """The rank-liveness watchdog (one per process), unless off or alone."""
-        if self.rank_liveness_timeout_s is None or layout.world_size < 2:
-            return
-
-        def describe(r: int) -> str:
-            return " ".join(f"{a}={c}" for a, c in layout.coords(r).items() if layout.size(a) > 1)
-
-        ensure_watchdog(
-            rank, layout.world_size, self.rank_liveness_timeout_s, owner=type(self).__name__, describe=describe
-        )
 
     def on_exception(self, exception: BaseException) -> None:
         """A collective that failed because a peer died gets the watchdog's line naming it as a note."""
-        watchdog = running_watchdog()
-        if watchdog is not None and is_collective_failure(exception):
-            verdict = watchdog.wait_verdict(watchdog.monitor.threshold_s + 2.0)
-            if verdict is not None:
-                exception.add_note(verdict)
+        note_dead_rank(exception)
         parent: Any = super()
         if hasattr(parent, "on_exception"):
             parent.on_exception(exception)
@@ -388,68 +249,18 @@ class FoldedMoECore:
 
     # ---- model ----------------------------------------------------------------------------------
 
+    @property
+    def module_plan(self) -> ModulePlan:
+        """How this strategy lays a module out (its mesh and options), for ``prepare_module`` and
+        for a ``configure_model`` that shards by itself."""
+        return ModulePlan(
+            type(self).__name__, self.folded_mesh, self.dispatcher, self.sequence_parallel, self.vocab_parallel,
+            self.expert_init_seed,
+        )  # fmt: skip
+
     def shard_module(self, module: nn.Module, root: nn.Module | None = None, shard_root: bool = False) -> nn.Module:
-        """Shard ``module`` for the folded mesh, materialise it, seed its experts; returns it.
-
-        ``root`` is what Lightning holds (a wrapper around ``module`` or ``module`` itself) and is
-        materialised; ``shard_root`` also FSDP-shards the root (Fabric passes a plain module). A
-        module sharded already (``configure_model`` did it) is kept as it is.
-        """
-        owner = type(self).__name__
-        check_namespace(module, owner)
-        if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
-            raise TypeError(
-                f"{owner}: {type(module).__name__} holds torch.distributed.fsdp.FullyShardedDataParallel (FSDP1) "
-                "modules; pass the unwrapped module: the strategy shards it with FSDP2 (fully_shard)."
-            )
-        mesh = self.folded_mesh
-        had_meta = any(p.is_meta for p in module.parameters())
-        check_model_for_context_parallel(owner, module, mesh.layout.cp)
-        self._enable_context_parallel(module)  # also for a module configure_model sharded already
-        if not _is_sharded(module):
-            check_model_for_layout(module, mesh.layout, **self._parallel_options())
-            parallelize_moe_model(
-                module, mesh=mesh, dispatcher=self.dispatcher, shard_root=shard_root, **self._parallel_options()
-            )
-        self._sum_aux_counts_over_sequences(module)
+        """Shard ``module`` for the folded mesh, materialise it, seed its experts; returns it
+        (:func:`~lightning_moe.strategies.module_setup.prepare_module`). A module sharded already
+        (``configure_model`` did it) keeps its layout."""
         strategy: Any = self
-        _materialize_distributed_module(root if root is not None else module, strategy.root_device)
-        if had_meta:  # the layers' global aux-loss counters are buffers without reset_parameters
-            reset_global_aux_counts(module)
-        if had_meta or self.expert_init_seed is not None:
-            init_experts_by_id(module, mesh, self.expert_init_seed if self.expert_init_seed is not None else 0)
-        return module
-
-    def _parallel_options(self) -> dict[str, bool]:
-        """``sequence_parallel``/``vocab_parallel`` for ``parallelize_moe_model``, only those turned on."""
-        return {k: True for k in ("sequence_parallel", "vocab_parallel") if getattr(self, k)}
-
-    def _enable_context_parallel(self, module: nn.Module) -> None:
-        """With ``cp > 1``: every attention of ``module`` attends over the CP group.
-
-        ``enable_context_parallel`` raises for attention it cannot wrap, naming the module, before
-        anything changes (and before ``parallelize_moe_model``).
-        """
-        cp = self.context_parallel
-        if cp.group is None:
-            return
-        from lightning_moe.parallel.context import enable_context_parallel
-
-        enable_context_parallel(module, cp.group)
-
-    def _sum_aux_counts_over_sequences(self, module: nn.Module) -> None:
-        """With ``cp > 1``: MoE switch aux-loss counts summed over the ranks holding the sequences.
-
-        Each MoE layer routes only this rank's tokens; its switch aux loss takes the per-expert
-        counts of the whole sequences with the local probabilities, so the CP average of the local
-        losses (FSDP's gradient average over ``dp_cp``) is the loss of the whole sequences. With
-        sequence parallel the TP ranks hold shards of the same sequences too: counts over ``tp_cp``.
-        """
-        cp = self.context_parallel
-        if cp.group is None:
-            return
-        lay = self.folded_mesh.layout
-        group = self.folded_mesh.group("tp_cp") if self.sequence_parallel and lay.tp > 1 else cp.group
-        for m in module.modules():
-            if isinstance(m, MoELayer):
-                m.aux_loss_sequence_group = group
+        return prepare_module(module, self.module_plan, strategy.root_device, root=root, shard_root=shard_root)

@@ -12,7 +12,12 @@ Degrees, layout, meshes, sampler arguments, sharding, meta-device init and exper
 3. ``fabric.setup(module, optimizer)``: the optimizer is re-pointed at the sharded parameters;
 4. ``fabric.no_backward_sync`` turns FSDP2's gradient reduction off during accumulation (Lightning's
    ``ModelParallelStrategy`` behaviour), and ``fabric.clip_gradients`` is mesh-aware;
-5. context parallel (``cp > 1``): the loop cuts each batch with ``fabric.strategy.shard_batch``
+5. the non-finite guard (``guard_nonfinite``, ``skip_nonfinite``) runs in :meth:`optimizer_step`,
+   which the optimizer returned by ``fabric.setup`` calls from ``.step()``: the losses given to
+   ``fabric.backward`` since the last step and the gradients of the set-up module are checked
+   before the optimizer reads them, with the Trainer's semantics (``FloatingPointError`` naming the
+   first bad parameter, or the step skipped with a warning up to ``skip_nonfinite`` in a row);
+6. context parallel (``cp > 1``): the loop cuts each batch with ``fabric.strategy.shard_batch``
    and takes the loss from ``parallel.fold_batch.lm_token_mean_loss`` over
    ``fabric.strategy.loss_group``, as the Trainer's LightningModule does::
 
@@ -33,10 +38,14 @@ from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_moe.checkpoint.dcp import save_staged, verified_manifest
-from lightning_moe.checkpoint.manifest import CheckpointError
 from lightning_moe.optimizer import unscale_before_step
-from lightning_moe.strategies._core import FoldedMoECore, mesh_aware_clip_norm, mesh_aware_clip_value
+from lightning_moe.parallel.finite import NonFiniteGuard
+from lightning_moe.strategies._core import FoldedMoECore
+from lightning_moe.strategies.checkpoint_io import check_fabric_checkpoint, save_fabric_checkpoint
+from lightning_moe.strategies.clipping import mesh_aware_clip_norm, mesh_aware_clip_value
+from lightning_moe.strategies.guards import FabricStepGuard
+from lightning_moe.strategies.optimizers import check_unstepped_optimizers, parameter_names, repoint_optimizers
+from lightning_moe.strategies.sharding import check_module_to_shard
 
 __all__ = ["FabricFoldedMoEStrategy"]
 
@@ -52,20 +61,38 @@ class FabricFoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
     """
 
     strategy_name = "folded_moe"
+    _step_guard: FabricStepGuard | None = None
 
     @override
     def _lightning_init_args(self) -> tuple[Any, ...]:
-        # Fabric's ModelParallelStrategy takes a parallelize function; setup_module below replaces
-        # the only place that calls it.
-        return (self._parallelize,)
+        return (self._parallelize,)  # Lightning's parallelize_fn, called by its setup_module
 
     def _parallelize(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        """Lightning's ``parallelize_fn``: every step of ``prepare_module`` on the folded mesh (the
+        dense ``device_mesh`` it passes is part of it); the root is FSDP-sharded too."""
         return self.shard_module(module, shard_root=True)
+
+    @property
+    def step_guard(self) -> FabricStepGuard | None:
+        """The non-finite guard of this strategy's optimizer steps (``None`` with ``guard_nonfinite=False``)."""
+        if self._step_guard is None and self.guard_nonfinite:
+            self._step_guard = FabricStepGuard(NonFiniteGuard(type(self).__name__, self.skip_nonfinite))
+        return self._step_guard
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Shard, materialise (meta-device modules) and seed the experts; the root is sharded too."""
-        return self.shard_module(module, shard_root=True)
+        """Lightning's ``setup_module`` (``parallelize_fn``, then its materialisation, which finds
+        nothing left on meta: ``prepare_module`` materialises before it seeds the experts).
+
+        Kept as an override for two reasons: Lightning refuses FSDP1 modules before calling
+        ``parallelize_fn`` with a message that names neither this strategy nor the module, so our
+        check runs first; and the non-finite guard needs the set-up module's parameter names.
+        """
+        check_module_to_shard(type(self).__name__, module)
+        module = super().setup_module(module)
+        if self.step_guard is not None:
+            self.step_guard.watch(module)
+        return module
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -76,48 +103,40 @@ class FabricFoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
     ) -> tuple[nn.Module, list[Optimizer], Any]:
-        """``fabric.setup(model, optimizer)``: shard the model, then re-point the optimizers.
-
-        TP and FSDP2 replace every parameter by a DTensor parameter of the same name, so an
-        optimizer made before ``setup`` would step the old tensors; its parameter groups are
-        rebuilt by name (it must not have stepped yet).
-        """
-        owner = type(self).__name__
-        names = {id(p): n for n, p in module.named_parameters()}
-        for optimizer in optimizers:
-            if optimizer.state:
-                raise ValueError(
-                    f"{owner}: {type(optimizer).__name__} already has state for {len(optimizer.state)} parameters; "
-                    "pass an optimizer that has not stepped, or call fabric.setup(model) first and build the "
-                    "optimizer from the returned model's parameters."
-                )
-            unknown = sum(id(p) not in names for g in optimizer.param_groups for p in g["params"])
-            if unknown:
-                raise ValueError(
-                    f"{owner}: {type(optimizer).__name__} holds {unknown} parameters that are not the model's; "
-                    "build it from model.parameters()."
-                )
+        """``fabric.setup(model, optimizer)``: shard the model, then re-point the optimizers by
+        parameter name (``optimizers.py``; they must not have stepped yet)."""
+        names = parameter_names(module)
+        check_unstepped_optimizers(type(self).__name__, optimizers, names)
         module = self.setup_module(module)
-        sharded = dict(module.named_parameters())
-        for optimizer in optimizers:
-            unscale_before_step(optimizer)  # fused optimizers clip under every precision plugin
-            for group in optimizer.param_groups:
-                group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        repoint_optimizers(optimizers, names, module)
         return module, optimizers, scheduler
+
+    @override
+    def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """Lightning's backward; the loss is kept for the non-finite guard of the next step."""
+        if self.step_guard is not None:
+            self.step_guard.record_loss(tensor)
+        super().backward(tensor, module, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """The non-finite guard (before the optimizer reads a gradient), then Lightning's step."""
+        if self.step_guard is not None:
+            kwargs = self.step_guard.before_step(optimizer, self.root_device, self.precision, kwargs)
+        return super().optimizer_step(optimizer, **kwargs)
 
     @override
     def save_checkpoint(
         self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any | None = None
     ) -> None:
-        """Lightning's save, written aside and published by rename (``lightning_moe.checkpoint``); a
-        DCP folder gets a manifest of sizes and checksums. Its ``w13`` keeps the saved ETP layout."""
+        """Lightning's save, written aside and published by rename (``checkpoint_io``); a DCP folder
+        gets a manifest of sizes and checksums. Its ``w13`` keeps the saved ETP layout."""
         path = Path(self.broadcast(path))
-        etp = self.folded_mesh.layout.etp
 
         def write(staged: Path) -> None:
             super(FabricFoldedMoEStrategy, self).save_checkpoint(staged, state, storage_options, filter)
 
-        save_staged(path, write, rank=self.global_rank, barrier=self.barrier, manifest={"layout": {"etp": etp}})
+        save_fabric_checkpoint(path, write, self.folded_mesh, rank=self.global_rank, barrier=self.barrier)
 
     @override
     def load_checkpoint(
@@ -126,14 +145,8 @@ class FabricFoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
         """A DCP folder is verified against its manifest (rank 0, before anything loads), then
         Lightning's load; a folder saved at another ETP degree is refused, naming both."""
         path = Path(self.broadcast(path))
-        if path.is_dir():
-            manifest = verified_manifest(path, self.global_rank, self.broadcast) or {}
-            saved, here = manifest.get("layout", {}).get("etp"), self.folded_mesh.layout.etp
-            if saved is not None and saved != here:
-                raise CheckpointError(
-                    f"{type(self).__name__}: checkpoint {str(path)!r} holds w13 at etp={saved}, this run has "
-                    f"etp={here}; load it at etp={saved}."
-                )
+        check_fabric_checkpoint(type(self).__name__, path, self.folded_mesh, rank=self.global_rank,
+                                broadcast=self.broadcast)  # fmt: skip
         return super().load_checkpoint(path, state, strict, weights_only)
 
     @override

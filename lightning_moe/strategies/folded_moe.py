@@ -52,22 +52,21 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 import torch.nn as nn
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_moe.checkpoint.atomic import publish, remove, staging_path
-from lightning_moe.checkpoint.dcp import load_distributed, save_distributed
-from lightning_moe.checkpoint.hparams import config_classes, config_from_plain, config_to_plain
-from lightning_moe.parallel.finite import NonFiniteGuard, forward_nonfinite_options, guard_closure, world_group
-from lightning_moe.parallel.grad import set_gradient_sync
+from lightning_moe.checkpoint.atomic import remove
 from lightning_moe.optimizer import unscale_before_step
-from lightning_moe.strategies._core import FoldedMoECore, check_namespace, mesh_aware_clip_norm, mesh_aware_clip_value
+from lightning_moe.parallel.finite import NonFiniteGuard
+from lightning_moe.parallel.grad import set_gradient_sync
+from lightning_moe.strategies._core import FoldedMoECore
+from lightning_moe.strategies.checkpoint_io import load_trainer_checkpoint, save_trainer_checkpoint
+from lightning_moe.strategies.clipping import install_mesh_aware_clipping
+from lightning_moe.strategies.guards import guarded_closure, nonfinite_guard_for
+from lightning_moe.strategies.layout import check_namespace
 
 __all__ = ["FoldedMoEStrategy", "release_callback_logging"]
 
@@ -86,8 +85,9 @@ class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
 
     Arguments as :class:`~lightning_moe.strategies._core.FoldedMoECore`: ``tp cp ep etp pp dp edp
     order dispatcher expert_init_seed save_distributed_checkpoint process_group_backend timeout
-    guard_nonfinite skip_nonfinite sequence_parallel vocab_parallel``. The non-finite guard runs in :meth:`optimizer_step` for any
-    LightningModule; the strategy owns its options (a module's deprecated ones are forwarded here).
+    rank_liveness_timeout_s guard_nonfinite skip_nonfinite sequence_parallel vocab_parallel``. The
+    non-finite guard runs in :meth:`optimizer_step` for any LightningModule; the strategy owns its
+    options (a module's deprecated ones are forwarded here).
     """
 
     owns_nonfinite_guard = True  # MoELanguageModelBase leaves its non-finite guard to this strategy
@@ -107,6 +107,7 @@ class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        """Prepare the module (shard, materialise, seed), precision, optimizers, clipping and the guard."""
         if self.model is None or self.accelerator is None or self.lightning_module is None:
             raise RuntimeError(f"{type(self).__name__}: setup needs a connected model and accelerator; use a Trainer.")
         self._trainer_ref = weakref.ref(trainer)
@@ -120,38 +121,12 @@ class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
             for optimizer in self.optimizers:
                 unscale_before_step(optimizer)  # fused optimizers clip under every precision plugin
         self.setup_precision_plugin()
-        self._install_mesh_aware_clipping()
-        self._install_nonfinite_guard()
+        if isinstance(self.model, nn.Module):
+            install_mesh_aware_clipping(self.precision_plugin, self.model)
+        options = (self.guard_nonfinite, self.skip_nonfinite)
+        self._nonfinite_guard = nonfinite_guard_for(type(self).__name__, options, self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _install_mesh_aware_clipping(self) -> None:
-        """Route ``gradient_clip_val`` to ``parallel.grad``.
-
-        Lightning's precision plugin clips with ``torch.nn.utils.clip_grad_norm_``, which fails for
-        DTensors on two meshes; the plugin has no hook for it, so this strategy's plugin instance gets
-        mesh-aware ``clip_grad_by_norm``/``clip_grad_by_value`` (the plugin still unscales first).
-        """
-        plugin = self.precision_plugin
-        model = self.model
-        if not isinstance(model, nn.Module):
-            return
-
-        def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
-            mesh_aware_clip_norm(model, clip_val)
-
-        def clip_grad_by_value(optimizer: Optimizer, clip_val: float) -> None:
-            mesh_aware_clip_value(model, clip_val)
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
-        plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
-
-    def _install_nonfinite_guard(self) -> None:
-        owner, module = type(self).__name__, self.lightning_module
-        forwarded = getattr(module, "forwarded_nonfinite_options", None) or {}
-        options = (self.guard_nonfinite, self.skip_nonfinite)
-        guard, skip = forward_nonfinite_options(owner, options, type(module).__name__, forwarded)
-        self._nonfinite_guard = NonFiniteGuard(owner, skip) if guard else None
 
     @override
     def optimizer_step(
@@ -160,11 +135,7 @@ class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
         """Lightning's step with the non-finite guard after the closure's backward, before clipping."""
         guard, module = self._nonfinite_guard, self.lightning_module
         if guard is not None and module is not None:
-            scaler = getattr(self.precision_plugin, "scaler", None)
-            closure = guard_closure(
-                guard, closure, module, world_group(), self.root_device, module.global_step,
-                check_gradients=scaler is None or not scaler.is_enabled(), on_skip=rank_zero_warn,
-            )  # fmt: skip
+            closure = guarded_closure(guard, closure, module, self.root_device, module.global_step, self.precision_plugin)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     @override
@@ -184,24 +155,14 @@ class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Atomic save (``lightning_moe.checkpoint``): written aside, fsynced, published by rename.
-
-        A DCP folder stores ``w13`` as ``gate``/``up`` halves (loads at any layout) with a manifest of
-        sizes and checksums; one file (``save_distributed_checkpoint=False``) is replaced by rename.
-        A checkpoint of the same name stays readable until the new one is complete.
-        """
+        """Atomic save (``checkpoint_io.save_trainer_checkpoint``): a DCP folder with a manifest, or
+        one file (``save_distributed_checkpoint=False``), written aside and published by rename."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}: save_checkpoint(storage_options=...) is not supported; drop it.")
         path = Path(self.broadcast(filepath))
-        if self._save_distributed_checkpoint:
-            lay = self.folded_mesh.layout
-            layout = {"tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "dp": lay.dp, "edp": lay.edp}
-            save_distributed(checkpoint, path, self.model, rank=self.global_rank, barrier=self.barrier, layout=layout)
-            return
-        if self.is_global_zero:
-            staged = staging_path(path)
-            torch.save(config_to_plain(checkpoint), staged)
-            publish(staged, path)
+        save_trainer_checkpoint(checkpoint, path, self.model, self.folded_mesh,  # type: ignore[arg-type]
+                                distributed=self._save_distributed_checkpoint, rank=self.global_rank,
+                                barrier=self.barrier)  # fmt: skip
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -210,18 +171,17 @@ class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Verified DCP load at any layout (``lightning_moe.checkpoint.dcp``), or Lightning's one-file load.
-
-        A folder is checked against its manifest before any weight changes; plain (one-device) and
-        DTensor parameters alike. Config dataclasses of older files are allow-listed for this call.
-        """
+        """Verified DCP load at any layout, or Lightning's one-file load (``checkpoint_io.load_trainer_checkpoint``)."""
         path = Path(self.broadcast(checkpoint_path))
         module = self.lightning_module
-        if path.is_dir() and module is not None and isinstance(self.model, nn.Module):
-            return load_distributed(path, self.model, list(self.optimizers), strict=module.strict_loading,
-                                    rank=self.global_rank, broadcast=self.broadcast, weights_only=weights_only)  # fmt: skip
-        with torch.serialization.safe_globals(list(config_classes().values())):
-            return config_from_plain(super().load_checkpoint(path, weights_only=weights_only))
+        model = self.model if module is not None and isinstance(self.model, nn.Module) else None
+
+        def load_file(file: Path) -> dict[str, Any]:
+            return super(FoldedMoEStrategy, self).load_checkpoint(file, weights_only=weights_only)
+
+        strict = module.strict_loading if module is not None else True
+        return load_trainer_checkpoint(path, model, list(self.optimizers), strict=strict, rank=self.global_rank,
+                                       broadcast=self.broadcast, weights_only=weights_only, load_file=load_file)  # fmt: skip
 
     @contextmanager
     @override

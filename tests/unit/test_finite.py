@@ -251,3 +251,95 @@ def test_folded_moe_guards_a_plain_lightning_module() -> None:
     model = _Plain()
     with pytest.raises(FloatingPointError, match=r"FoldedMoEStrategy: at step 1, .*'body.1.weight' \(module 'body.1', Linear\) holds nan"):  # fmt: skip
         _fit(model, steps=3, strategy=FoldedMoEStrategy())
+
+
+# --- Fabric: the guard on the optimizer-step path of FabricFoldedMoEStrategy ------------------------
+
+
+def _fabric_setup(**strategy: Any) -> tuple[Any, torch.nn.Module, Any]:
+    from lightning.fabric import Fabric
+
+    from lightning_moe.strategies import FabricFoldedMoEStrategy
+
+    torch.manual_seed(0)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=FabricFoldedMoEStrategy(**strategy))
+    fabric.launch()
+    body = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model, optimizer = fabric.setup(body, torch.optim.AdamW(body.parameters(), lr=0.1))
+    return fabric, model, optimizer
+
+
+def _fabric_step(fabric: Any, model: Any, optimizer: Any, nan_loss: bool = False, inf_grad: bool = False) -> None:
+    loss = model(torch.ones(2, 4)).pow(2).mean()
+    fabric.backward(loss * float("nan") if nan_loss else loss)
+    if inf_grad:
+        grad = model.module.get_parameter("1.weight").grad
+        (grad.to_local() if hasattr(grad, "to_local") else grad)[0, 2] = float("inf")
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _local_params(model: Any) -> dict[str, torch.Tensor]:
+    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.module.named_parameters()}
+
+
+def test_fabric_nan_loss_raises_naming_the_loss_before_any_weight_changes() -> None:
+    fabric, model, optimizer = _fabric_setup()
+    _fabric_step(fabric, model, optimizer)
+    before = _local_params(model)
+    with pytest.raises(FloatingPointError, match="FabricFoldedMoEStrategy: at step 1, .*the training loss is nan on rank 0"):
+        _fabric_step(fabric, model, optimizer, nan_loss=True)
+    for name, value in _local_params(model).items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
+
+
+def test_fabric_inf_gradient_raises_naming_the_parameter() -> None:
+    fabric, model, optimizer = _fabric_setup()
+    before = _local_params(model)
+    with pytest.raises(FloatingPointError, match=r"at step 0, .*parameter '1.weight' \(module '1', Linear\) holds inf"):
+        _fabric_step(fabric, model, optimizer, inf_grad=True)
+    for name, value in _local_params(model).items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
+
+
+def test_fabric_skips_up_to_skip_nonfinite_steps_in_a_row_with_a_warning() -> None:
+    fabric, model, optimizer = _fabric_setup(skip_nonfinite=1)
+    before = _local_params(model)
+    with pytest.warns(UserWarning, match=r"skipped step 0: the gradient of parameter '1.weight'"):
+        _fabric_step(fabric, model, optimizer, inf_grad=True)
+    for name, value in _local_params(model).items():  # the skipped step changed nothing
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
+    _fabric_step(fabric, model, optimizer)  # a finite step trains and resets the count
+    assert any(not torch.equal(v, before[n]) for n, v in _local_params(model).items())
+    with pytest.warns(UserWarning, match="skipped step 2: the training loss is nan"):
+        _fabric_step(fabric, model, optimizer, nan_loss=True)
+    with pytest.raises(FloatingPointError, match="at step 3, .*2 such steps in a row are more than skip_nonfinite=1"):
+        _fabric_step(fabric, model, optimizer, nan_loss=True)
+    assert all(bool(torch.isfinite(v).all()) for v in _local_params(model).values())
+
+
+def test_fabric_guard_checks_after_a_step_closure() -> None:
+    fabric, model, optimizer = _fabric_setup()
+
+    def closure() -> torch.Tensor:
+        loss = model(torch.ones(2, 4)).pow(2).mean() * float("nan")
+        fabric.backward(loss)
+        return loss
+
+    with pytest.raises(FloatingPointError, match="at step 0, .*the training loss is nan"):
+        optimizer.step(closure)
+
+
+def test_fabric_guard_off_lets_the_nan_reach_the_weights() -> None:
+    fabric, model, optimizer = _fabric_setup(guard_nonfinite=False)
+    _fabric_step(fabric, model, optimizer, nan_loss=True)
+    assert not all(bool(torch.isfinite(v).all()) for v in _local_params(model).values())
+
+
+def test_fabric_guard_refuses_an_optimizer_of_no_set_up_module() -> None:
+    fabric, model, _ = _fabric_setup()
+    stray = torch.nn.Parameter(torch.zeros(2))
+    stray.grad = torch.ones(2)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD([stray], lr=0.1))
+    with pytest.raises(ValueError, match="FabricFoldedMoEStrategy: guard_nonfinite=True checks .* no set-up module"):
+        optimizer.step()

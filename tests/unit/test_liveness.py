@@ -198,10 +198,10 @@ def test_strategies_pass_the_timeout_on_and_check_both_options(cls: type) -> Non
 
 
 def test_a_failed_collective_gets_the_verdict_as_a_note(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_moe.strategies._core as core
+    import lightning_moe.strategies.guards as guards
 
     stub = SimpleNamespace(monitor=SimpleNamespace(threshold_s=0.0), wait_verdict=lambda t: "S: rank 3 (ep=3) is gone")
-    monkeypatch.setattr(core, "running_watchdog", lambda: stub)
+    monkeypatch.setattr(guards, "running_watchdog", lambda: stub)
     strategy = FoldedMoEStrategy()
     failure = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
     strategy.on_exception(failure)

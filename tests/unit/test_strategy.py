@@ -21,7 +21,7 @@ from lightning_moe.moe.utils import find_moe_layers
 from lightning_moe.parallel.grad import expert_grad_scale
 from lightning_moe.parallel.layout import FoldedLayout
 from lightning_moe.strategies import FabricFoldedMoEStrategy, FoldedMoEStrategy, register_strategies
-from lightning_moe.strategies._core import folded_layout
+from lightning_moe.strategies.layout import folded_layout
 
 
 @pytest.fixture(autouse=True)
