@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_moe.optimizer import unscale_before_step
-from lightning_moe.parallel.finite import NonFiniteGuard
+from lightning_moe.parallel.finite import NonFiniteGuard, forward_nonfinite_options
 from lightning_moe.strategies._core import FoldedMoECore
 from lightning_moe.strategies.checkpoint_io import check_fabric_checkpoint, save_fabric_checkpoint
 from lightning_moe.strategies.clipping import mesh_aware_clip_norm, mesh_aware_clip_value
@@ -86,9 +86,18 @@ class FabricFoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
 
         Kept as an override for two reasons: Lightning refuses FSDP1 modules before calling
         ``parallelize_fn`` with a message that names neither this strategy nor the module, so our
-        check runs first; and the non-finite guard needs the set-up module's parameter names.
+        check runs first; and the non-finite guard needs the set-up module's parameter names (a
+        ``MoELanguageModelBase``'s deprecated guard options are forwarded here, as under the Trainer).
         """
         check_module_to_shard(type(self).__name__, module)
+        forwarded = getattr(module, "forwarded_nonfinite_options", None)
+        if forwarded:
+            options = (self.guard_nonfinite, self.skip_nonfinite)
+            owner, source = type(self).__name__, type(module).__name__
+            self.guard_nonfinite, self.skip_nonfinite = forward_nonfinite_options(owner, options, source, forwarded)
+            if self._step_guard is not None:
+                self._step_guard.guard.skip_nonfinite = self.skip_nonfinite
+                self._step_guard = self._step_guard if self.guard_nonfinite else None
         module = super().setup_module(module)
         if self.step_guard is not None:
             self.step_guard.watch(module)

@@ -343,3 +343,20 @@ def test_fabric_guard_refuses_an_optimizer_of_no_set_up_module() -> None:
     optimizer = fabric.setup_optimizers(torch.optim.SGD([stray], lr=0.1))
     with pytest.raises(ValueError, match="FabricFoldedMoEStrategy: guard_nonfinite=True checks .* no set-up module"):
         optimizer.step()
+
+
+def test_fabric_takes_the_guard_options_a_module_forwards() -> None:
+    from lightning.fabric import Fabric
+
+    from lightning_moe.strategies import FabricFoldedMoEStrategy
+
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=FabricFoldedMoEStrategy())
+    fabric.launch()
+    with pytest.warns(DeprecationWarning):
+        module = MoELanguageModel(_config(), skip_nonfinite=2)
+    fabric.setup(module)
+    strategy = fabric.strategy
+    assert strategy.skip_nonfinite == 2 and strategy.step_guard is not None
+    assert strategy.step_guard.guard.skip_nonfinite == 2
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="skip_nonfinite=2 disagrees with skip_nonfinite=1"):
+        fabric.setup(MoELanguageModel(_config(), skip_nonfinite=1))
