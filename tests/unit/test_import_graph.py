@@ -51,8 +51,8 @@ LIGHTNING_FREE = ("ops", "moe", "parallel", "models")
 # list only shrinks; delete an entry with the import it allows.
 _KNOWN: dict[tuple[str, str], str] = {
     # parallel/context.py forwards enable_context_parallel to the model layer, which owns it, because
-    # strategies/_core.py imports it from lightning_moe.parallel.context; once it imports
-    # lightning_moe.models.context_parallel, delete the forwarder and this entry.
+    # strategies/ (sharding.py) imports it from lightning_moe.parallel.context; once the strategies
+    # import lightning_moe.models.context_parallel, delete the forwarder and this entry.
     ("lightning_moe.parallel.context", "lightning_moe.models.context_parallel"): "enable_context_parallel",
 }
 
