@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["ByteCodec", "byte_codec", "encode_bytes"]
+__all__ = ["ByteCodec", "byte_codec", "encode_byte_batch", "encode_bytes", "fast_path_bytes"]
 
 _PROBE_TEXT = (
     "The quick brown fox jumps over the lazy dog. thththth aaaa  eeee\n\n\tZZ zz 0123456789 !?.,;:()[]{}\"'`~@#$%^&*-_=+|\\/"
@@ -92,16 +92,54 @@ def byte_codec(tokenizer: Any) -> ByteCodec | None:
     return codec
 
 
-def encode_bytes(codec: ByteCodec, text: str) -> np.ndarray | None:
-    """The ids of ``text`` (int64, the tokenizer's special tokens included); ``None`` when ``text``
-    holds an added token's first character or cannot be UTF-8 encoded (tokenize it as is)."""
+def fast_path_bytes(codec: ByteCodec, text: str) -> bytes | None:
+    """The UTF-8 bytes of ``text`` when the fast path applies to it; ``None`` when ``text`` holds an
+    added token's first character or cannot be UTF-8 encoded (tokenize it as is)."""
     if any(c in text for c in codec.special_starts):
         return None
     try:
-        raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+        return text.encode("utf-8")
     except UnicodeEncodeError:
         return None
-    core = codec.table[raw]
+
+
+def encode_bytes(codec: ByteCodec, text: str) -> np.ndarray | None:
+    """The ids of ``text`` (int64, the tokenizer's special tokens included); ``None`` where
+    :func:`fast_path_bytes` is ``None``."""
+    raw_bytes = fast_path_bytes(codec, text)
+    if raw_bytes is None:
+        return None
+    core = codec.table[np.frombuffer(raw_bytes, dtype=np.uint8)]
     if not (codec.prefix.size or codec.suffix.size):
         return core
     return np.concatenate([codec.prefix, core, codec.suffix])
+
+
+def _offset_of(table: np.ndarray) -> int | None:
+    """``k`` when every byte UTF-8 produces maps to ``byte + k``, else ``None``."""
+    used = np.flatnonzero(table >= 0)
+    offset = int(table[used[0]] - used[0])
+    return offset if np.array_equal(table[used], used + offset) else None
+
+
+def encode_byte_batch(codec: ByteCodec, texts: list[bytes], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, lengths)`` of several documents' UTF-8 bytes at once: their ids end to end in ``dtype``
+    (each ``prefix + table[bytes] + suffix``) and each document's token count (int64)."""
+    sizes = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
+    raw = np.frombuffer(b"".join(texts), dtype=np.uint8)
+    offset = _offset_of(codec.table)
+    if offset is not None and 0 <= offset and 255 + offset <= np.iinfo(dtype).max:
+        core = raw.astype(dtype)  # id = byte + offset (e.g. ByT5): an add, cheaper than a lookup
+        core += dtype.type(offset)
+    else:
+        core = codec.table.astype(dtype)[raw]
+    p, q = codec.prefix.size, codec.suffix.size
+    if p + q == 0:
+        return core, sizes
+    lengths = sizes + p + q
+    ends = np.cumsum(sizes)
+    # Document by document: its prefix at its first byte, its suffix after its last; the positions
+    # never decrease in this order and np.insert keeps the order of equal positions (empty documents).
+    at = np.concatenate([np.repeat((ends - sizes)[:, None], p, 1), np.repeat(ends[:, None], q, 1)], axis=1)
+    values = np.tile(np.concatenate([codec.prefix, codec.suffix]), sizes.size)
+    return np.insert(core, at.ravel(), values.astype(dtype)), lengths

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_moe.data.byte_codec import ByteCodec, byte_codec, encode_bytes
+from lightning_moe.data.byte_codec import ByteCodec, byte_codec, encode_byte_batch, encode_bytes, fast_path_bytes
 from lightning_moe.data.fingerprint import source_fingerprint, tokenizer_fingerprint
 from lightning_moe.data.sft import tokenize_chat
 from lightning_moe.data.shard_format import check_shard_set, token_dtype
@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 SHARD_TOKENS = 1 << 28  # tokens per shard: 512 MiB of uint16 ids
 _CHECK_MAX_CHARS = 1 << 16  # fast-path checks skip longer documents (the tokenizer is slow on them)
+_BATCH_BYTES = 1 << 22  # fast-path documents are converted and written in batches of about 4 MiB
 
 
 @dataclass(frozen=True)
@@ -65,17 +66,34 @@ def _hash16(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _encode(tokenizer: Any, codec: ByteCodec | None, task: str, value: Any, n: int,
-            where: str) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
+def _encode(tokenizer: Any, task: str, value: Any, where: str) -> tuple[np.ndarray, np.ndarray | None]:
     if task == "sft":
         ids, mask = tokenize_chat(tokenizer, value, where)
         return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8)
-    fast = encode_bytes(codec, value) if codec is not None and isinstance(value, str) else None
-    if fast is None:
-        return np.asarray(encode_text(tokenizer, value, where), dtype=np.int64), None
-    if n & (n - 1) == 0 and len(value) <= _CHECK_MAX_CHARS and fast.tolist() != encode_text(tokenizer, value, where):
-        raise _FastPathMismatch(where)
-    return fast, None
+    return np.asarray(encode_text(tokenizer, value, where), dtype=np.int64), None
+
+
+class _ByteBatch:
+    """Documents on the byte fast path, written together once they hold ``_BATCH_BYTES`` bytes."""
+
+    def __init__(self, codec: ByteCodec, writer: ShardWriter) -> None:
+        self.codec, self.writer = codec, writer
+        self.texts: list[bytes] = []
+        self.size = 0
+        self.where = ""
+
+    def add(self, raw: bytes, where: str) -> None:
+        self.where = self.where or where
+        self.texts.append(raw)
+        self.size += len(raw)
+        if self.size >= _BATCH_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.texts:
+            ids, lengths = encode_byte_batch(self.codec, self.texts, self.writer.dtype)
+            self.writer.add_batch(ids, lengths, where=f"the documents from {self.where} on")
+        self.texts, self.size, self.where = [], 0, ""
 
 
 def _build(folder: Path, source: ShardSource, tokenizer: Any, codec: ByteCodec | None, header: dict[str, Any],
@@ -83,11 +101,23 @@ def _build(folder: Path, source: ShardSource, tokenizer: Any, codec: ByteCodec |
     vocab = len(tokenizer)
     records = read_records(list(source.files), source.format, source.field, source.text_unit)  # type: ignore[arg-type]
     with ShardWriter(folder, vocab, token_dtype(vocab, owner), source.task == "sft", shard_tokens) as writer:
+        batch = _ByteBatch(codec, writer) if codec is not None else None
         for n, (value, where) in enumerate(records):
             if source.max_documents is not None and n >= source.max_documents:
                 break
-            ids, mask = _encode(tokenizer, codec, source.task, value, n, where)
+            raw = fast_path_bytes(codec, value) if codec is not None and isinstance(value, str) else None
+            if batch is not None and raw is not None:
+                if n & (n - 1) == 0 and len(value) <= _CHECK_MAX_CHARS:  # documents 0, 1, 2, 4, 8, ...
+                    if encode_bytes(codec, value).tolist() != encode_text(tokenizer, value, where):  # type: ignore[arg-type,union-attr]
+                        raise _FastPathMismatch(where)
+                batch.add(raw, where)
+                continue
+            if batch is not None:
+                batch.flush()  # keep the documents in order
+            ids, mask = _encode(tokenizer, source.task, value, where)
             writer.add(ids, mask, where)
+        if batch is not None:
+            batch.flush()
         writer.install({**header, "fast_path": "bytes" if codec is not None else None})
 
 

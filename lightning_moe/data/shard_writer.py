@@ -112,7 +112,8 @@ class ShardWriter:
         self.documents = 0
         self.tokens = 0
         self._files: dict[str, BinaryIO] = {}
-        self._ends: list[int] = []
+        self._ends: list[np.ndarray] = []
+        self._ends_count = 0
         self._shard_tokens = 0
         self._shard_documents = 0
 
@@ -132,8 +133,8 @@ class ShardWriter:
 
     def _flush_ends(self) -> None:
         if self._ends:
-            self._files["ends"].write(np.asarray(self._ends, dtype="<i8").tobytes())
-            self._ends = []
+            self._files["ends"].write(np.concatenate(self._ends).astype("<i8").tobytes())
+            self._ends, self._ends_count = [], 0
 
     def _close_shard(self) -> None:
         self._flush_ends()
@@ -147,6 +148,13 @@ class ShardWriter:
 
     def add(self, ids: np.ndarray, mask: np.ndarray | None = None, where: str = "") -> None:
         """Append one document: its token ids (1-D integers) and, with ``has_masks``, its 0/1 mask."""
+        if mask is not None and mask.shape != ids.shape:
+            raise ValueError(f"ShardWriter: {where}: the mask has {mask.shape} entries for {ids.shape} token ids.")
+        self.add_batch(ids, np.asarray([ids.size], dtype=np.int64), mask, where)
+
+    def add_batch(self, ids: np.ndarray, lengths: np.ndarray, masks: np.ndarray | None = None, where: str = "") -> None:
+        """Append documents given end to end: ``ids`` 1-D, ``lengths`` their token counts (and with
+        ``has_masks`` their masks end to end); ``where`` names them in errors."""
         at = f"{where}: " if where else ""
         low, high = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
         if low < 0 or high >= self.vocab_size:
@@ -154,22 +162,30 @@ class ShardWriter:
                 f"ShardWriter: {at}token id {low if low < 0 else high} is outside the vocabulary [0, {self.vocab_size}); "
                 "vocab_size must be the tokenizer's length (len(tokenizer)), which covers every id it makes."
             )
-        if self.has_masks != (mask is not None) or (mask is not None and mask.shape != ids.shape):
-            raise ValueError(f"ShardWriter: {at}a mask of one entry per token is needed exactly when has_masks is set.")
-        if not self._files:
-            self._open_shard()
-        self._files["tokens"].write(ids.astype(self.dtype, copy=False).tobytes())
-        if mask is not None:
-            self._files["masks"].write(mask.astype(np.uint8, copy=False).tobytes())
-        self._shard_tokens += int(ids.size)
-        self._shard_documents += 1
-        self.documents += 1
-        self.tokens += int(ids.size)
-        self._ends.append(self._shard_tokens)
-        if len(self._ends) >= _ENDS_BUFFER:
-            self._flush_ends()
-        if self._shard_tokens >= self.shard_tokens:
-            self._close_shard()
+        if self.has_masks != (masks is not None) or int(lengths.sum()) != ids.size:
+            raise ValueError(f"ShardWriter: {at}lengths must add up to the ids, with masks exactly when has_masks.")
+        ids = ids.astype(self.dtype, copy=False)
+        first, pos = 0, 0
+        while first < lengths.size:
+            if not self._files:
+                self._open_shard()
+            cum = np.cumsum(lengths[first:])
+            take = min(int(np.searchsorted(cum, self.shard_tokens - self._shard_tokens)) + 1, cum.size)
+            count = int(cum[take - 1])
+            self._files["tokens"].write(memoryview(ids[pos : pos + count]).cast("B"))
+            if masks is not None:
+                self._files["masks"].write(masks[pos : pos + count].astype(np.uint8, copy=False).tobytes())
+            self._ends.append(self._shard_tokens + cum[:take])
+            self._ends_count += take
+            self._shard_tokens += count
+            self._shard_documents += take
+            self.documents += take
+            self.tokens += count
+            first, pos = first + take, pos + count
+            if self._ends_count >= _ENDS_BUFFER:
+                self._flush_ends()
+            if self._shard_tokens >= self.shard_tokens:
+                self._close_shard()
 
     def install(self, header: dict[str, Any]) -> Path:
         """Close the last shard, write ``header.json`` (``header`` plus the counts and the shard list)

@@ -318,8 +318,8 @@ def test_byte_fast_path_equals_the_tokenizer(byte_tok_dir: Path, tok_dir: Path, 
         fast = encode_bytes(codec, text)
         assert fast is None if "<" in text else fast.tolist() == tok(text)["input_ids"], text
     data = _jsonl(tmp_path / "d.jsonl", texts[1:] + _docs(50))
-    shards = TokenShards(ensure_token_shards(tmp_path / "cache", _source(data), tok, byte_tok_dir))
-    assert shards.header["fast_path"] == "bytes"
+    shards = TokenShards(ensure_token_shards(tmp_path / "cache", _source(data), tok, byte_tok_dir, shard_tokens=64))
+    assert shards.header["fast_path"] == "bytes" and len(shards.header["shards"]) > 5
     assert [shards.document(i).tolist() for i in range(shards.documents)] == [
         tok(t)["input_ids"] for t in texts[1:] + _docs(50)
     ]
