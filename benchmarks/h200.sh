@@ -8,6 +8,8 @@
 #   bash benchmarks/h200.sh packed     # packed rows (varlen attention) vs one padded document per row
 #   bash benchmarks/h200.sh long       # longest trainable sequence under a 48 GiB cap, ours vs HF
 #   bash benchmarks/h200.sh multi      # 2+ GPUs: NCCL parity tests, EP scaling, the token exchange
+#   bash benchmarks/h200.sh journey    # a wheel of the checkout, installed away from it: every recipe on one GPU,
+#                                      # real-width slices of the full-size SFT recipes (benchmarks/journey.py)
 # Results (JSON and logs) go to $RESULTS (default: results/).
 set -euo pipefail
 export PYTHONUNBUFFERED=1
@@ -15,13 +17,46 @@ RESULTS=${RESULTS:-results}
 mkdir -p "$RESULTS"
 PEERS=torch-grouped_mm-ref,hf-grouped_mm,mcore-sequential
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+
+journey() {
+  # What a user does: build the wheel, install it into a fresh target, run from a folder outside the
+  # repository with nothing of the repository on the path (the kernels build from the wheel's sources).
+  local repo work site
+  repo=$(pwd)
+  work=${JOURNEY_DIR:-/tmp/lightning_moe_journey}
+  rm -rf "$work" && mkdir -p "$work/wheel" "$work/site" "$work/run"
+  python3 -m pip wheel -q --no-deps --no-build-isolation -w "$work/wheel" "$repo"
+  python3 -m pip install -q --no-deps --no-index --target "$work/site" "$work"/wheel/lightning_moe-*.whl
+  # Wheels of dependencies the machine lacks (jsonargparse, the CUTLASS headers), if brought along in .whl/.
+  if compgen -G "$repo/.whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-deps --no-index --target "$work/site" "$repo"/.whl/*.whl
+  fi
+  cp "$repo/benchmarks/journey.py" "$work/journey.py"
+  (
+    cd "$work/run"
+    export PYTHONPATH="$work/site" PATH="$work/site/bin:$PATH"
+    python3 -c "import lightning_moe, sys; p = lightning_moe.__file__; print('installed package:', p); sys.exit(p.startswith('$repo'))"
+    python3 -c "from lightning_moe.ops.build import load_extension; print('kernels:', load_extension('csrc'))"
+    python3 -c "from lightning_moe.ops import build_cutlass as b; print('cutlass:', b.cutlass_unavailable_reason() or b.load_cutlass_extension())"
+    python3 "$work/journey.py" --work "$work/run" --out "$RESULTS_ABS/journey.json" "$@"
+  ) 2>&1 | tee "$RESULTS/journey.log"
+}
+
+if [ "${1:-layer}" = journey ]; then
+  RESULTS_ABS=$(cd "$RESULTS" && pwd)
+  shift
+  journey "$@"
+  exit "${PIPESTATUS[0]}"
+fi
+
 # Build the kernels once, outside any timed step (the CUTLASS ones only when its headers are found).
 python3 -c "from lightning_moe.ops.build import load_extension; print(load_extension('csrc'))"
 python3 -c "from lightning_moe.ops import build_cutlass as b; print('cutlass:', b.cutlass_unavailable_reason() or b.load_cutlass_extension())"
 
 case "${1:-layer}" in
   tests)
-    python3 -m pytest tests/gpu -q -p no:cacheprovider -rf | tee "$RESULTS/gpu_tests.log"
+    # several workers share the one GPU (the kernels are built above, once)
+    python3 -m pytest tests/gpu -q -p no:cacheprovider -rf -n "${GPU_TEST_WORKERS:-6}" | tee "$RESULTS/gpu_tests.log"
     ;;
   layer)
     python3 benchmarks/moe_layer.py --shapes qwen3-30b-a3b,deepseek-v3 --fuse-wgrad --peers "$PEERS" \
@@ -68,7 +103,7 @@ case "${1:-layer}" in
     done
     ;;
   *)
-    echo "h200.sh: mode='$1' is not one of tests, layer, fp8, e2e, callbacks, packed, long, multi; fix." >&2
+    echo "h200.sh: mode='$1' is not one of tests, layer, fp8, e2e, callbacks, packed, long, multi, journey; fix." >&2
     exit 2
     ;;
 esac
