@@ -283,6 +283,8 @@ def slice_config(path: Path, args: argparse.Namespace, checkpoint: Path, chats: 
 def slice_row(args: argparse.Namespace, name: str, path: Path, work: Path) -> Row:
     family, dims = SLICES[name]
     dims = {k: (_TINY[k] if args.tiny and k in _TINY else v) for k, v in dims.items()}
+    if family == "deepseek_v2":  # multi-head latent attention: as many key/value heads as query heads
+        dims["num_key_value_heads"] = dims["num_attention_heads"]
     row, start = Row(f"{name} (2 layers, real width)", "bf16-mixed"), time.time()
     work.mkdir(parents=True, exist_ok=True)
     checkpoint, chats = work / "hf", work / "chats.jsonl"
