@@ -1,9 +1,13 @@
 """Lightning strategies: ``FoldedMoEStrategy`` (Trainer) and ``FabricFoldedMoEStrategy`` (Fabric).
 
 Both are :class:`~lightning_moe.strategies._core.FoldedMoECore` (degrees, layout, meshes, sampler
-arguments, sharding, meta-device init, expert seeding, mesh-aware clipping) on top of Lightning's
-``ModelParallelStrategy`` of their side; ``strategy.device_mesh`` is the dense DeviceMesh and
-``strategy.folded_mesh`` both views, readable once the processes have started.
+arguments, module preparation) on top of Lightning's ``ModelParallelStrategy`` of their side;
+``strategy.device_mesh`` is the dense DeviceMesh and ``strategy.folded_mesh`` both views, readable
+once the processes have started. Each concern is a module of plain functions, usable without a
+strategy: ``layout`` (checks, layout, mesh views), ``sharding`` (context parallel,
+``parallelize_moe_model``), ``materialize`` (meta-device init, expert seeding), ``module_setup``
+(those steps in order), ``guards`` (liveness watchdog, non-finite guard), ``clipping``,
+``checkpoint_io`` and ``optimizers``.
 
 :func:`register_strategies` adds the name ``"folded_moe"`` to
 ``lightning.pytorch.strategies.StrategyRegistry`` and ``lightning.fabric.strategies.STRATEGY_REGISTRY``

@@ -6,9 +6,12 @@ one expert-weight gradient (after backward, before the guard; clipping is on):
 1. ``raise``: every rank raises ``FloatingPointError`` with the same message naming that parameter
    and rank 1, and every rank's local shards equal their values before step 2;
 2. ``skip``: with ``skip_nonfinite=1`` the step is skipped on both ranks and training goes on; each
-   rank's final local shards equal those of a run that drops every gradient at step 2.
+   rank's final local shards equal those of a run that drops every gradient at step 2;
+3. ``fabric``: the same under ``FabricFoldedMoEStrategy(ep=2)``, where ``optimizer.step()`` of the
+   optimizer ``fabric.setup`` returned runs the guard: every rank raises the same error naming the
+   parameter and rank 1, and no local shard changed.
 
-Rank 0 prints ``RAISE OK <message>`` and ``SKIP OK``.
+Rank 0 prints ``RAISE OK <message>``, ``SKIP OK`` and ``FABRIC OK <message>``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from torch.utils.data import DataLoader
 import lightning_moe  # noqa: F401 - registers "folded_moe"
 from _models import BATCH, CLIP, TokenData, leave_together, model_config
 from lightning_moe.lit import MoELanguageModel
-from lightning_moe.strategies import FoldedMoEStrategy
+from lightning_moe.models.transformer import MoETransformer
+from lightning_moe.strategies import FabricFoldedMoEStrategy, FoldedMoEStrategy
 
 EXPERT_W13 = "model.layers.1.ffn.experts.w13"
 BAD_STEP, BAD_RANK, STEPS = 2, 1, 4
@@ -82,6 +86,31 @@ def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]
     return [n for n in a if not torch.equal(a[n], b[n])]
 
 
+def _fabric_raise() -> tuple[str, list[str]]:
+    """Fabric steps until ``BAD_STEP``, where rank 1 plants +inf; the error and the changed shards."""
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=FabricFoldedMoEStrategy(ep=2, timeout=timedelta(seconds=90)))
+    fabric.launch()
+    torch.manual_seed(0)
+    net = MoETransformer(model_config())
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    data = TokenData()
+    before: dict[str, torch.Tensor] = {}
+    try:
+        for step in range(STEPS):
+            before = {n: _local(p.detach()).clone() for n, p in model.module.named_parameters()}
+            ids = torch.stack([data[BATCH * step + i]["input_ids"] for i in range(BATCH)])
+            fabric.backward(model(ids).float().logsumexp(-1).mean())
+            if step == BAD_STEP and dist.get_rank() == BAD_RANK:
+                _local(model.module.get_parameter(EXPERT_W13.removeprefix("model.")).grad)[0, 0, 0] = float("inf")
+            optimizer.step()
+            optimizer.zero_grad()
+    except FloatingPointError as err:
+        return str(err), _differ(_local_params(model.module), before)
+    return "", ["<did not raise>"]
+
+
 def main() -> None:
     # 1. raise: the same error on every rank, no weight changed
     model, message = _build("inf"), ""
@@ -106,6 +135,12 @@ def main() -> None:
     if rank == 0:
         assert all(d == [] and f for d, f in results), f"the skipped run differs from the dropped one: {results}"
         print("SKIP OK", flush=True)
+    # 3. Fabric: the guard on the optimizer-step path
+    dist.all_gather_object(results, _fabric_raise())
+    if rank == 0:
+        messages = {m for m, _ in results}
+        assert len(messages) == 1 and all(c == [] for _, c in results), f"Fabric ranks disagree or changed: {results}"
+        print(f"FABRIC OK {results[0][0]}", flush=True)
 
 
 if __name__ == "__main__":
