@@ -45,7 +45,6 @@ import argparse
 import gc
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -57,7 +56,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_moe.callbacks._optimizer_states import OptimizerStateOffloader  # noqa: E402
 from lightning_moe.callbacks._patterns import select_modules  # noqa: E402

@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -53,7 +52,6 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_moe.moe.dispatch.alltoall import AllToAllDispatcher
 from lightning_moe.moe.dispatch.flex import FlexDispatcher

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -53,8 +52,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback

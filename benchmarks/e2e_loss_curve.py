@@ -13,16 +13,13 @@ the first, and the tokens/s of each run (median step).
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 

@@ -94,7 +94,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning_moe.moe.dispatch.comm as _comm_module
 import lightning_moe.moe.dispatch.alltoall as _a2a_module

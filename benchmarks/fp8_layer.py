@@ -23,13 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moe_layer  # noqa: E402  (bench(), the shared protocol)
 import peers  # noqa: E402

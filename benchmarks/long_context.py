@@ -38,9 +38,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
 
 __all__ = ["CONTENDERS", "SearchResult", "Trial", "main", "search"]
 

@@ -17,14 +17,11 @@ import argparse
 import contextlib
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import peers  # noqa: E402  (the peer implementations, benchmarks/peers.py)
 from gpu_clocks import ClockSampler  # noqa: E402  (benchmarks/gpu_clocks.py)

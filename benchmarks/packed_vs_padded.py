@@ -27,18 +27,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import sys
 from collections.abc import Iterator
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from e2e import QUICK, Shape, build_lightning_moe, folded_moe_available, run_one, write_report  # noqa: E402
 

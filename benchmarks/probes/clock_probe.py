@@ -11,7 +11,7 @@ Per arm it also times the step twice: synchronised after every step (the protoco
 ``benchmarks/moe_layer.py``: the device idles while the host issues the step's first kernels) and
 back to back (the host runs ahead, as in training): their difference is the host-bound share.
 
-    python benchmarks/probes/clock_probe.py --shape qwen3-30b-a3b --seconds 2
+    PYTHONPATH=benchmarks python3 benchmarks/probes/clock_probe.py --shape qwen3-30b-a3b --seconds 2
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -27,7 +26,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared modules
 import peers  # noqa: E402
 from gpu_clocks import ClockSampler, energy_mj, reasons  # noqa: E402
 from moe_layer import gemm_operands, gemm_steps, ours, skewed_input  # noqa: E402

@@ -10,7 +10,7 @@ grouped GEMM (``ops/grouped_gemm_cutlass.py``; skipped, saying why, where it can
 weight layouts, each with its largest relative error against ``F.grouped_mm`` on the same layout.
 Prints ms (median of 10, CUDA events) and TFLOP/s; ``--json`` writes the rows.
 
-    python benchmarks/probes/expert_gemms.py --shapes deepseek-v3 --json out.json
+    PYTHONPATH=benchmarks python3 benchmarks/probes/expert_gemms.py --shapes deepseek-v3 --json out.json
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ The figures behind ``Fp8Config(enabled="auto")``'s rule (``ops.fp8.expert_mlp.fp
 expert shapes H x F run faster with FP8 GEMMs than in bf16 on this GPU. Each arm: bf16 activations
 and parameters, the same rows and routing; the median of ``--iters`` timed steps after warm-up.
 
-    python benchmarks/probes/fp8_experts_shapes.py                       # the default shapes
-    python benchmarks/probes/fp8_experts_shapes.py --recipes rowwise --json out.json
-    python benchmarks/probes/fp8_experts_shapes.py --profile             # + the top CUDA kernels of one step per arm
-    python benchmarks/probes/fp8_experts_shapes.py --fresh-weights       # FP8 weights quantized in every step
+    PYTHONPATH=benchmarks python3 benchmarks/probes/fp8_experts_shapes.py                       # the default shapes
+    PYTHONPATH=benchmarks python3 benchmarks/probes/fp8_experts_shapes.py --recipes rowwise --json out.json
+    PYTHONPATH=benchmarks python3 benchmarks/probes/fp8_experts_shapes.py --profile             # + the top CUDA kernels of one step per arm
+    PYTHONPATH=benchmarks python3 benchmarks/probes/fp8_experts_shapes.py --fresh-weights       # FP8 weights quantized in every step
 
 Without ``--fresh-weights`` the FP8 weight copies (``Fp8Config(cache_weights=True)``) are made in
 the warm-up and reused by every timed step, as across the micro-batches of one optimizer step.
@@ -18,13 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from profiling import device_kernels  # noqa: E402  (benchmarks/profiling.py)
 

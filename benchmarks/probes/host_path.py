@@ -6,8 +6,8 @@ launches them, and the step cannot go faster than the host's path to the first g
 This measures that path with CUDA events (one recorded at the step start, one just before the
 first expert GEMM is launched), plus the host time per call of the router's GEMM variants.
 
-    python benchmarks/probes/host_path.py --shapes qwen3-30b-a3b,deepseek-v3
-    python benchmarks/probes/host_path.py --shapes qwen3-30b-a3b --fuse-wgrad --profile-host 20
+    PYTHONPATH=benchmarks python3 benchmarks/probes/host_path.py --shapes qwen3-30b-a3b,deepseek-v3
+    PYTHONPATH=benchmarks python3 benchmarks/probes/host_path.py --shapes qwen3-30b-a3b --fuse-wgrad --profile-host 20
 
 ``--stages`` stamps the host clock when each stage of the forward starts (router GEMM, top-k,
 permutation, fusion set-up, gather, first expert GEMM, ...) and prints the median microseconds
@@ -31,14 +31,11 @@ import pstats
 import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared modules
 import peers  # noqa: E402  (benchmarks/peers.py: shapes)
 from moe_layer import ours  # noqa: E402
 

@@ -34,7 +34,7 @@ them free as well. The forward's x scatter stays in both (inside the one-call ro
 scatter's removal, the same bytes, is measured by ``no-bwd-scatter``). ``router-ops`` turns the
 one-call router off: the separate router, permutation and scatter calls (the host path it saves).
 
-    python benchmarks/probes/layer_arms.py --shape qwen3-30b-a3b \\
+    PYTHONPATH=benchmarks python3 benchmarks/probes/layer_arms.py --shape qwen3-30b-a3b \\
         --arms "default:,gemm-coop:gemm=cutlass+gemm_cutlass_tile=cooperative-128x256-c2x1"
 """
 
@@ -44,13 +44,11 @@ import argparse
 import contextlib
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared modules
 import peers  # noqa: E402  (benchmarks/peers.py: shapes)
 from gpu_clocks import ClockSampler  # noqa: E402
 from moe_layer import gemm_steps, ours, skewed_input  # noqa: E402

@@ -4,19 +4,16 @@ Per benchmark shape: ``logits[T, E] = x[T, H] @ w[E, H]^T`` with fp32 output, de
 (median of 20, CUDA events) of ``torch.ops.lightning_moe_C.router_logits`` at each tile and of
 ``torch.mm(..., out_dtype=torch.float32)`` (cuBLAS), plus the largest deviation from the latter.
 
-    python benchmarks/probes/router_gemm.py --shapes qwen3-30b-a3b deepseek-v3 mixtral-8x7b
+    PYTHONPATH=benchmarks python3 benchmarks/probes/router_gemm.py --shapes qwen3-30b-a3b deepseek-v3 mixtral-8x7b
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared modules
 import peers  # noqa: E402  (SHAPES, timeit)
 
 from lightning_moe.ops.build import load_extension  # noqa: E402

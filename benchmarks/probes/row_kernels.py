@@ -7,19 +7,17 @@ timer (median of 20 after warm-up, CUDA events) and its bytes (each buffer read 
 are divided by that time; ``copy`` is ``torch.Tensor.copy_`` of an R x H buffer, the ceiling for a
 half-read half-written pass, and ``write`` (``fill_``) and ``read`` (``sum``) the one-sided ones.
 
-    python benchmarks/probes/row_kernels.py --shapes qwen3-30b-a3b,deepseek-v3
+    PYTHONPATH=benchmarks python3 benchmarks/probes/row_kernels.py --shapes qwen3-30b-a3b,deepseek-v3
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared modules
 import peers  # noqa: E402  (benchmarks/peers.py: shapes, the timer)
 
 from lightning_moe.ops.backend import csrc_extension  # noqa: E402

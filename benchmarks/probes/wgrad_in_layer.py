@@ -10,7 +10,7 @@ its side stream before returning), and the rest of the step.
 Arms: ``streams``, ``cutlass@<tiling>``, and ``w2=cutlass@<tiling>`` (w13 over the two-stream
 loop, w2 through CUTLASS).
 
-    python benchmarks/probes/wgrad_in_layer.py --shape deepseek-v3 --arms streams,cutlass@cooperative-c1x2,w2=cutlass@cooperative-c1x2
+    PYTHONPATH=benchmarks python3 benchmarks/probes/wgrad_in_layer.py --shape deepseek-v3 --arms streams,cutlass@cooperative-c1x2,w2=cutlass@cooperative-c1x2
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared modules
 import peers  # noqa: E402  (benchmarks/peers.py: shapes)
 from moe_layer import ours  # noqa: E402
 

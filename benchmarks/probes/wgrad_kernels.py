@@ -12,7 +12,7 @@ Prints ms (median of 10 after warm-up, CUDA events), TFLOP/s, the bandwidth of r
 the gradient once, and each CUTLASS tiling's largest relative error against an fp32 reference on a
 few experts. ``--json`` writes the rows.
 
-    python benchmarks/probes/wgrad_kernels.py --shapes deepseek-v3 mixtral-8x7b --json out.json
+    PYTHONPATH=benchmarks python3 benchmarks/probes/wgrad_kernels.py --shapes deepseek-v3 mixtral-8x7b --json out.json
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +29,6 @@ from lightning_moe.ops import build_cutlass
 from lightning_moe.ops.wgrad import accumulate_wgrad_
 from lightning_moe.ops.wgrad import cutlass_kernel as wgrad_cutlass
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared modules
 import peers  # noqa: E402  (benchmarks/peers.py: the shared timer)
 
 # name: (tokens, hidden, ffn, experts, top_k)

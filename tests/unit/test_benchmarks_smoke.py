@@ -19,7 +19,13 @@ PROBES = BENCHMARKS / "probes"
 
 
 def _load(name: str) -> ModuleType:
-    """A benchmark module by name: ``benchmarks/NAME.py``, else ``benchmarks/probes/NAME.py``."""
+    """A benchmark module by name: ``benchmarks/NAME.py``, else ``benchmarks/probes/NAME.py``.
+
+    With ``benchmarks/`` on the module path, as for ``python3 benchmarks/NAME.py`` (the script's own
+    folder) and ``PYTHONPATH=benchmarks python3 benchmarks/probes/NAME.py``: the scripts import their
+    siblings by name and edit no path themselves."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
     path = BENCHMARKS / f"{name}.py"
     if not path.exists():
         path = PROBES / f"{name}.py"
@@ -131,7 +137,6 @@ def test_wgrad_in_layer_arms_ask_the_forward_for_the_right_kernel() -> None:
 
 def test_clock_samples_and_arm_settings_parse(monkeypatch: pytest.MonkeyPatch) -> None:
     """The nvidia-smi sampler's line parser and reason names; layer_arms' arm specs; the env helper restores."""
-    sys.path.insert(0, str(BENCHMARKS))  # layer_arms imports its siblings by name
     clocks = _load("gpu_clocks")
     stamp, mhz, watts, mask = clocks._parse("2026/11/29 23:10:01.250, 1710, 689.41, 0x0000000000000004")
     assert (mhz, watts, mask) == (1710.0, 689.41, 4) and stamp % 1 == pytest.approx(0.25)
@@ -155,7 +160,6 @@ def test_clock_samples_and_arm_settings_parse(monkeypatch: pytest.MonkeyPatch) -
 
 def test_what_if_arms_run_each_skipped_op_once_and_restore_it() -> None:
     """layer_arms' ``no-bandwidth`` arm: the bandwidth-bound ops run once, then hand out that result."""
-    sys.path.insert(0, str(BENCHMARKS))
     arms = _load("layer_arms")
     layer_mod = _load("moe_layer")
     import lightning_moe.ops.local_experts as local_ops
@@ -192,7 +196,6 @@ def test_what_if_arms_run_each_skipped_op_once_and_restore_it() -> None:
 def test_floor_arm_runs_the_kept_traffic_and_keeps_the_gather_sums() -> None:
     """layer_arms' ``floor`` arm: SwiGLU runs once, then only the traffic its fusion would keep; the
     gather-sums still run every step; the one-call router stays."""
-    sys.path.insert(0, str(BENCHMARKS))
     arms = _load("layer_arms")
     layer_mod = _load("moe_layer")
     import lightning_moe.ops.local_experts as local_ops
@@ -235,7 +238,6 @@ def test_floor_arm_runs_the_kept_traffic_and_keeps_the_gather_sums() -> None:
 
 
 def test_router_ops_arm_turns_the_one_call_router_off_until_restored() -> None:
-    sys.path.insert(0, str(BENCHMARKS))
     arms = _load("layer_arms")
     from lightning_moe.moe.router import TopKRouter
 
