@@ -66,13 +66,20 @@ class CheckpointRenames:
 
 
 _MIXTRAL = CheckpointRenames(block=("mlp", "block_sparse_moe"), per_expert=("w1", "w3", "w2"))
+_GRANITE = CheckpointRenames(per_expert=None, fused=("input_linear.weight", "output_linear.weight"),
+                             router="router.layer.weight")
 CHECKPOINT_RENAMES: dict[str, CheckpointRenames] = {
     "mixtral": _MIXTRAL,
     "minimax": _MIXTRAL,
     "ernie4_5_moe": CheckpointRenames(bias="moe_statics.e_score_correction_bias"),
-    "granitemoe": CheckpointRenames(per_expert=None, fused=("input_linear.weight", "output_linear.weight"),
-                                    router="router.layer.weight"),
+    "granitemoe": _GRANITE,
     "llama4": CheckpointRenames(per_expert=None, fused=("experts.gate_up_proj", "experts.down_proj")),
+    "minimax_m2": _MIXTRAL,
+    "kimi_linear": _MIXTRAL,
+    "lfm2_moe": CheckpointRenames(per_expert=("w1", "w3", "w2")),
+    "exaone_moe": CheckpointRenames(bias="e_score_correction_bias"),
+    "granitemoeshared": _GRANITE,
+    "granitemoehybrid": _GRANITE,
     "gpt_oss": CheckpointRenames(per_expert=None, fused=("experts.gate_up_proj", "experts.down_proj")),
 }  # fmt: skip
 _BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES.values()}

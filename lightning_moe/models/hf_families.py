@@ -1,4 +1,4 @@
-"""Per-family table of the Hugging Face sparse-MoE blocks :func:`swap_moe_blocks` knows.
+"""Per-family table of the Hugging Face sparse-MoE blocks :func:`swap_moe_blocks` knows or refuses.
 
 Legend: E experts, H hidden, F expert FFN width, K experts per token, G expert groups.
 
@@ -23,13 +23,15 @@ Routing rules (what HF computes from the fp32 router logits ``l_TE``):
 ``softmax``     ``p = softmax(l)`` over E, top-k of ``p``, optionally renormalised (``norm``)
 ``softmax_k``   top-k of ``l``, softmax over the K selected logits (Granite)
 ``softmax_bias``  ``p = softmax(l)``; top-k of ``p + b`` (correction bias), weights from ``p``
-                renormalised (ERNIE-4.5)
+                renormalised (ERNIE-4.5), or not and times ``routed_scaling_factor``
+                (LongCat-Flash)
 ``softmax_scaled``  ``p = softmax(l)``, top-k of ``p`` (optionally group-limited, groups scored
                 by their best expert), not renormalised, times ``routed_scaling_factor``
                 (DeepSeek-V2)
 ``sigmoid``     ``s = sigmoid(l)``; group-limited top-k of ``s + b`` (groups scored by their
                 top-2), weights from ``s`` renormalised, times ``routed_scaling_factor``
-                (DeepSeek-V3)
+                (DeepSeek-V3); without groups or without ``b`` where the block has none
+                (MiniMax-M2, AFMoE's ``route_scale``, LFM2-MoE, Cohere2-MoE's sigmoid)
 ``sigmoid_input``  top-k of ``l``, weight ``sigmoid(l)`` of each selected expert, applied to the
                 expert's *input* (Llama 4: ``routing_weight_on_input``); not renormalised
 

@@ -25,15 +25,21 @@ from lightning_moe.lit_hf import HFMoELanguageModel  # noqa: E402
 from lightning_moe.models.hf import swap_moe_blocks  # noqa: E402
 
 import test_hf_swap  # noqa: E402
-from test_hf_families import VOCAB, hf_model  # noqa: E402
+from test_hf_families import VOCAB  # noqa: E402
+from test_hf_family_sweep import sweep_model  # noqa: E402
 
 NAMES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "olmoe", "dots1", "ernie4_5_moe",
          "hunyuan_v1_moe", "granitemoe", "deepseek_v2", "qwen3_next", "qwen3_5_moe", "minimax", "llama4",
-         "gpt_oss")  # fmt: skip
+         "gpt_oss", "minimax_m2", "glm4_moe_lite", "exaone_moe", "afmoe", "lfm2_moe", "cohere2_moe", "longcat_flash",
+         "granitemoeshared", "granitemoehybrid", "jamba")  # fmt: skip
+# Swappable families whose save_pretrained checkpoint the sharded loader does not read yet: load them
+# with from_pretrained, then swap. ERNIE-4.5-VL saves text and vision experts as one list with a
+# transposed router per modality and a stacked [2, E] bias; the others are not yet checked here.
+NOT_SHARDED = ("kimi_linear", "granitemoe_swa", "qwen3_vl_moe", "glm4v_moe", "ernie4_5_vl_moe")
 
 
 def build(name: str) -> nn.Module:
-    model = test_hf_swap._model(name) if name in test_hf_swap.CONFIGS else hf_model(name, tie_word_embeddings=False)
+    model = test_hf_swap._model(name) if name in test_hf_swap.CONFIGS else sweep_model(name, tie_word_embeddings=False)
     with torch.no_grad():  # norms and biases off their init, so a tensor left unread shows
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -123,7 +129,8 @@ def test_every_config_family_has_checkpoint_names() -> None:
     from lightning_moe.models.hf_families import FAMILIES
 
     swappable = {f.name for f in FAMILIES.values() if f.refused is None}
-    assert swappable <= set(NAMES), swappable - set(NAMES)
+    assert swappable <= set(NAMES) | set(NOT_SHARDED), swappable - set(NAMES) - set(NOT_SHARDED)
+    assert not set(NAMES) & set(NOT_SHARDED)
 
 
 @pytest.mark.parametrize(("ep", "etp"), [(2, 2), (1, 2), (2, 1)])
