@@ -2,9 +2,10 @@
 
 Fast tests check :mod:`lightning_moe.resources` on the checkout and on made-up layouts. The slow
 ones build the wheel from a copy of the tree (``pip wheel --no-deps --no-build-isolation
---no-index``: offline, with the setuptools already installed), install it into a fresh venv that
-sees the system's torch and Lightning (``--system-site-packages``) and run it from an empty
-directory, so neither the checkout nor the editable install can stand in for the wheel.
+--no-index``: offline, with the setuptools already installed), install it into a fresh target
+folder put first on ``PYTHONPATH`` of the interpreter running the tests (so its torch and Lightning
+serve, in a virtual environment too) and run it from an empty directory, so neither the checkout
+nor the editable install can stand in for the wheel.
 """
 
 from __future__ import annotations
@@ -119,20 +120,24 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str], Path]:
-    """``(venv, env, cwd)``: the wheel installed into a venv, an environment and an empty directory."""
+    """``(target, env, cwd)``: the wheel installed into a fresh target folder, an environment whose
+    ``PYTHONPATH`` is that folder alone, and an empty directory to run from.
+
+    The interpreter is the one running the tests, with whatever it has installed (torch, Lightning):
+    a plain interpreter, a virtual environment or conda alike. A nested ``venv --system-site-packages``
+    would see the base interpreter's packages, not the outer virtual environment's.
+    """
     root = tmp_path_factory.mktemp("venv")
-    env_dir = root / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(env_dir)], cwd=root)
-    python = env_dir / "bin" / "python"
-    # The system's pip, run by the venv's interpreter, installs into the venv; --ignore-installed
-    # leaves the editable install in the system site-packages alone.
-    _run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", str(wheel)], cwd=root)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    env["PATH"] = f"{env_dir / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    target = root / "site"
+    _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
+         cwd=root)  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["PYTHONPATH"] = str(target)  # ahead of site-packages, where an editable install of the checkout may be
+    env["PATH"] = f"{target / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     env["LIGHTNING_MOE_KERNELS"] = "torch"  # CPU run: no JIT build attempt, no warning
     cwd = root / "work"
     cwd.mkdir()
-    return env_dir, env, cwd
+    return target, env, cwd
 
 
 # One interpreter start (torch and Lightning imports dominate): `lightning-moe recipes` as
@@ -169,7 +174,7 @@ def test_wheel_holds_kernels_recipes_and_py_typed(wheel: Path) -> None:
 @pytest.mark.slow
 def test_installed_wheel_finds_every_kernel_source_and_recipe(venv: tuple[Path, dict[str, str], Path]) -> None:
     env_dir, env, cwd = venv
-    proc = _run([str(env_dir / "bin" / "python"), "-c", _INSPECT], cwd=cwd, env=env)
+    proc = _run([sys.executable, "-c", _INSPECT], cwd=cwd, env=env)
     *listed, last = proc.stdout.strip().splitlines()
     seen = json.loads(last)
     package = Path(seen["package"]).resolve()
