@@ -180,16 +180,26 @@ def _with_memory_callbacks(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def recipe_rows(args: argparse.Namespace, recipes: dict[str, Path], work: Path) -> list[Row]:
-    rows = []
+    """Every recipe at its own precision and at bf16-mixed; ``--jobs`` runs at a time on the one GPU
+    (more than one shares the device, so the step times are then upper bounds)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    runs = []
     for name, path in sorted(recipes.items()):
         if name in SLICES:
             continue
         own = str(yaml.safe_load(path.read_text())["trainer"].get("precision", "32-true"))
         own = "32-true" if own in ("32", "32-true") else own
-        for precision in dict.fromkeys([own, "bf16-mixed"]):
-            rows.append(recipe_row(args, name, path, precision, work / f"{name}-{precision}"))
-            print(format_row(rows[-1]), flush=True)
-    return rows
+        runs += [(name, path, precision) for precision in dict.fromkeys([own, "bf16-mixed"])]
+
+    def one(run: tuple[str, Path, str]) -> Row:
+        name, path, precision = run
+        row = recipe_row(args, name, path, precision, work / f"{name}-{precision}")
+        print(format_row(row), flush=True)
+        return row
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        return list(pool.map(one, runs))
 
 
 def recipe_row(args: argparse.Namespace, name: str, path: Path, precision: str, work: Path) -> Row:
@@ -408,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--slice-steps", type=int, default=50)
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--jobs", type=int, default=1, help="recipe runs at a time (default 1: clean step times)")
     p.add_argument("--tiny", action="store_true", help="small dimensions (a check of this script on the CPU)")
     p.add_argument("--keep", action="store_true", help="keep each slice's checkpoints and exports")
     args = p.parse_args(argv)
