@@ -112,6 +112,8 @@ class FoldedMoECore:
             group (the loss is ``lm_cross_entropy``'s vocab-parallel cross-entropy); needs ``tp > 1``.
     """
 
+    owns_nonfinite_guard = True  # MoELanguageModelBase leaves its non-finite guard to the strategy
+
     def __init__(
         self,
         tp: int = 1,

@@ -90,7 +90,6 @@ class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
     options (a module's deprecated ones are forwarded here).
     """
 
-    owns_nonfinite_guard = True  # MoELanguageModelBase leaves its non-finite guard to this strategy
     _nonfinite_guard: NonFiniteGuard | None = None
 
     strategy_name = "folded_moe"
