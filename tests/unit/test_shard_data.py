@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from _tiny_tokenizer import make_tiny_tokenizer
-from lightning_moe.data.byte_codec import byte_codec, encode_bytes
+from lightning_moe.data.byte_codec import ByteCodec, byte_codec, encode_byte_batch, encode_bytes
 from lightning_moe.data.permutation import feistel_permutation
 from lightning_moe.data.sampler import ResumableSampler
 from lightning_moe.data.sft import tokenize_chat
@@ -323,6 +323,19 @@ def test_byte_fast_path_equals_the_tokenizer(byte_tok_dir: Path, tok_dir: Path, 
     assert [shards.document(i).tolist() for i in range(shards.documents)] == [
         tok(t)["input_ids"] for t in texts[1:] + _docs(50)
     ]
+
+
+@pytest.mark.parametrize(("prefix", "suffix"), [([], [1]), ([9], []), ([9, 8], [1, 2]), ([], [])])
+@pytest.mark.parametrize("table", ["offset", "lookup"])
+def test_byte_batches_equal_one_document_at_a_time(prefix: list, suffix: list, table: str) -> None:
+    ids = np.arange(256) + 3 if table == "offset" else np.random.default_rng(0).permutation(256) + 300
+    codec = ByteCodec(ids, np.array(prefix, dtype=np.int64), np.array(suffix, dtype=np.int64), "")
+    for texts in (["ab", "", "héllo", "x"], ["", "", "a", ""], [""], ["日本語 🙂"]):
+        got, lengths = encode_byte_batch(codec, [t.encode() for t in texts], np.dtype("<u2"))
+        ref = [encode_bytes(codec, t).tolist() for t in texts]
+        assert got.dtype == np.uint16 and got.tolist() == [i for r in ref for i in r], texts
+        assert lengths.tolist() == [len(r) for r in ref]
+        assert ref[0][: len(prefix)] == prefix and ref[0][len(ref[0]) - len(suffix) :] == suffix
 
 
 # --- saved datasets ------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 SIZES = (200 * 10**6, 2 * 10**9)
-MAX_GROWTH_KB = 32 * 1024  # the 2 GB run's peak may exceed the 200 MB run's by this much at most
+MAX_GROWTH_KB = 16 * 1024  # the 2 GB run's peak may exceed the 200 MB run's by this much at most
 _WORDS = ("the quick brown fox jumps over a lazy dog while experts route tokens to gates and routers learn "
           "which one fits each token best").split()  # fmt: skip
 
