@@ -16,7 +16,9 @@ Pipeline (all deterministic for a given interpreter, path and seed):
 
 Tokenized text (``text_datamodule.py``: ``TextDataModule``) follows the same order and packing
 from local text, jsonl or parquet files and the checkpoint's own tokenizer (``tokenizer.py``),
-with chat fine-tuning that puts the loss on assistant tokens only (``sft.py``).
+with chat fine-tuning that puts the loss on assistant tokens only (``sft.py``). With ``cache_dir``
+it tokenizes once into token shards on disk and reads each row from them, in memory that does not
+grow with the corpus (``shard_*.py``, ``row_layout.py``, ``sharded_splits.py``; ``docs/data.md``).
 """
 
 from lightning_moe.data.corpus import SEPARATOR, TEXT_SUFFIXES, VOCAB_SIZE, load_tokens, stdlib_corpus, stdlib_files

@@ -27,7 +27,8 @@ import numpy as np
 __all__ = ["ByteCodec", "byte_codec", "encode_byte_batch", "encode_bytes", "fast_path_bytes"]
 
 _PROBE_TEXT = (
-    "The quick brown fox jumps over the lazy dog. thththth aaaa  eeee\n\n\tZZ zz 0123456789 !?.,;:()[]{}\"'`~@#$%^&*-_=+|\\/"
+    "The quick brown fox jumps over the lazy dog. thththth aaaa  eeee\n\n\tZZ zz 0123456789 "
+    "!?.,;:()[]{}\"'`~@#$%^&*-_=+|\\/"
     " héllo wörld ñ ç ß Æ — “quotes” 日本語のテキスト 한국어 🙂🚀 ÿ  trailing  "
 )
 

@@ -40,7 +40,8 @@ def feistel_permutation(positions: np.ndarray, n: int, key: int) -> np.ndarray:
         raise ValueError(f"feistel_permutation: n={n!r} must be a positive int (the dataset length).")
     pos = np.asarray(positions, dtype=np.int64)
     if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= n):
-        raise ValueError(f"feistel_permutation: positions must lie in [0, n={n}); got {int(pos.min())}..{int(pos.max())}.")
+        got = f"{int(pos.min())}..{int(pos.max())}"
+        raise ValueError(f"feistel_permutation: positions must lie in [0, n={n}); got {got}.")
     bits = max(2, (n - 1).bit_length())
     half = (bits + 1) // 2
     keys = np.random.SeedSequence(key % (1 << 64)).generate_state(ROUNDS, dtype=np.uint64)

@@ -75,7 +75,8 @@ class ResumableSampler(DistributedSampler):
         tensor, so for small datasets and tests (the iterator computes a Feistel order in chunks)."""
         if self.shuffle and self.order_kind == "feistel":
             positions = np.arange(self.total_size, dtype=np.int64)
-            return torch.from_numpy(feistel_permutation(positions, len(self.dataset), self.seed + self.epoch))  # type: ignore[arg-type]
+            n = len(self.dataset)  # type: ignore[arg-type]
+            return torch.from_numpy(feistel_permutation(positions, n, self.seed + self.epoch))
         n = len(self.dataset)  # type: ignore[arg-type]
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed + self.epoch)

@@ -108,7 +108,8 @@ def _build(folder: Path, source: ShardSource, tokenizer: Any, codec: ByteCodec |
             raw = fast_path_bytes(codec, value) if codec is not None and isinstance(value, str) else None
             if batch is not None and raw is not None:
                 if n & (n - 1) == 0 and len(value) <= _CHECK_MAX_CHARS:  # documents 0, 1, 2, 4, 8, ...
-                    if encode_bytes(codec, value).tolist() != encode_text(tokenizer, value, where):  # type: ignore[arg-type,union-attr]
+                    fast = encode_bytes(codec, value)  # type: ignore[arg-type]
+                    if fast is None or fast.tolist() != encode_text(tokenizer, value, where):
                         raise _FastPathMismatch(where)
                 batch.add(raw, where)
                 continue

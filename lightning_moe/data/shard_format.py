@@ -1,4 +1,4 @@
-"""The on-disk format of tokenized text: memory-mapped token shards and their JSON header.
+"""The on-disk format of tokenized text: token shards (raw arrays, ``numpy.memmap``-able) and their JSON header.
 
 Legend: N documents of a shard, T tokens of a shard.
 

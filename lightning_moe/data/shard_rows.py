@@ -3,7 +3,7 @@
 Legend: S sequence length (``seq_len``), G segments of one row.
 
 Item ``r`` of :class:`ShardRowsDataset` gathers row ``r``'s segments (``row_layout.py``) from the
-mapped shards (``shard_reader.py``) into ``seq_len + 1`` tokens and turns them into the batch keys
+shards (``shard_reader.py``) into ``seq_len + 1`` tokens and turns them into the batch keys
 the same way the in-memory rows are made, so the two paths give identical items:
 
 * ``packing="pack"``: tokens and document slots go through ``packing.packed_example`` (labels
@@ -59,7 +59,8 @@ class ShardRowsDataset(Dataset[dict[str, torch.Tensor]]):
             raise IndexError(f"ShardRowsDataset: index {index} out of range for {len(self)} rows")
         index %= len(self)
         first, end = self._first_segment.read(index, 2).tolist()
-        row_segments = self._segments.read(first * SEGMENT_FIELDS, (end - first) * SEGMENT_FIELDS).reshape(-1, SEGMENT_FIELDS)
+        flat = self._segments.read(first * SEGMENT_FIELDS, (end - first) * SEGMENT_FIELDS)
+        row_segments = flat.reshape(-1, SEGMENT_FIELDS)
         if self.packing == "pack":
             return self._packed(row_segments)
         return self._single(row_segments[0])

@@ -159,8 +159,9 @@ class ShardWriter:
         low, high = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
         if low < 0 or high >= self.vocab_size:
             raise ValueError(
-                f"ShardWriter: {at}token id {low if low < 0 else high} is outside the vocabulary [0, {self.vocab_size}); "
-                "vocab_size must be the tokenizer's length (len(tokenizer)), which covers every id it makes."
+                f"ShardWriter: {at}token id {low if low < 0 else high} is outside the vocabulary "
+                f"[0, {self.vocab_size}); vocab_size must be the tokenizer's length (len(tokenizer)), which "
+                "covers every id it makes."
             )
         if self.has_masks != (masks is not None) or int(lengths.sum()) != ids.size:
             raise ValueError(f"ShardWriter: {at}lengths must add up to the ids, with masks exactly when has_masks.")

@@ -26,15 +26,16 @@ Batches: ``{"input_ids", "labels"}`` int64 ``[B, S]``, plus ``"position_ids"``, 
 packed.
 
 Memory. With ``cache_dir`` set, steps 1-4 run once into files under it and the rows are read from
-there (``sharded_splits.py``): the records are tokenized one at a time into memory-mapped token
+there (``sharded_splits.py``): the records are tokenized one at a time into on-disk token
 shards (uint16/uint32 ids, a document index, SFT masks; reused while the source files and the
 tokenizer are unchanged, ``docs/data.md``), the split and the row layout are computed in one pass
-over the document lengths and stored too, and each row is gathered from the mapped files when the
-loader asks for it, so memory does not grow with the corpus. The rows, the split and the order are
-exactly those of the in-memory path. Without ``cache_dir`` the records stream from disk and each is kept only as its int32 token ids (and a uint8 mask
-in SFT), so the corpus costs about 4 bytes per token in memory (5 in SFT), then as much again in
-int32 rows. Packing runs on runs of documents of about ``PACK_CHUNK_TOKENS`` tokens at a time, which
-bounds its working memory; the last row of each run may be part-filled (at most one row per run).
+over the document lengths and stored too, and each row is read from those files when the loader
+asks for it, so memory does not grow with the corpus. The rows, the split and the order are
+exactly those of the in-memory path. Without ``cache_dir`` the records stream from disk and each is
+kept only as its int32 token ids (and a uint8 mask in SFT), so the corpus costs about 4 bytes per
+token in memory (5 in SFT), then as much again in int32 rows. Packing runs on runs of documents of
+about ``PACK_CHUNK_TOKENS`` tokens at a time, which bounds its working memory; the last row of each
+run may be part-filled (at most one row per run).
 """
 
 from __future__ import annotations

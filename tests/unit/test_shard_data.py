@@ -94,7 +94,8 @@ def test_shards_hold_the_tokenizers_ids_document_by_document(tok_dir: Path, tmp_
 
 
 def test_chat_shards_keep_the_assistant_masks(tok_dir: Path, tmp_path: Path) -> None:
-    chats = [CHAT, [{"role": "system", "content": "Be brief."}, *CHAT], CHAT[:1] + [{"role": "assistant", "content": "Ok."}]]
+    brief = [{"role": "system", "content": "Be brief."}, *CHAT]
+    chats = [CHAT, brief, CHAT[:1] + [{"role": "assistant", "content": "Ok."}]]
     data = _jsonl(tmp_path / "c.jsonl", chats, field="messages")
     tok = load_tokenizer(tok_dir)
     shards = TokenShards(ensure_token_shards(tmp_path / "cache", _source(data, "sft", "messages"), tok, tok_dir))
