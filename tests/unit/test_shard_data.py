@@ -196,7 +196,7 @@ def test_a_truncated_shard_is_detected_and_rebuilt(tok_dir: Path, tmp_path: Path
 @pytest.mark.parametrize(
     "kwargs",
     [{}, {"packing": "none"}, {"long_documents": "truncate"}, {"packing": "none", "long_documents": "truncate"},
-     {"val_fraction": 0.3, "seed": 4}],
+     {"val_fraction": 0.3, "seed": 4}, {"max_documents": 90}],
 )  # fmt: skip
 def test_rows_from_shards_equal_the_in_memory_rows(tok_dir: Path, tmp_path: Path, kwargs: dict) -> None:
     data = _jsonl(tmp_path / "d.jsonl", _docs(200, hi=20) + [""] + _docs(40, seed=2))
@@ -337,6 +337,37 @@ def test_byte_batches_equal_one_document_at_a_time(prefix: list, suffix: list, t
         assert got.dtype == np.uint16 and got.tolist() == [i for r in ref for i in r], texts
         assert lengths.tolist() == [len(r) for r in ref]
         assert ref[0][: len(prefix)] == prefix and ref[0][len(ref[0]) - len(suffix) :] == suffix
+
+
+def test_a_fast_path_that_disagrees_with_the_tokenizer_is_dropped(
+    byte_tok_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lightning_moe.data.shard_cache as shard_cache
+
+    tok = load_tokenizer(byte_tok_dir)
+    good = byte_codec(tok)
+    wrong = good._replace(table=np.where(good.table >= 0, good.table + 1, -1))  # every id one too high
+    monkeypatch.setattr(shard_cache, "byte_codec", lambda tokenizer: wrong)
+    docs = _docs(20)
+    data = _jsonl(tmp_path / "d.jsonl", docs)
+    with pytest.warns(UserWarning, match=r"fast path disagrees with the tokenizer at .*d\.jsonl:1"):
+        folder = ensure_token_shards(tmp_path / "cache", _source(data), tok, byte_tok_dir)
+    shards = TokenShards(folder)
+    assert shards.header["fast_path"] is None
+    assert [shards.document(i).tolist() for i in range(20)] == [tok(d)["input_ids"] for d in docs]
+
+
+def test_parquet_rows_from_shards(tok_dir: Path, tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": _docs(60)}), tmp_path / "d.parquet")
+    common = {"val_files": str(tmp_path / "d.parquet"), "seq_len": 16, "batch_size": 2}
+    memory = TextDataModule(str(tok_dir), str(tmp_path / "d.parquet"), **common)
+    memory.setup()
+    sharded = TextDataModule(str(tok_dir), str(tmp_path / "d.parquet"), cache_dir=str(tmp_path / "cache"), **common)
+    sharded.setup()
+    _assert_same_items(memory, sharded)
 
 
 # --- saved datasets ------------------------------------------------------------------------------
