@@ -286,6 +286,36 @@ def test_workers_read_the_shards_themselves(tok_dir: Path, tmp_path: Path) -> No
     assert len(got) == len(ref) and all(torch.equal(a[k], b[k]) for a, b in zip(got, ref) for k in a)
 
 
+def test_a_trainer_fits_from_the_shards(tok_dir: Path, tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+
+    from lightning_moe.data.shard_rows import ShardRowsDataset
+
+    class TinyLM(pl.LightningModule):
+        def __init__(self, vocab: int) -> None:
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(vocab, 8), torch.nn.Linear(8, vocab)
+
+        def training_step(self, batch: dict, index: int) -> torch.Tensor:
+            logits = self.head(self.embed(batch["input_ids"]))
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+        def validation_step(self, batch: dict, index: int) -> None:
+            self.log("val_loss", self.training_step(batch, index))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = _jsonl(tmp_path / "d.jsonl", _docs(200))
+    dm = TextDataModule(str(tok_dir), str(data), seq_len=16, batch_size=4, cache_dir=str(tmp_path / "cache"))
+    trainer = pl.Trainer(accelerator="cpu", max_steps=3, limit_val_batches=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(TinyLM(dm.vocab_size), datamodule=dm)
+    assert trainer.global_step == 3 and isinstance(dm.train_dataset, ShardRowsDataset)
+    assert trainer.train_dataloader.state_dict()["consumed"] == 12
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir()) == ["rows", "tokens"]
+
+
 # --- bad input -----------------------------------------------------------------------------------
 
 
