@@ -355,3 +355,18 @@ def test_grouped_row_units_numbering() -> None:
     assert U == -(-265 // 128) + 4
     expected = [0] * 3 + [1] * 128 + [2] * 128 + [3] + [4] + [U] * 4
     assert unit_R.tolist() == expected
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise", "tensorwise"])
+@pytest.mark.parametrize("reduce_dim", [-1, -2])
+def test_bf16_quantizes_to_the_bytes_of_its_fp32_widening(recipe: str, reduce_dim: int) -> None:
+    """The contract that makes CPU and CUDA agree for bf16 sources: they take the padded fp32 ops,
+    whose bytes equal the quantization of ``x.float()`` (fp32 division, one rounding to FP8)."""
+    import importlib
+
+    Q = importlib.import_module("lightning_moe.ops.fp8.quantize")
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(2, 256, 384, generator=g) * torch.logspace(-20, 3, 384)).to(torch.bfloat16)
+    assert not Q._two_pass_exact_for(x) and Q._two_pass_exact_for(x.float())
+    a, b = Q.quantize(x, recipe, "e4m3", reduce_dim=reduce_dim), Q.quantize(x.float(), recipe, "e4m3", reduce_dim=reduce_dim)
+    assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale)

@@ -266,12 +266,13 @@ def _divides_grid(shape: torch.Size, dim_tile: tuple[int | None, int | None]) ->
 
 
 def _two_pass_exact_for(x: torch.Tensor) -> bool:
-    """Whether the two-pass quantization gives the padded path's bytes for ``x``'s device and dtype.
+    """Whether the two-pass quantization gives the padded path's bytes for ``x``'s dtype.
 
     On an H200 (torch 2.11) its result differed from the padded fp32 path and from the CPU for
-    bf16 sources on CUDA (fp32 and fp16 sources were bitwise equal), so bf16 on CUDA takes the
-    padded path; its activations are quantized by the csrc kernels (``kernels.py``) anyway."""
-    return not (x.device.type == "cuda" and x.dtype == torch.bfloat16)
+    bf16 sources (fp32 and fp16 sources were bitwise equal on both devices). bf16 sources take the
+    padded fp32 ops on every device, so the CPU and CUDA quantize a bf16 tensor to the same bytes;
+    on CUDA its activations are quantized by the csrc kernels (``kernels.py``) anyway."""
+    return x.dtype != torch.bfloat16
 
 
 def _quantize_exact_grid(x: torch.Tensor, dim_tile, fmt: str, pow2_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
