@@ -8,8 +8,9 @@ kernels then build from the wheel's own sources. What it does:
 1. **Recipes.** Every packaged recipe except the full-size ones (``lightning-moe recipes``), made a
    one-GPU run the way a user edits a copy: ``accelerator: gpu``, ``devices: 1``, every parallel
    degree 1, the FP8 recipe with its GPU backend (``backend: emulate`` dropped), the callbacks
-   recipe with ``CUDAGraphCapture`` and ``CPUOffload`` added; at the recipe's own precision and at
-   ``bf16-mixed``, ``--steps`` optimizer steps (>= 100). Passes when the run reaches its last step
+   recipe with ``CPUOffload`` added and ``CUDAGraphCapture`` where there is no autocast (its own
+   precision and ``bf16-true``); at the recipe's own precision and at ``bf16-mixed``, ``--steps``
+   optimizer steps (>= 100). Passes when the run reaches its last step
    and the validation loss at the end is finite and lower than before the first step.
 2. **Full-size slices.** Each ``*_sft`` recipe on a random checkpoint of its family at its real
    hidden size, expert count and expert width, two layers, saved with ``save_pretrained`` (sharded
@@ -43,7 +44,8 @@ from typing import Any
 import yaml
 
 _DEGREES = ("tp", "cp", "ep", "etp", "edp", "pp")
-_STEP_LINE = re.compile(r"step time: ([\d.]+) ms median .*?(?:peak memory: ([\d.]+) GiB allocated)?$", re.M)
+_STEP_LINE = re.compile(r"^step time: ([\d.]+) ms median", re.M)
+_PEAK_LINE = re.compile(r"^step time: .*peak memory: ([\d.]+) GiB allocated", re.M)
 _VAL_LINE = re.compile(r"validation loss: (\S+) at step (\d+) -> (\S+) at step (\d+)")
 _TIMER = {"class_path": "lightning_moe.callbacks.StepTimer", "init_args": {"skip_steps": 5}}
 
@@ -115,11 +117,9 @@ def read_fit(out: str, row: Row) -> None:
     val = _VAL_LINE.search(out)
     if val:
         row.val_first, row.val_last, row.steps = float(val.group(1)), float(val.group(3)), int(val.group(4))
-    timed = _STEP_LINE.findall(out)
-    if timed:
-        ms, peak = timed[-1]
-        row.ms_per_step = float(ms)
-        row.peak_gib = float(peak) if peak else None
+    timed, peak = _STEP_LINE.findall(out), _PEAK_LINE.findall(out)
+    row.ms_per_step = float(timed[-1]) if timed else None
+    row.peak_gib = float(peak[-1]) if peak else None
 
 
 def tail(out: str, lines: int = 25) -> str:
@@ -170,12 +170,13 @@ def _drop_emulated_fp8(node: Any) -> None:
             _drop_emulated_fp8(value)
 
 
-def _with_memory_callbacks(config: dict[str, Any]) -> dict[str, Any]:
-    """The callbacks recipe with CUDA-graph capture and activation offload added (GPU features)."""
-    config["trainer"]["callbacks"] += [
-        {"class_path": "lightning_moe.callbacks.CUDAGraphCapture", "init_args": {"warmup_steps": 3}},
-        {"class_path": "lightning_moe.callbacks.CPUOffload", "init_args": {"activations": ["*layers.*"]}},
-    ]
+def _with_memory_callbacks(config: dict[str, Any], precision: str) -> dict[str, Any]:
+    """The callbacks recipe with activation offload and, where the precision has no autocast
+    (CUDAGraphCapture refuses ``*-mixed``: a captured graph would not follow autocast), CUDA graphs."""
+    added = [{"class_path": "lightning_moe.callbacks.CPUOffload", "init_args": {"activations": ["*layers.*"]}}]
+    if not precision.endswith("-mixed"):
+        added.append({"class_path": "lightning_moe.callbacks.CUDAGraphCapture", "init_args": {"warmup_steps": 3}})
+    config["trainer"]["callbacks"] += added
     return config
 
 
@@ -190,7 +191,8 @@ def recipe_rows(args: argparse.Namespace, recipes: dict[str, Path], work: Path) 
             continue
         own = str(yaml.safe_load(path.read_text())["trainer"].get("precision", "32-true"))
         own = "32-true" if own in ("32", "32-true") else own
-        runs += [(name, path, precision) for precision in dict.fromkeys([own, "bf16-mixed"])]
+        extra = ["bf16-true"] if name == "tiny_moe_callbacks" else []  # CUDA graphs in bf16 (no autocast)
+        runs += [(name, path, precision) for precision in dict.fromkeys([own, "bf16-mixed", *extra])]
 
     def one(run: tuple[str, Path, str]) -> Row:
         name, path, precision = run
@@ -206,7 +208,7 @@ def recipe_row(args: argparse.Namespace, name: str, path: Path, precision: str, 
     work.mkdir(parents=True, exist_ok=True)
     config = one_device(yaml.safe_load(path.read_text()), args.accelerator, precision, args.steps)
     if name == "tiny_moe_callbacks" and args.accelerator == "gpu":
-        config = _with_memory_callbacks(config)
+        config = _with_memory_callbacks(config, precision)
     if args.tiny:
         config["data"].setdefault("init_args", {}).update(seq_len=32, batch_size=4, max_bytes=100_000)
     (work / "recipe.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
