@@ -49,7 +49,41 @@ def _check_positive(owner: str, **values: int) -> None:
             raise ValueError(f"{owner}: {name}={value!r} must be a positive int.")
 
 
-class ExpertLoad(Metric):
+class _LayerCountTable(Metric):
+    """An int64 table ``[L, X]`` of per-layer counts, summed over updates and ranks.
+
+    A subclass names its state (``_state``), what it counts (``_counted``) and its columns (``_columns``).
+    """
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = False
+    _state: str
+    _counted: str
+    _columns: str
+
+    def __init__(self, num_layers: int, num_columns: int, process_group: Any, **kwargs: Any) -> None:
+        super().__init__(process_group=process_group, **kwargs)
+        zeros_LX = torch.zeros(num_layers, num_columns, dtype=torch.int64)
+        self.add_state(self._state, default=zeros_LX, dist_reduce_fx="sum")
+
+    def _table(self) -> torch.Tensor:
+        return getattr(self, self._state)
+
+    def update(self, counts_LX: torch.Tensor) -> None:
+        table_LX = self._table()
+        if tuple(counts_LX.shape) != tuple(table_LX.shape):
+            raise ValueError(
+                f"{type(self).__name__}: update got {self._counted} of shape {tuple(counts_LX.shape)}, expected "
+                f"{tuple(table_LX.shape)} [layers, {self._columns}]."
+            )
+        table_LX += counts_LX.to(table_LX.device, torch.int64)
+
+    def compute(self) -> torch.Tensor:
+        return self._table().clone()
+
+
+class ExpertLoad(_LayerCountTable):
     """Tokens routed to each expert of each layer ``[L, E]``, summed over updates and ranks.
 
     Args:
@@ -59,57 +93,27 @@ class ExpertLoad(Metric):
             ``None`` is the default group.
     """
 
-    full_state_update = False
-    is_differentiable = False
-    higher_is_better = False
+    _state, _counted, _columns = "tokens_LE", "counts", "experts"
 
     def __init__(self, num_layers: int, num_experts: int, process_group: Any = None, **kwargs: Any) -> None:
         _check_positive("ExpertLoad", num_layers=num_layers, num_experts=num_experts)
-        super().__init__(process_group=process_group, **kwargs)
+        super().__init__(num_layers, num_experts, process_group, **kwargs)
         self.num_layers, self.num_experts = num_layers, num_experts
-        self.add_state(
-            "tokens_LE", default=torch.zeros(num_layers, num_experts, dtype=torch.int64), dist_reduce_fx="sum"
-        )
-
-    def update(self, tokens_LE: torch.Tensor) -> None:
-        if tuple(tokens_LE.shape) != (self.num_layers, self.num_experts):
-            raise ValueError(
-                f"ExpertLoad: update got counts of shape {tuple(tokens_LE.shape)}, expected "
-                f"({self.num_layers}, {self.num_experts}) [layers, experts]."
-            )
-        self.tokens_LE += tokens_LE.to(self.tokens_LE.device, torch.int64)
-
-    def compute(self) -> torch.Tensor:
-        return self.tokens_LE.clone()
 
 
-class RankLoad(Metric):
+class RankLoad(_LayerCountTable):
     """Rows processed by each EP rank of each layer ``[L, P]``.
 
     Every rank updates with the rows it sends to each EP rank; the sum over ``process_group``
     (the EP group) is then what every EP rank receives.
     """
 
-    full_state_update = False
-    is_differentiable = False
-    higher_is_better = False
+    _state, _counted, _columns = "rows_LP", "rows", "EP ranks"
 
     def __init__(self, num_layers: int, ep_size: int, process_group: Any = None, **kwargs: Any) -> None:
         _check_positive("RankLoad", num_layers=num_layers, ep_size=ep_size)
-        super().__init__(process_group=process_group, **kwargs)
+        super().__init__(num_layers, ep_size, process_group, **kwargs)
         self.num_layers, self.ep_size = num_layers, ep_size
-        self.add_state("rows_LP", default=torch.zeros(num_layers, ep_size, dtype=torch.int64), dist_reduce_fx="sum")
-
-    def update(self, rows_LP: torch.Tensor) -> None:
-        if tuple(rows_LP.shape) != (self.num_layers, self.ep_size):
-            raise ValueError(
-                f"RankLoad: update got rows of shape {tuple(rows_LP.shape)}, expected "
-                f"({self.num_layers}, {self.ep_size}) [layers, EP ranks]."
-            )
-        self.rows_LP += rows_LP.to(self.rows_LP.device, torch.int64)
-
-    def compute(self) -> torch.Tensor:
-        return self.rows_LP.clone()
 
 
 class LayerMean(Metric):
