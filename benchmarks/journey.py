@@ -61,12 +61,18 @@ SLICES: dict[str, tuple[str, dict[str, Any]]] = {
         kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, norm_topk_prob=False)),
     "mixtral_8x7b_sft": ("mixtral", dict(
         hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
-        num_local_experts=8, num_experts_per_tok=2)),
+        num_local_experts=8, num_experts_per_tok=2)),  # 2.9 B parameters in two layers
     "gpt_oss_20b_sft": ("gpt_oss", dict(
         hidden_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64, intermediate_size=2880,
         num_local_experts=32, num_experts_per_tok=4, layer_types=["sliding_attention", "full_attention"],
         sliding_window=128, max_position_embeddings=131072)),
 }  # fmt: skip
+# Recipe settings a slice changes to fit one machine, with the reason (printed in its row).
+SLICE_OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
+    # fp32 weights + AdamW are 12 bytes a parameter: two 35 GB checkpoints (the published one and the
+    # one being written) would not fit a 64 GB disk
+    "mixtral_8x7b_sft": ({"dtype": "bfloat16"}, "bf16 weights and AdamW states (fp32 would need 70 GB of checkpoint disk)"),
+}
 _TINY = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, head_dim=16, num_attention_heads=4,
              num_key_value_heads=2, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
              num_experts=8, n_routed_experts=8, num_local_experts=8, sliding_window=16)  # fmt: skip
@@ -283,7 +289,12 @@ def slice_config(path: Path, args: argparse.Namespace, checkpoint: Path, chats: 
         if callback["class_path"].endswith("ModelCheckpoint"):
             callback["init_args"].update(dirpath=str(work / "checkpoints"), every_n_train_steps=args.slice_steps)
     model = config["model"]["init_args"]
-    model.update(pretrained=str(checkpoint), learning_rate=3e-4, warmup_steps=5)
+    model.update(pretrained=str(checkpoint), **SLICE_OVERRIDES.get(path.stem, ({}, ""))[0])
+    optimizer = {"learning_rate": 3e-4, "warmup_steps": 5}
+    if isinstance(model.get("optimizer"), dict):
+        model["optimizer"].update(optimizer)
+    else:
+        model.update(optimizer)
     if args.tiny:
         model["moe"] = {**model.get("moe", {}), "experts_backend": "torch"}
     data = config["data"]["init_args"]
@@ -298,6 +309,8 @@ def slice_row(args: argparse.Namespace, name: str, path: Path, work: Path) -> Ro
     if family == "deepseek_v2":  # multi-head latent attention: as many key/value heads as query heads
         dims["num_key_value_heads"] = dims["num_attention_heads"]
     row, start = Row(f"{name} (2 layers, real width)", "bf16-mixed"), time.time()
+    if name in SLICE_OVERRIDES:
+        row.notes.append(SLICE_OVERRIDES[name][1])
     work.mkdir(parents=True, exist_ok=True)
     checkpoint, chats = work / "hf", work / "chats.jsonl"
     make_checkpoint(checkpoint, family, dims, "cuda" if args.accelerator == "gpu" else "cpu")
