@@ -27,7 +27,6 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 __all__ = [
     "all_gather_cat",
@@ -280,11 +279,3 @@ def context_parallel_attention(
     doc_Bs = None if document_ids_Bs is None else document_ids_Bs.to(torch.long)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     return _ContextParallelAttention.apply(q, k, v, pos_Bs, doc_Bs, scale, cp_group)
-
-
-def enable_context_parallel(model: nn.Module, cp_group: dist.ProcessGroup | None) -> None:
-    """Kept for callers that import it from here: the model layer owns this step,
-    :func:`lightning_moe.models.context_parallel.enable_context_parallel` (same arguments)."""
-    from lightning_moe.models.context_parallel import enable_context_parallel as enable
-
-    enable(model, cp_group)

@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
+from lightning_moe.models.context_parallel import enable_context_parallel
 from lightning_moe.moe.layer import MoELayer
 from lightning_moe.parallel.mesh import FoldedMesh
 from lightning_moe.parallel.parallelize import DispatcherKind, check_model_for_layout, parallelize_moe_model
@@ -81,8 +82,6 @@ def check_model_for_context_parallel(owner: str, module: nn.Module, cp: int) -> 
     naming the layer. No collective."""
     if cp == 1:
         return
-    from lightning_moe.parallel.context import enable_context_parallel
-
     try:
         enable_context_parallel(module, None)  # checks every attention module; the group stays unset
     except ValueError:
@@ -104,8 +103,6 @@ def enable_context_parallel_on(module: nn.Module, mesh: FoldedMesh) -> None:
     cp = context_parallel_of(mesh)
     if cp.group is None:
         return
-    from lightning_moe.parallel.context import enable_context_parallel
-
     enable_context_parallel(module, cp.group)
 
 

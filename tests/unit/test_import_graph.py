@@ -49,12 +49,7 @@ LIGHTNING_FREE = ("ops", "moe", "parallel", "models")
 # Upward imports allowed for now: (importer, imported) -> the name other modules still import from
 # the importer, which is why the edge exists. Each entry is checked to be still needed, so this
 # list only shrinks; delete an entry with the import it allows.
-_KNOWN: dict[tuple[str, str], str] = {
-    # parallel/context.py forwards enable_context_parallel to the model layer, which owns it, because
-    # strategies/ (sharding.py) imports it from lightning_moe.parallel.context; once the strategies
-    # import lightning_moe.models.context_parallel, delete the forwarder and this entry.
-    ("lightning_moe.parallel.context", "lightning_moe.models.context_parallel"): "enable_context_parallel",
-}
+_KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _module_name(path: Path) -> str:
