@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_moe.moe.dispatch.base import DispatchedTokens, fp8_rows_of, row_weights
-from lightning_moe.moe.dispatch.comm import all_gather_rows, copy_to_group, reduce_from_group, reduce_scatter_rows
+from lightning_moe.moe.dispatch.comm import all_gather_rows, reduce_scatter_rows
 from lightning_moe.moe.dispatch.ep import ExpertParallelDispatcher
+from lightning_moe.moe.dispatch.etp_rows import collect_from_etp, share_over_etp
 from lightning_moe.ops.permute import Permutation, build_permutation, permute_rows, unpermute_sum
 
 __all__ = ["AllGatherDispatcher", "AllGatherHandle"]
@@ -73,14 +74,11 @@ class AllGatherDispatcher(ExpertParallelDispatcher):
         perm = build_permutation(local_ids_GK, e, None)
         x_RH = permute_rows(x_GH, perm)
         w_R = row_weights(weights_GK, perm)
-        if self.etp_group is not None:
-            x_RH = copy_to_group(x_RH, self.etp_group)
-            w_R = copy_to_group(w_R, self.etp_group)
+        x_RH, _, w_R, _, _ = share_over_etp(x_RH, None, w_R, perm.tokens_per_expert_E, self.etp_group, False)
         return DispatchedTokens(x_RH, perm.tokens_per_expert_E, w_R), AllGatherHandle(perm, weights_GK, rows)
 
     def combine(self, y_RH: torch.Tensor, handle: AllGatherHandle, weighted: bool) -> torch.Tensor:
-        if self.etp_group is not None:
-            y_RH = reduce_from_group(y_RH, self.etp_group)
+        y_RH = collect_from_etp(y_RH, None, self.etp_group)
         y_GH = unpermute_sum(y_RH, handle.perm, handle.weights_GK if weighted else None)
         return reduce_scatter_rows(y_GH, handle.rows, self.ep_rank, self.ep_group)
 

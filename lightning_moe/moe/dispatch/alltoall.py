@@ -52,17 +52,11 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from lightning_moe.moe.dispatch.base import DispatchedTokens, DispatcherCapabilities, fp8_rows_of, row_weights
-from lightning_moe.moe.dispatch.comm import all_to_all_rows, copy_to_group, exchange_rows, reduce_from_group
-from lightning_moe.moe.dispatch.comm import (
-    ExpertRowsLayout,
-    check_etp_sequence_parallel,
-    gather_expert_rows,
-    scatter_expert_rows,
-)
+from lightning_moe.moe.dispatch.comm import ExpertRowsLayout, all_to_all_rows, check_etp_sequence_parallel, exchange_rows
 from lightning_moe.moe.dispatch.ep import ExpertParallelDispatcher
+from lightning_moe.moe.dispatch.etp_rows import collect_from_etp, share_over_etp
 from lightning_moe.moe.dispatch.fp8_rows import (
     dispatch_fp8_rows,
-    gather_expert_fp8_rows,
     gather_rows,
     pack_rows,
     unpack_rows,
@@ -169,25 +163,14 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
             x_RH = reorder_rows(x_RH, regroup_R, unregroup_R)
         w_R = reorder_rows(w_R, regroup_R, unregroup_R)
         tokens_per_expert_e = recv_Pe.sum(0)
-        etp_rows = None
-        if self.etp_group is not None and self.etp_sequence_parallel and x_fp8 is not None:
-            x_RH, x_fp8, w_R, tokens_per_expert_e, etp_rows = gather_expert_fp8_rows(
-                x_RH, x_fp8, w_R, tokens_per_expert_e, self.etp_group
-            )
-        elif self.etp_group is not None and self.etp_sequence_parallel:
-            x_RH, w_R, tokens_per_expert_e, etp_rows = gather_expert_rows(x_RH, w_R, tokens_per_expert_e, self.etp_group)
-        elif self.etp_group is not None:
-            x_RH = copy_to_group(x_RH, self.etp_group)
-            w_R = copy_to_group(w_R, self.etp_group)
-
+        x_RH, x_fp8, w_R, tokens_per_expert_e, etp_rows = share_over_etp(
+            x_RH, x_fp8, w_R, tokens_per_expert_e, self.etp_group, self.etp_sequence_parallel
+        )
         handle = AllToAllHandle(perm, topk_weights_TK, send_splits, recv_splits, unregroup_R, regroup_R, etp_rows)
         return DispatchedTokens(x_RH, tokens_per_expert_e, w_R, x_fp8), handle
 
     def combine(self, y_RH: torch.Tensor, handle: AllToAllHandle, weighted: bool) -> torch.Tensor:
-        if handle.etp_rows is not None:
-            y_RH = scatter_expert_rows(y_RH, handle.etp_rows)
-        elif self.etp_group is not None:
-            y_RH = reduce_from_group(y_RH, self.etp_group)
+        y_RH = collect_from_etp(y_RH, handle.etp_rows, self.etp_group)
         y_RH = reorder_rows(y_RH, handle.unregroup_R, handle.regroup_R)
         y_NH = all_to_all_rows(y_RH, handle.send_splits, handle.recv_splits, self.ep_group)
         weights_TK = handle.topk_weights_TK if weighted else None

@@ -41,16 +41,10 @@ import torch
 from torch.distributed import ProcessGroup
 
 from lightning_moe.moe.dispatch.base import DispatchedTokens, DispatcherCapabilities, Fp8Rows, fp8_rows_of, row_weights
-from lightning_moe.moe.dispatch.comm import (
-    ExpertRowsLayout,
-    check_etp_sequence_parallel,
-    copy_to_group,
-    gather_expert_rows,
-    reduce_from_group,
-    scatter_expert_rows,
-)
+from lightning_moe.moe.dispatch.comm import ExpertRowsLayout, check_etp_sequence_parallel
 from lightning_moe.moe.dispatch.ep import ExpertParallelDispatcher
-from lightning_moe.moe.dispatch.fp8_rows import gather_expert_fp8_rows, gather_rows, placeholder_rows, quantize_rows
+from lightning_moe.moe.dispatch.etp_rows import collect_from_etp, share_over_etp
+from lightning_moe.moe.dispatch.fp8_rows import gather_rows, placeholder_rows, quantize_rows
 from lightning_moe.ops.permute import Permutation, build_permutation, permute_rows, unpermute_sum
 
 __all__ = ["FlexDispatcher", "FlexHandle", "TokenExchange"]
@@ -107,30 +101,13 @@ class FlexHandle:
 
 
 class _Dispatch(torch.autograd.Function):
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x_TH: torch.Tensor,
-        ids_TK: torch.Tensor,
-        w_TK: torch.Tensor,
-        exchange: TokenExchange,
-        num_experts: int,
-        box: dict,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x_MH, ids_MJ, w_MJ, layout = exchange.dispatch(x_TH, ids_TK, w_TK, num_experts)
-        box["layout"] = layout
-        ctx.exchange, ctx.layout = exchange, layout
-        ctx.mark_non_differentiable(ids_MJ)
-        return x_MH, ids_MJ, w_MJ
+    """The library's exchange in one autograd node.
 
-    @staticmethod
-    def backward(ctx: Any, grad_x_MH: torch.Tensor, _grad_ids: Any, grad_w_MJ: torch.Tensor):  # type: ignore[override]
-        grad_x_TH, grad_w_TK = ctx.exchange.combine_grads(grad_x_MH.contiguous(), grad_w_MJ.contiguous(), ctx.layout)
-        return grad_x_TH, None, grad_w_TK, None, None, None
-
-
-class _Fp8Dispatch(torch.autograd.Function):
-    """The FP8 exchange and the local sort in one node: its ``x_RH`` output is a placeholder."""
+    Activation-dtype rows (``spec`` is ``None``): the first output is the received ``x_MH``. FP8
+    rows: the local sort by expert happens in this node too, the sorted FP8 rows go out through
+    ``box["x_fp8"]`` (the sort through ``box["perm"]``) and the first output is the placeholder
+    ``x_RH``. ``box["layout"]`` is the library's handle either way.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -141,21 +118,27 @@ class _Fp8Dispatch(torch.autograd.Function):
         exchange: TokenExchange,
         num_experts: int,
         num_local_experts: int,
-        spec: Fp8Rows,
+        spec: Fp8Rows | None,
         box: dict,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q_MH, ids_MJ, w_MJ, layout = exchange.dispatch_fp8(quantize_rows(x_TH, spec), ids_TK, w_TK, num_experts)
-        perm = build_permutation(ids_MJ, num_local_experts, None)
-        box["layout"], box["perm"] = layout, perm
-        box["x_fp8"] = gather_rows(q_MH, perm.src_token_R)
+        perm = None
+        if spec is None:
+            x_out, ids_MJ, w_MJ, layout = exchange.dispatch(x_TH, ids_TK, w_TK, num_experts)
+        else:
+            q_MH, ids_MJ, w_MJ, layout = exchange.dispatch_fp8(quantize_rows(x_TH, spec), ids_TK, w_TK, num_experts)
+            perm = build_permutation(ids_MJ, num_local_experts, None)
+            box["perm"], box["x_fp8"] = perm, gather_rows(q_MH, perm.src_token_R)
+            x_out = placeholder_rows(x_TH, perm.num_rows, x_TH.shape[-1])
+        box["layout"] = layout
         ctx.exchange, ctx.layout, ctx.perm = exchange, layout, perm
         ctx.mark_non_differentiable(ids_MJ)
-        return placeholder_rows(x_TH, perm.num_rows, x_TH.shape[-1]), ids_MJ, w_MJ
+        return x_out, ids_MJ, w_MJ
 
     @staticmethod
-    def backward(ctx: Any, grad_x_RH: torch.Tensor, _grad_ids: Any, grad_w_MJ: torch.Tensor):  # type: ignore[override]
-        grad_x_MH = unpermute_sum(grad_x_RH.contiguous(), ctx.perm)  # the gradient of permute_rows
-        grad_x_TH, grad_w_TK = ctx.exchange.combine_grads(grad_x_MH.contiguous(), grad_w_MJ.contiguous(), ctx.layout)
+    def backward(ctx: Any, grad_x: torch.Tensor, _grad_ids: Any, grad_w_MJ: torch.Tensor):  # type: ignore[override]
+        if ctx.perm is not None:  # the gradient of the sort done in forward
+            grad_x = unpermute_sum(grad_x.contiguous(), ctx.perm)
+        grad_x_TH, grad_w_TK = ctx.exchange.combine_grads(grad_x.contiguous(), grad_w_MJ.contiguous(), ctx.layout)
         return grad_x_TH, None, grad_w_TK, None, None, None, None, None
 
 
@@ -213,34 +196,23 @@ class FlexDispatcher(ExpertParallelDispatcher):
         spec = fp8_rows_of(self, self.exchange.name)
         box: dict = {}
         ids_TK, w_TK = topk_ids_TK.long().contiguous(), topk_weights_TK.contiguous()
+        x_out, ids_MJ, w_MJ = _Dispatch.apply(
+            x_TH, ids_TK, w_TK, self.exchange, self.num_experts, self.num_local_experts, spec, box
+        )
         if spec is not None:
-            x_RH, ids_MJ, w_MJ = _Fp8Dispatch.apply(
-                x_TH, ids_TK, w_TK, self.exchange, self.num_experts, self.num_local_experts, spec, box
-            )
-            perm = box["perm"]
+            perm, x_RH = box["perm"], x_out
         else:
-            x_MH, ids_MJ, w_MJ = _Dispatch.apply(x_TH, ids_TK, w_TK, self.exchange, self.num_experts, box)
             perm = build_permutation(ids_MJ, self.num_local_experts, None)
-            x_RH = permute_rows(x_MH, perm)
+            x_RH = permute_rows(x_out, perm)
         w_R = row_weights(w_MJ, perm)
-        tokens_per_expert_e, etp_rows, x_fp8 = perm.tokens_per_expert_E, None, box.get("x_fp8")
-        if self.etp_group is not None and self.etp_sequence_parallel and x_fp8 is not None:
-            x_RH, x_fp8, w_R, tokens_per_expert_e, etp_rows = gather_expert_fp8_rows(
-                x_RH, x_fp8, w_R, tokens_per_expert_e, self.etp_group
-            )
-        elif self.etp_group is not None and self.etp_sequence_parallel:
-            x_RH, w_R, tokens_per_expert_e, etp_rows = gather_expert_rows(x_RH, w_R, tokens_per_expert_e, self.etp_group)
-        elif self.etp_group is not None:
-            x_RH = copy_to_group(x_RH, self.etp_group)
-            w_R = copy_to_group(w_R, self.etp_group)
+        x_RH, x_fp8, w_R, tokens_per_expert_e, etp_rows = share_over_etp(
+            x_RH, box.get("x_fp8"), w_R, perm.tokens_per_expert_E, self.etp_group, self.etp_sequence_parallel
+        )
         handle = FlexHandle(perm, w_MJ, box["layout"], etp_rows)
         return DispatchedTokens(x_RH, tokens_per_expert_e, w_R, x_fp8), handle
 
     def combine(self, y_RH: torch.Tensor, handle: FlexHandle, weighted: bool) -> torch.Tensor:
-        if handle.etp_rows is not None:
-            y_RH = scatter_expert_rows(y_RH, handle.etp_rows)
-        elif self.etp_group is not None:
-            y_RH = reduce_from_group(y_RH, self.etp_group)
+        y_RH = collect_from_etp(y_RH, handle.etp_rows, self.etp_group)
         weights_MJ = handle.weights_MJ if weighted else None
         y_MH = unpermute_sum(y_RH, handle.perm, weights_MJ)
         return _Combine.apply(y_MH, self.exchange, handle.layout)
