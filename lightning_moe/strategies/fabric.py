@@ -44,6 +44,7 @@ from lightning_moe.strategies._core import FoldedMoECore
 from lightning_moe.strategies.checkpoint_io import check_fabric_checkpoint, save_fabric_checkpoint
 from lightning_moe.strategies.clipping import mesh_aware_clip_norm, mesh_aware_clip_value
 from lightning_moe.strategies.guards import FabricStepGuard
+from lightning_moe.strategies.launcher import fabric_launcher_for
 from lightning_moe.strategies.optimizers import check_unstepped_optimizers, parameter_names, repoint_optimizers
 from lightning_moe.strategies.sharding import check_module_to_shard
 
@@ -62,6 +63,10 @@ class FabricFoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
 
     strategy_name = "folded_moe"
     _step_guard: FabricStepGuard | None = None
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._launcher = fabric_launcher_for(self)  # Lightning's, its child observer waiting for the watchdog
 
     @override
     def _lightning_init_args(self) -> tuple[Any, ...]:

@@ -66,6 +66,7 @@ from lightning_moe.strategies._core import FoldedMoECore
 from lightning_moe.strategies.checkpoint_io import load_trainer_checkpoint, save_trainer_checkpoint
 from lightning_moe.strategies.clipping import install_mesh_aware_clipping
 from lightning_moe.strategies.guards import guarded_closure, nonfinite_guard_for
+from lightning_moe.strategies.launcher import trainer_launcher_for
 from lightning_moe.strategies.layout import check_namespace
 
 __all__ = ["FoldedMoEStrategy", "release_callback_logging"]
@@ -94,6 +95,10 @@ class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
 
     strategy_name = "folded_moe"
     _trainer_ref: weakref.ref[pl.Trainer] | None = None  # the Trainer of the last setup (teardown's callbacks)
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._launcher = trainer_launcher_for(self)  # Lightning's, its child observer waiting for the watchdog
 
     @override
     def _module_to_check(self) -> nn.Module | None:

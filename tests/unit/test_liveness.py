@@ -209,3 +209,104 @@ def test_a_failed_collective_gets_the_verdict_as_a_note(monkeypatch: pytest.Monk
     other = ValueError("bad batch")
     strategy.on_exception(other)
     assert not hasattr(other, "__notes__")
+
+
+# ---- the launcher's child-process observer waits for the watchdog ----------------------------------
+
+
+class FakeChild:
+    """A child process for the observer: exited with ``returncode`` (``None``: still running)."""
+
+    def __init__(self, pid: int, returncode: int | None, events: list[tuple]) -> None:
+        self.pid, self.returncode, self._events = pid, returncode, events
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        self._events.append(("signal", self.pid, signum))
+
+
+class FakeWatchdog:
+    """Records how long the observer waits for a verdict; answers ``verdict``."""
+
+    def __init__(self, verdict: str | None, events: list[tuple]) -> None:
+        self.monitor = SimpleNamespace(threshold_s=7.0)
+        self.grace_s, self.verdict, self._events = 3.0, verdict, events
+
+    def wait_verdict(self, timeout_s: float) -> str | None:
+        self._events.append(("wait_verdict", timeout_s))
+        return self.verdict
+
+
+def observed_death(monkeypatch: pytest.MonkeyPatch, watchdog: FakeWatchdog | None, events: list[tuple]) -> bool:
+    """One poll of a WatchdogFirstObserver over a dead child and a live one; kills are recorded, not sent."""
+    import os
+    import signal
+
+    from lightning_moe.strategies.launcher import WatchdogFirstObserver
+
+    monkeypatch.setattr(os, "kill", lambda pid, signum: events.append(("kill", pid, signum)))
+    children = [FakeChild(11, -signal.SIGKILL, events), FakeChild(12, None, events)]
+    observer = WatchdogFirstObserver(
+        main_pid=10, child_processes=children, watchdog=lambda: watchdog,  # type: ignore[arg-type]
+        sleep=lambda s: events.append(("sleep", s)),
+    )  # fmt: skip
+    return observer._run()
+
+
+def test_the_observer_waits_for_the_verdict_and_the_watchdogs_own_exit_before_killing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import signal
+
+    events: list[tuple] = []
+    assert observed_death(monkeypatch, FakeWatchdog("rank 1 is gone", events), events)
+    kill = signal.SIGKILL
+    assert events == [
+        ("wait_verdict", 7.0 + 2.0), ("sleep", 3.0 + 1.0),
+        ("signal", 11, kill), ("signal", 12, kill), ("kill", 10, kill),
+    ]  # fmt: skip
+
+
+def test_the_observer_kills_after_the_verdict_wait_when_none_comes_and_at_once_without_a_watchdog(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import signal
+
+    kill = signal.SIGKILL
+    events: list[tuple] = []
+    assert observed_death(monkeypatch, FakeWatchdog(None, events), events)
+    assert events == [("wait_verdict", 9.0), ("signal", 11, kill), ("signal", 12, kill), ("kill", 10, kill)]
+    events.clear()
+    assert observed_death(monkeypatch, None, events)
+    assert events == [("signal", 11, kill), ("signal", 12, kill), ("kill", 10, kill)]
+
+
+def test_the_observer_leaves_children_that_run_or_ended_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from lightning_moe.strategies.launcher import WatchdogFirstObserver
+
+    events: list[tuple] = []
+    monkeypatch.setattr(os, "kill", lambda pid, signum: events.append(("kill", pid, signum)))
+    def watchdog() -> FakeWatchdog:
+        return FakeWatchdog("rank 1 is gone", events)
+
+    running = WatchdogFirstObserver(10, [FakeChild(11, None, events)], watchdog=watchdog)  # type: ignore[list-item]
+    assert not running._run()
+    clean = WatchdogFirstObserver(10, [FakeChild(11, 0, events)], watchdog=watchdog)  # type: ignore[list-item]
+    assert clean._run()
+    assert events == []
+
+
+def test_both_strategies_launch_with_the_watchdog_first_observer() -> None:
+    import lightning.pytorch as pl
+    from lightning.fabric import Fabric
+
+    from lightning_moe.strategies.launcher import FabricWatchdogFirstLauncher, WatchdogFirstLauncher
+
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=FoldedMoEStrategy(ep=2), logger=False)
+    assert type(trainer.strategy.launcher) is WatchdogFirstLauncher
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=FabricFoldedMoEStrategy(ep=2))
+    assert type(fabric.strategy.launcher) is FabricWatchdogFirstLauncher
