@@ -31,8 +31,9 @@ saved dataset's folder or a list of them, read in the given order. Files must be
 
 from __future__ import annotations
 
+import importlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -154,47 +155,49 @@ def _jsonl_records(path: Path, field: str) -> Iterator[Record]:
             yield Record(obj[field], where)
 
 
-def _parquet_records(path: Path, field: str) -> Iterator[Record]:
+def _optional_module(module: str, path: Path, source: str, needs: str, package: str, fallback: str) -> Any:
+    """``module``, imported for ``path``; a clear ImportError naming the package to install when it is missing."""
     try:
-        import pyarrow.parquet as pq
+        return importlib.import_module(module)
     except ImportError:
         raise ImportError(
-            f"read_records: {path} is parquet, which needs pyarrow (not installed); `pip install pyarrow`, "
-            "or convert the data to jsonl."
+            f"read_records: {path} is {source}, which needs {needs} (not installed); `pip install {package}`, "
+            f"or {fallback}."
         ) from None
-    file = pq.ParquetFile(path)
-    columns = file.schema_arrow.names
+
+
+def _check_column(path: Path, field: str, columns: list[str]) -> None:
     if field not in columns:
         raise ValueError(f"read_records: {path} has no column {field!r} (columns: {columns}); "
                          "set the field name to the column that holds the documents.")  # fmt: skip
-    row = 0
-    for batch in file.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[field]):
-        for value in batch.column(0).to_pylist():
-            yield Record(value, f"{path}:row {row}")
-            row += 1
+
+
+def _numbered_rows(path: Path, values: Iterable[Any]) -> Iterator[Record]:
+    for row, value in enumerate(values):
+        yield Record(value, f"{path}:row {row}")
+
+
+def _parquet_records(path: Path, field: str) -> Iterator[Record]:
+    pq = _optional_module("pyarrow.parquet", path, "parquet", "pyarrow", "pyarrow", "convert the data to jsonl")
+    file = pq.ParquetFile(path)
+    _check_column(path, field, file.schema_arrow.names)
+    batches = file.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[field])
+    yield from _numbered_rows(path, (value for batch in batches for value in batch.column(0).to_pylist()))
 
 
 def _datasets_records(path: Path, field: str) -> Iterator[Record]:
-    try:
-        import datasets
-    except ImportError:
-        raise ImportError(
-            f"read_records: {path} is a saved datasets folder, which needs the datasets package (not "
-            "installed); `pip install datasets`, or export the data to jsonl or parquet."
-        ) from None
+    datasets = _optional_module(
+        "datasets", path, "a saved datasets folder", "the datasets package", "datasets",
+        "export the data to jsonl or parquet",
+    )
     data = datasets.load_from_disk(str(path))
     if not hasattr(data, "column_names") or isinstance(data.column_names, dict):
         splits = sorted(data.keys()) if hasattr(data, "keys") else []
         raise ValueError(f"read_records: {path} holds a DatasetDict (splits {splits}); pass one split's folder, "
                          f"e.g. {path / (splits[0] if splits else 'train')}.")  # fmt: skip
-    if field not in data.column_names:
-        raise ValueError(f"read_records: {path} has no column {field!r} (columns: {data.column_names}); "
-                         "set the field name to the column that holds the documents.")  # fmt: skip
-    row = 0
-    for batch in data.select_columns([field]).iter(batch_size=_PARQUET_BATCH_ROWS):
-        for value in batch[field]:
-            yield Record(value, f"{path}:row {row}")
-            row += 1
+    _check_column(path, field, data.column_names)
+    batches = data.select_columns([field]).iter(batch_size=_PARQUET_BATCH_ROWS)
+    yield from _numbered_rows(path, (value for batch in batches for value in batch[field]))
 
 
 def read_records(
