@@ -145,18 +145,7 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.config
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{self.layer_name}: input is a {type(x).__name__}, not a tensor; pass a [..., H] tensor.")
-        if not x.dtype.is_floating_point:
-            raise TypeError(
-                f"{self.layer_name}: input dtype={x.dtype} is not a floating dtype; pass activations in float32, "
-                "bfloat16 or float16 (token ids go through an embedding first)."
-            )
-        if x.shape[-1] != cfg.hidden_size:
-            raise ValueError(
-                f"{self.layer_name}: input has hidden size {x.shape[-1]}, the layer was built for "
-                f"hidden_size={cfg.hidden_size}; pass [..., {cfg.hidden_size}] activations."
-            )
+        self._check_input(x)
         lead_shape = x.shape[:-1]
         x_TH = x.reshape(-1, cfg.hidden_size)
         T = x_TH.shape[0]
@@ -174,31 +163,7 @@ class MoELayer(nn.Module):
             else None
         )
         shared = _SharedOnSideStream(self.shared_expert, x_TH) if self._overlap_shared(x_TH) else None
-        on_input = cfg.routing_weight_on_input  # the weight scales the expert's input rows (Llama 4)
-        me = cfg.memory_efficient_permute and not on_input
-        if me and self.dispatcher.capabilities.runs_experts:  # the dispatcher fuses its three stages (fast path)
-            run_experts = self.dispatcher.run_experts  # type: ignore[attr-defined]
-            weights_TK = lambda: routing.topk_weights_TK  # noqa: E731  (read after the first expert GEMM's launch)
-            if fused is not None:
-                y_TH = run_experts(x_TH, routing.topk_ids_TK, weights_TK, capacity, self.experts, fused[1], fused[2])
-            else:
-                y_TH = run_experts(x_TH, routing.topk_ids_TK, weights_TK, capacity, self.experts)
-        else:
-            # FP8 experts with Fp8Config(dispatch=True): the dispatcher quantizes the rows before its exchange
-            self.dispatcher.fp8_rows = fp8_rows_for(self.dispatcher, self.experts.fp8_rows(x_TH.device))
-            dispatched, handle = self.dispatcher.dispatch(
-                x_TH, routing.topk_ids_TK, routing.topk_weights_TK, capacity
-            )
-            x_RH = dispatched.x_RH
-            if on_input:
-                _check_on_input_dispatcher(self.dispatcher, self.layer_name)
-                x_RH = x_RH * dispatched.weights_R.unsqueeze(-1).to(x_RH.dtype)
-            y_RH = self.experts(
-                x_RH, dispatched.tokens_per_expert_e, dispatched.weights_R if me else None,
-                x_fp8=getattr(dispatched, "x_fp8", None),  # FP8 rows of an FP8-capable dispatcher
-            )
-            y_TH = self.dispatcher.combine(y_RH, handle, weighted=not (me or on_input))
-        y_TH = y_TH.to(x.dtype)
+        y_TH = self._routed_experts(x_TH, routing, fused, capacity).to(x.dtype)
         if shared is not None:
             y_TH = y_TH + shared.join().to(y_TH.dtype)
         elif self.shared_expert is not None:
@@ -211,6 +176,49 @@ class MoELayer(nn.Module):
         return y_TH.view(*lead_shape, cfg.hidden_size)
 
     # ------------------------------------------------------------------------------------------
+
+    def _check_input(self, x: object) -> None:
+        hidden_size = self.config.hidden_size
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{self.layer_name}: input is a {type(x).__name__}, not a tensor; pass a [..., H] tensor.")
+        if not x.dtype.is_floating_point:
+            raise TypeError(
+                f"{self.layer_name}: input dtype={x.dtype} is not a floating dtype; pass activations in float32, "
+                "bfloat16 or float16 (token ids go through an embedding first)."
+            )
+        if x.shape[-1] != hidden_size:
+            raise ValueError(
+                f"{self.layer_name}: input has hidden size {x.shape[-1]}, the layer was built for "
+                f"hidden_size={hidden_size}; pass [..., {hidden_size}] activations."
+            )
+
+    def _routed_experts(
+        self,
+        x_TH: torch.Tensor,
+        routing: RouterOutput,
+        fused: tuple[RouterOutput, Permutation, Deferred] | None,
+        capacity: int | None,
+    ) -> torch.Tensor:
+        """Stages 3 to 5: the routed experts' ``y_TH``, back in token order and summed over the K slots."""
+        on_input = self.config.routing_weight_on_input  # the weight scales the expert's input rows (Llama 4)
+        me = self.config.memory_efficient_permute and not on_input
+        if me and self.dispatcher.capabilities.runs_experts:  # the dispatcher fuses its three stages (fast path)
+            run_experts = self.dispatcher.run_experts  # type: ignore[attr-defined]
+            weights_TK = lambda: routing.topk_weights_TK  # noqa: E731  (read after the first expert GEMM's launch)
+            moved = () if fused is None else (fused[1], fused[2])  # the router's permutation and moved rows
+            return run_experts(x_TH, routing.topk_ids_TK, weights_TK, capacity, self.experts, *moved)
+        # FP8 experts with Fp8Config(dispatch=True): the dispatcher quantizes the rows before its exchange
+        self.dispatcher.fp8_rows = fp8_rows_for(self.dispatcher, self.experts.fp8_rows(x_TH.device))
+        dispatched, handle = self.dispatcher.dispatch(x_TH, routing.topk_ids_TK, routing.topk_weights_TK, capacity)
+        x_RH = dispatched.x_RH
+        if on_input:
+            _check_on_input_dispatcher(self.dispatcher, self.layer_name)
+            x_RH = x_RH * dispatched.weights_R.unsqueeze(-1).to(x_RH.dtype)
+        y_RH = self.experts(
+            x_RH, dispatched.tokens_per_expert_e, dispatched.weights_R if me else None,
+            x_fp8=getattr(dispatched, "x_fp8", None),  # FP8 rows of an FP8-capable dispatcher
+        )
+        return self.dispatcher.combine(y_RH, handle, weighted=not (me or on_input))
 
     def _record(self, routing: RouterOutput, num_tokens: int) -> None:
         self.last_tokens_per_expert = routing.tokens_per_expert_E.detach()

@@ -183,6 +183,21 @@ def rebuild_is_cheap(hidden_size: int, ffn_hidden_size: int) -> tuple[bool, bool
     return x_cost < _CHEAP_FRACTION, a_cost < _CHEAP_FRACTION
 
 
+def _rows_in_expert_order(x_TH: torch.Tensor, perm: Permutation, x_RH: Deferred | None) -> torch.Tensor:
+    """The caller's rows ``x_RH`` when given in ``x_TH``'s dtype, else ``x_TH``'s rows in ``perm``'s order."""
+    x_RH = None if x_RH is None else resolved(x_RH)
+    if x_RH is None or x_RH.dtype != x_TH.dtype:
+        x_RH = _expert_rows_impl(x_TH.detach(), perm)
+    return x_RH
+
+
+def _what_to_rebuild(lean: bool | None, hidden_size: int, ffn_hidden_size: int) -> tuple[bool, bool]:
+    """Whether backward rebuilds the gathered rows and the activation (``lean``; ``None``: where cheap)."""
+    if lean is None:
+        return rebuild_is_cheap(hidden_size, ffn_hidden_size)
+    return lean, lean
+
+
 def local_experts(
     x_TH: torch.Tensor,
     w13: torch.Tensor,
@@ -227,13 +242,8 @@ def local_experts(
     """
     # The rows are moved first: the device copies them while the host sets up the fusion and the
     # autograd node below (host time before the first GEMM's launch is time the GPU sits idle).
-    x_RH = None if x_RH is None else resolved(x_RH)
-    if x_RH is None or x_RH.dtype != x_TH.dtype:
-        x_RH = _expert_rows_impl(x_TH.detach(), perm)
-    if lean is None:
-        rebuild_x, rebuild_a = rebuild_is_cheap(x_TH.shape[-1], w2.shape[-2])
-    else:
-        rebuild_x = rebuild_a = lean
+    x_RH = _rows_in_expert_order(x_TH, perm, x_RH)
+    rebuild_x, rebuild_a = _what_to_rebuild(lean, x_TH.shape[-1], w2.shape[-2])
     fusion = None
     if fuse_wgrad and may_fuse(wgrad_kernel, w13, w2, x_TH):
         fusion = WgradFusion(offs_E, x_TH, (w13, w2), wgrad_kernel, wgrad_streams)
