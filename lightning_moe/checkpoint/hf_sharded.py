@@ -306,14 +306,14 @@ def _moe_layers(model: nn.Module) -> dict[str, nn.Module]:
 def _layer_names(ckpt: HFCheckpoint, layer_name: str, layer: Any) -> LayerNames:
     """Each tensor under the name ``save_pretrained`` writes if the checkpoint has it there, else
     under its module name (module doc); the experts as a whole one way or the other."""
-    from lightning_moe.models.hf import _interleaved, _transposed
+    from lightning_moe.models.hf import gate_up_interleaved, experts_transposed
 
     owner = "load_hf_checkpoint_sharded"
     saved = saved_layer_names(layer_name, layer.family, owner)
     module = module_layer_names(layer_name, layer.family, owner)
     # the in-memory layout of this transformers version (Llama 4's [E, H, 2F], or flags on the experts)
     fam, hf_experts = family_named(layer.family, owner), layer.hf_block.experts
-    module = replace(module, transposed=_transposed(fam, hf_experts), interleaved=_interleaved(fam, hf_experts))
+    module = replace(module, transposed=experts_transposed(fam, hf_experts), interleaved=gate_up_interleaved(fam, hf_experts))
     first = saved.fused[0] if saved.fused is not None else saved.expert(0)[0]
     experts = saved if first in ckpt else module
 

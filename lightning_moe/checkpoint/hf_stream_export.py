@@ -99,12 +99,12 @@ def _whole(t: torch.Tensor, turns: _Turns) -> torch.Tensor | None:
 def _layer_names(layers: dict[str, Any]) -> dict[str, LayerNames]:
     """``save_pretrained``'s names of every layer (``checkpoint.hf_names``); unknown families and
     layers the HF block cannot hold are refused before any collective."""
-    from lightning_moe.models.hf import _check_exportable
+    from lightning_moe.models.hf import check_exportable
 
     names = {}
     for name, layer in layers.items():
         names[f"{name}."] = saved_layer_names(name, layer.family, "stream_export_hf")
-        _check_exportable(layer)
+        check_exportable(layer)
     return names
 
 
@@ -115,19 +115,77 @@ def _fused_experts(rest: str, full: torch.Tensor, names: LayerNames, etp: int) -
     """A family saved with fused experts: the whole ``[E, H, 2F]`` / ``[E, F, H]`` tensor (or bias
     ``[E, 2F]`` / ``[E, H]``) in its layout: gate and up back from ETP's blocks, interleaved again
     for gpt-oss."""
-    from lightning_moe.models.hf import _interleave
+    from lightning_moe.models.hf import interleave_gate_up
     from lightning_moe.parallel.parallelize import unblock_w13
 
     assert names.fused is not None
     if rest in ("experts.w13", "experts.b13"):
         full = unblock_w13(full, etp)
-        full = _interleave(full) if names.interleaved else full
+        full = interleave_gate_up(full) if names.interleaved else full
     if rest in ("experts.b13", "experts.b2"):
         if names.expert_biases is None:
             raise ValueError(f"stream_export_hf: {names.prefix}experts has biases that its checkpoint cannot hold.")
         return names.expert_biases[0 if rest == "experts.b13" else 1], full
     name = names.fused[0] if rest == "experts.w13" else names.fused[1]
     return name, (full if names.transposed else full.transpose(1, 2))
+
+
+def _etp(layer: nn.Module) -> int:
+    """The ETP degree of a layer's experts (1 when they are not split in blocks)."""
+    return int(getattr(layer.experts, "etp", 1))
+
+
+def _saved_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers of ``model`` by name, in the model's order."""
+    skip: set[str] = set()
+    for module_name, m in model.named_modules():
+        skip |= {f"{module_name}.{b}" if module_name else b for b in m._non_persistent_buffers_set}
+    tensors = dict(model.named_parameters())
+    tensors.update({n: b for n, b in model.named_buffers() if n not in skip})
+    return tensors
+
+
+def _per_expert(
+    rest: str, t: torch.Tensor, names: LayerNames, etp: int, turns: _Turns
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """An expert weight as one tensor per expert, written by one replica of each EP rank."""
+    local, first, index, count = _gather_experts(t)
+    if not turns.mine(index, count):
+        return
+    if rest == "experts.w13":
+        from lightning_moe.parallel.parallelize import unblock_w13
+
+        local = unblock_w13(local, etp)
+        F = local.shape[-1] // 2
+    for i in range(local.shape[0]):
+        gate, up, down = names.expert(first + i)
+        if rest == "experts.w13":
+            yield gate, local[i, :, :F].t()
+            yield up, local[i, :, F:].t()
+        else:
+            yield down, local[i].t()
+
+
+def _renamed(
+    key: str, rest: str, full: torch.Tensor, names: LayerNames, bias_shape: tuple[int, ...] | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A layer's router or shared-expert tensor under its ``save_pretrained`` name(s)."""
+    if rest == "router.weight":
+        yield names.router, full
+    elif rest == "router.bias" and names.router_bias is not None:
+        yield names.router_bias, full
+    elif rest == "router.expert_bias" and names.bias is not None:
+        yield names.bias, full.view(bias_shape or full.shape)
+    elif rest == "shared_expert.gate_up.weight" and names.shared is not None:
+        Fs = full.shape[0] // 2
+        yield f"{names.shared}gate_proj.weight", full[:Fs]
+        yield f"{names.shared}up_proj.weight", full[Fs:]
+    elif rest == "shared_expert.down.weight" and names.shared is not None:
+        yield f"{names.shared}down_proj.weight", full
+    elif rest == "shared_expert.gate.weight" and names.shared_gate is not None:
+        yield names.shared_gate, full
+    else:
+        yield key, full
 
 
 def hf_tensors(model: nn.Module, rank: int = 0, world: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
@@ -138,64 +196,24 @@ def hf_tensors(model: nn.Module, rank: int = 0, world: int = 1) -> Iterator[tupl
     layers = {n: m for n, m in model.named_modules() if isinstance(m, HFMoELayer)}
     by_layer = _layer_names(layers)
     hf_bias_shapes = {f"{n}.": stored_bias_shape(layer) for n, layer in layers.items()}  # ERNIE's [1, E]
-    skip: set[str] = set()
-    for module_name, m in model.named_modules():
-        skip |= {f"{module_name}.{b}" if module_name else b for b in m._non_persistent_buffers_set}
-    tensors = dict(model.named_parameters())
-    tensors.update({n: b for n, b in model.named_buffers() if n not in skip})
     turns = _Turns(rank, world)
-    for key, t in tensors.items():
+    for key, t in _saved_tensors(model).items():
         prefix = next((p for p in by_layer if key.startswith(p)), None)
-        if prefix is None:
-            full = _whole(t, turns)
-            if full is not None:
-                yield key, full
+        names, rest = (by_layer[prefix], key[len(prefix) :]) if prefix is not None else (None, key)
+        if names is not None and rest in ("experts.w13", "experts.w2") and names.fused is None:
+            yield from _per_expert(rest, t, names, _etp(layers[prefix[:-1]]), turns)
             continue
-        names, rest = by_layer[prefix], key[len(prefix) :]
-        etp = int(getattr(layers[prefix[:-1]].experts, "etp", 1))
-        if rest in _FUSED and names.fused is not None:
-            full = _whole(t, turns)  # one tensor holds every expert: written whole by one rank
-            if full is not None:
-                yield _fused_experts(rest, full, names, etp)
-            continue
-        if rest in ("experts.b13", "experts.b2"):
+        if names is not None and rest in ("experts.b13", "experts.b2") and names.fused is None:
             raise ValueError(f"stream_export_hf: {key}: per-expert HF checkpoint names hold no expert biases.")
-        if rest in ("experts.w13", "experts.w2"):
-            local, first, index, count = _gather_experts(t)
-            if not turns.mine(index, count):
-                continue
-            if rest == "experts.w13":
-                from lightning_moe.parallel.parallelize import unblock_w13
-
-                local = unblock_w13(local, etp)
-                F = local.shape[-1] // 2
-            for i in range(local.shape[0]):
-                gate, up, down = names.expert(first + i)
-                if rest == "experts.w13":
-                    yield gate, local[i, :, :F].t()
-                    yield up, local[i, :, F:].t()
-                else:
-                    yield down, local[i].t()
-            continue
-        full = _whole(t, turns)
+        full = _whole(t, turns)  # a fused expert tensor holds every expert: written whole by one rank
         if full is None:
             continue
-        if rest == "router.weight":
-            yield names.router, full
-        elif rest == "router.bias" and names.router_bias is not None:
-            yield names.router_bias, full
-        elif rest == "router.expert_bias" and names.bias is not None:
-            yield names.bias, full.view(hf_bias_shapes[prefix] or full.shape)
-        elif rest == "shared_expert.gate_up.weight" and names.shared is not None:
-            Fs = full.shape[0] // 2
-            yield f"{names.shared}gate_proj.weight", full[:Fs]
-            yield f"{names.shared}up_proj.weight", full[Fs:]
-        elif rest == "shared_expert.down.weight" and names.shared is not None:
-            yield f"{names.shared}down_proj.weight", full
-        elif rest == "shared_expert.gate.weight" and names.shared_gate is not None:
-            yield names.shared_gate, full
-        else:
+        if names is None:
             yield key, full
+        elif rest in _FUSED:
+            yield _fused_experts(rest, full, names, _etp(layers[prefix[:-1]]))
+        else:
+            yield from _renamed(key, rest, full, names, hf_bias_shapes[prefix])
 
 
 def _collect(obj: Any, group: Any) -> list[Any]:
@@ -228,8 +246,6 @@ def stream_export_hf(
 
     Returns the folder; ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it.
     """
-    from safetensors.torch import save_file
-
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"stream_export_hf: max_shard_bytes={max_shard_bytes!r} must be a positive int.")
     rank = dist.get_rank(group) if group is not None else 0
@@ -239,44 +255,59 @@ def stream_export_hf(
         out.mkdir(parents=True, exist_ok=True)
     if group is not None:
         dist.barrier(group=group)
-    names: dict[str, str] = {}
-    pending: dict[str, torch.Tensor] = {}
-    size = total = 0
-    part = 0
-
-    def flush() -> None:
-        nonlocal pending, size, part
-        if not pending:
-            return
-        file = f"model-rank{rank:05d}-{part:05d}.safetensors"
-        save_file(pending, str(out / file), metadata={"format": "pt"})
-        names.update(dict.fromkeys(pending, file))
-        pending, size, part = {}, 0, part + 1
-
+    files = _RankFiles(out, rank, max_shard_bytes)
     for name, t in hf_tensors(model, rank, world):
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        nbytes = t.numel() * t.element_size()
-        if pending and size + nbytes > max_shard_bytes:
-            flush()
-        pending[name] = t.clone(memory_format=torch.contiguous_format)  # its own storage, for safetensors
-        size += nbytes
-        total += nbytes
-    flush()
-    reports = _collect((names, total), group)
+        files.add(name, t if dtype is None or not t.is_floating_point() else t.to(dtype))
+    files.flush()
+    reports = _collect((files.names, files.total), group)
     if rank == 0:
-        weight_map: dict[str, str] = {}
-        for rank_names, _ in reports:
-            clash = set(weight_map) & set(rank_names)
-            if clash:
-                raise RuntimeError(f"stream_export_hf: tensors {sorted(clash)[:4]} written by two ranks.")
-            weight_map.update(rank_names)
-        index = {"metadata": {"total_size": sum(t for _, t in reports)}, "weight_map": dict(sorted(weight_map.items()))}
-        (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        _write_index(out, reports)
         _write_config(model, out, config, dtype)
     if group is not None:
         dist.barrier(group=group)
     return out
+
+
+class _RankFiles:
+    """This rank's ``model-rank{r}-{k}.safetensors`` files, each of at most ``max_bytes`` (a larger
+    tensor gets a file of its own); ``names`` maps each written tensor to its file."""
+
+    def __init__(self, out: Path, rank: int, max_bytes: int) -> None:
+        self.out, self.rank, self.max_bytes = out, rank, max_bytes
+        self.names: dict[str, str] = {}
+        self.pending: dict[str, torch.Tensor] = {}
+        self.size = self.total = self.part = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        if self.pending and self.size + nbytes > self.max_bytes:
+            self.flush()
+        self.pending[name] = t.clone(memory_format=torch.contiguous_format)  # its own storage, for safetensors
+        self.size += nbytes
+        self.total += nbytes
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        file = f"model-rank{self.rank:05d}-{self.part:05d}.safetensors"
+        save_file(self.pending, str(self.out / file), metadata={"format": "pt"})
+        self.names.update(dict.fromkeys(self.pending, file))
+        self.pending, self.size, self.part = {}, 0, self.part + 1
+
+
+def _write_index(out: Path, reports: list[tuple[dict[str, str], int]]) -> None:
+    """``model.safetensors.index.json`` from every rank's ``(names, bytes)``; a tensor written by two
+    ranks is an error."""
+    weight_map: dict[str, str] = {}
+    for rank_names, _ in reports:
+        clash = set(weight_map) & set(rank_names)
+        if clash:
+            raise RuntimeError(f"stream_export_hf: tensors {sorted(clash)[:4]} written by two ranks.")
+        weight_map.update(rank_names)
+    index = {"metadata": {"total_size": sum(t for _, t in reports)}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _write_config(model: nn.Module, out: Path, config: Any, dtype: torch.dtype | None) -> None:
@@ -328,18 +359,8 @@ def stream_export_dcp(
     filled from the folder (each rank reads its shards; the manifest is verified first) and written
     with :func:`stream_export_hf`.
     """
-    import math
-
-    from transformers import AutoModelForCausalLM
-
     from lightning_moe.checkpoint.dcp import load_distributed, load_meta
     from lightning_moe.checkpoint.hf_sharded import reset_nonpersistent_buffers
-    from lightning_moe.models.hf import swap_moe_blocks
-    from lightning_moe.models.hf_config import hf_config_from
-    from lightning_moe.moe.layer import MoELayer
-    from lightning_moe.parallel.layout import FoldedLayout
-    from lightning_moe.parallel.mesh import FoldedMesh
-    from lightning_moe.parallel.parallelize import parallelize_moe_model
 
     if group is None or not dist.is_initialized():
         raise ValueError(
@@ -350,23 +371,8 @@ def stream_export_dcp(
     if not path.is_dir():
         raise ValueError(f"stream_export_dcp: {str(path)!r} is not a DCP checkpoint directory.")
     hparams = dict(load_meta(path).get("hyper_parameters", {}))
-    pretrained = None
-    if hf_config is None:
-        hf_config, pretrained = hparams.get("hf_config"), hparams.get("pretrained")
-        if hf_config is None and pretrained is None:
-            raise ValueError(f"stream_export_dcp: {path} names no HF config (no hf_config/pretrained); pass hf_config.")
-    config = hf_config_from(hf_config, pretrained, owner="stream_export_dcp")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    swap_moe_blocks(model, **(hparams.get("moe") or {}))
-    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
-    world = dist.get_world_size(group)
-    if ep is None:
-        ep = math.gcd(world, *(m.config.num_experts for m in layers)) if layers else 1
-    mesh = FoldedMesh.build(FoldedLayout(world, ep=ep), "cpu")
-    root = _nest(model, prefix)
-    parallelize_moe_model(root, mesh=mesh, dispatcher="alltoall")
-    root.to_empty(device="cpu")
+    config = _checkpoint_hf_config(path, hf_config, hparams)
+    model, root = _laid_out_meta_model(config, hparams.get("moe") or {}, dist.get_world_size(group), ep, prefix)
 
     def broadcast(obj: Any) -> Any:
         box = [obj]
@@ -376,3 +382,45 @@ def stream_export_dcp(
     load_distributed(path, root, [], strict=True, rank=dist.get_rank(group), broadcast=broadcast)
     reset_nonpersistent_buffers(model)
     return stream_export_hf(model, out_dir, group=group, dtype=dtype, max_shard_bytes=max_shard_bytes, config=config)
+
+
+def _checkpoint_hf_config(path: Path, hf_config: Any, hparams: dict[str, Any]) -> Any:
+    """The ``PretrainedConfig`` to export with: ``hf_config`` when given, else the checkpoint's
+    ``hf_config`` / ``pretrained`` hyper-parameters."""
+    from lightning_moe.models.hf_config import hf_config_from
+
+    pretrained = None
+    if hf_config is None:
+        hf_config, pretrained = hparams.get("hf_config"), hparams.get("pretrained")
+        if hf_config is None and pretrained is None:
+            raise ValueError(f"stream_export_dcp: {path} names no HF config (no hf_config/pretrained); pass hf_config.")
+    return hf_config_from(hf_config, pretrained, owner="stream_export_dcp")
+
+
+def _laid_out_meta_model(
+    config: Any, moe_overrides: dict[str, Any], world: int, ep: int | None, prefix: str
+) -> tuple[nn.Module, nn.Module]:
+    """``(swapped HF model, root holding it under prefix)``: built on ``meta``, experts over ``ep``
+    ranks (default: the largest divisor of ``world`` that divides every expert count), FSDP2 over
+    the rest, then given empty CPU storage to load into."""
+    import math
+
+    from transformers import AutoModelForCausalLM
+
+    from lightning_moe.models.hf import swap_moe_blocks
+    from lightning_moe.moe.layer import MoELayer
+    from lightning_moe.parallel.layout import FoldedLayout
+    from lightning_moe.parallel.mesh import FoldedMesh
+    from lightning_moe.parallel.parallelize import parallelize_moe_model
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    swap_moe_blocks(model, **moe_overrides)
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    if ep is None:
+        ep = math.gcd(world, *(m.config.num_experts for m in layers)) if layers else 1
+    mesh = FoldedMesh.build(FoldedLayout(world, ep=ep), "cpu")
+    root = _nest(model, prefix)
+    parallelize_moe_model(root, mesh=mesh, dispatcher="alltoall")
+    root.to_empty(device="cpu")
+    return model, root

@@ -55,11 +55,11 @@ from lightning_moe.models.hf_routing import (
     _check_refused,
     _correction_bias,
     _expert_biases,
-    _interleaved,
     _router_bias,
     _router_module,
     _shared,
-    _transposed,
+    experts_transposed,
+    gate_up_interleaved,
     moe_config_from_block,
 )
 from lightning_moe.moe.layer import MoELayer
@@ -67,7 +67,11 @@ from lightning_moe.moe.layer import MoELayer
 __all__ = [
     "SUPPORTED_BLOCKS",
     "HFMoELayer",
+    "check_exportable",
+    "experts_transposed",
     "export_moe_blocks",
+    "gate_up_interleaved",
+    "interleave_gate_up",
     "moe_config_from_block",
     "packed_attention_mask",
     "packed_forward_kwargs",
@@ -177,7 +181,7 @@ def _gate_first(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t[..., ::2], t[..., 1::2]], dim=-1)
 
 
-def _interleave(t: torch.Tensor) -> torch.Tensor:
+def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
     """``[gate | up]`` last-dim columns as ``[g0, u0, g1, u1, ...]`` (inverse of :func:`_gate_first`)."""
     F = t.shape[-1] // 2
     out = torch.empty_like(t)
@@ -199,9 +203,9 @@ def _experts_tensors(name: str, fam: Family, experts: nn.Module) -> dict[str, to
     if not hasattr(experts, "gate_up_proj"):
         raise ValueError(f"swap_moe_blocks: cannot read the experts of {name} ({type(experts).__name__}).")
     gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
-    if not _transposed(fam, experts):  # stored as [E, 2F, H] and [E, H, F]
+    if not experts_transposed(fam, experts):  # stored as [E, 2F, H] and [E, H, F]
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    interleaved = _interleaved(fam, experts)
+    interleaved = gate_up_interleaved(fam, experts)
     copy = torch.contiguous_format
     out = {"experts.w13": _gate_first(gate_up) if interleaved else gate_up.clone(memory_format=copy),
            "experts.w2": down.clone(memory_format=copy)}  # fmt: skip
@@ -329,7 +333,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return full_tensor() if callable(full_tensor) else t
 
 
-def _check_exportable(layer: HFMoELayer) -> None:
+def check_exportable(layer: HFMoELayer) -> None:
+    """Refuse a layer swapped with routing overrides its HF block cannot hold (``ValueError`` naming them)."""
     changed = {k: getattr(layer.config, k) for k in _ROUTING_FIELDS if getattr(layer.config, k) != layer.hf_routing[k]}
     if changed:
         raise ValueError(
@@ -341,9 +346,9 @@ def _check_exportable(layer: HFMoELayer) -> None:
 def _write_experts(layer: HFMoELayer, fam: Family, experts: nn.Module, requires_grad: bool) -> None:
     w13, w2 = _full(layer.experts.w13).detach(), _full(layer.experts.w2).detach()
     if hasattr(experts, "gate_up_proj"):
-        interleaved = _interleaved(fam, experts)
-        gate_up = _interleave(w13) if interleaved else w13.clone()
-        if _transposed(fam, experts):
+        interleaved = gate_up_interleaved(fam, experts)
+        gate_up = interleave_gate_up(w13) if interleaved else w13.clone()
+        if experts_transposed(fam, experts):
             experts.gate_up_proj = _param(gate_up, requires_grad)
             experts.down_proj = _param(w2.clone(), requires_grad)
         else:
@@ -351,7 +356,7 @@ def _write_experts(layer: HFMoELayer, fam: Family, experts: nn.Module, requires_
             experts.down_proj = _param(w2.transpose(1, 2).contiguous(), requires_grad)
         if layer.experts.b13 is not None and layer.experts.b2 is not None:
             b13 = _full(layer.experts.b13).detach()
-            experts.gate_up_proj_bias = _param(_interleave(b13) if interleaved else b13.clone(), requires_grad)
+            experts.gate_up_proj_bias = _param(interleave_gate_up(b13) if interleaved else b13.clone(), requires_grad)
             experts.down_proj_bias = _param(_full(layer.experts.b2).detach().clone(), requires_grad)
         return
     F = w2.shape[1]
@@ -363,7 +368,7 @@ def _write_experts(layer: HFMoELayer, fam: Family, experts: nn.Module, requires_
 
 @torch.no_grad()
 def _rebuild_block(layer: HFMoELayer) -> nn.Module:
-    _check_exportable(layer)
+    check_exportable(layer)
     router_w = layer.router.weight
     block = layer.hf_block.to_empty(device=_full(router_w).device)
     for buf in block.buffers():

@@ -21,7 +21,13 @@ import torch.nn as nn
 from lightning_moe.config import MoEConfig
 from lightning_moe.models.hf_families import FAMILIES, Family, family_of
 
-__all__ = ["SUPPORTED_BLOCKS", "moe_config_from_block", "routing_of"]
+__all__ = [
+    "SUPPORTED_BLOCKS",
+    "experts_transposed",
+    "gate_up_interleaved",
+    "moe_config_from_block",
+    "routing_of",
+]
 
 # HF class name -> family; matched against the class and its bases, so subclasses swap too.
 SUPPORTED_BLOCKS: dict[str, str] = {f.block: f.name for f in FAMILIES.values() if f.refused is None}
@@ -64,11 +70,14 @@ def _check_silu(name: str, *owners: Any) -> None:
         )
 
 
-def _transposed(fam: Family, experts: nn.Module) -> bool:
+def experts_transposed(fam: Family, experts: nn.Module) -> bool:
+    """The HF experts store ``gate_up_proj [E, H, 2F]`` / ``down_proj [E, F, H]``
+    (else ``[E, 2F, H]`` / ``[E, H, F]``)."""
     return fam.experts_transposed or bool(getattr(experts, "is_transposed", False))
 
 
-def _interleaved(fam: Family, experts: nn.Module) -> bool:
+def gate_up_interleaved(fam: Family, experts: nn.Module) -> bool:
+    """The HF experts' fused ``gate_up_proj`` alternates gate and up columns (``[g0, u0, g1, u1, ...]``)."""
     return fam.gate_up_interleaved or not bool(getattr(experts, "is_concatenated", True))
 
 
@@ -281,7 +290,7 @@ def moe_config_from_block(
     if first is not None:
         ffn = _attr("gate_proj|w1", first).weight.shape[0]
     else:
-        ffn = block.experts.down_proj.shape[1 if _transposed(fam, block.experts) else -1]
+        ffn = block.experts.down_proj.shape[1 if experts_transposed(fam, block.experts) else -1]
     shared, shared_gate = _shared(fam, block)
     _check_shared(name, shared, shared_gate)
     routing["shared_expert_ffn_size"] = None if shared is None else int(shared.gate_proj.weight.shape[0])
