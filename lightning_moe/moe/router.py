@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn as nn
 
 from lightning_moe.config import MoEConfig
 from lightning_moe.ops.backend import csrc_extension
-from lightning_moe.ops.deferred import Deferred, TakeOnce, resolved
+from lightning_moe.ops.deferred import Deferred, ResolvedOnRead, TakeOnce
 from lightning_moe.ops.permute import Permutation, count_per_expert
 from lightning_moe.ops.route import route
 from lightning_moe.ops.router_gemm import kernel_fits, router_logits
@@ -51,6 +52,9 @@ class RouterOutput:
 
     __slots__ = ("logits_TE", "topk_ids_TK", "_topk_weights_TK", "routed_ids_TK", "_tokens_per_expert_E")
 
+    topk_weights_TK = ResolvedOnRead()
+    tokens_per_expert_E = ResolvedOnRead()
+
     def __init__(
         self,
         logits_TE: torch.Tensor,
@@ -63,19 +67,9 @@ class RouterOutput:
         self.topk_ids_TK = topk_ids_TK
         self._topk_weights_TK = topk_weights_TK
         self.routed_ids_TK = routed_ids_TK
+        if tokens_per_expert_E is None:  # the counts as a deferred computation (no reference back to self)
+            tokens_per_expert_E = partial(count_per_expert, routed_ids_TK, logits_TE.shape[-1])
         self._tokens_per_expert_E = tokens_per_expert_E
-
-    @property
-    def topk_weights_TK(self) -> torch.Tensor:
-        self._topk_weights_TK = resolved(self._topk_weights_TK)
-        return self._topk_weights_TK
-
-    @property
-    def tokens_per_expert_E(self) -> torch.Tensor:
-        if self._tokens_per_expert_E is None:
-            self._tokens_per_expert_E = count_per_expert(self.routed_ids_TK, self.logits_TE.shape[-1])
-        self._tokens_per_expert_E = resolved(self._tokens_per_expert_E)
-        return self._tokens_per_expert_E
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:

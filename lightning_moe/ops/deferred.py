@@ -12,7 +12,7 @@ from typing import TypeAlias
 
 import torch
 
-__all__ = ["Deferred", "TakeOnce", "resolved"]
+__all__ = ["Deferred", "ResolvedOnRead", "TakeOnce", "resolved"]
 
 Deferred: TypeAlias = torch.Tensor | Callable[[], torch.Tensor]
 
@@ -20,6 +20,21 @@ Deferred: TypeAlias = torch.Tensor | Callable[[], torch.Tensor]
 def resolved(value: Deferred) -> torch.Tensor:
     """``value``, or what it computes when it is a deferred computation."""
     return value() if callable(value) else value
+
+
+class ResolvedOnRead:
+    """A class attribute that holds a :data:`Deferred` in the instance's slot ``_<name>``: the first
+    read resolves it and keeps the tensor, so it is computed once, where it is first needed."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._slot = f"_{name}"
+
+    def __get__(self, instance: object, owner: type | None = None) -> torch.Tensor:
+        if instance is None:
+            return self  # type: ignore[return-value]  # the descriptor itself, read on the class
+        value = resolved(getattr(instance, self._slot))
+        setattr(instance, self._slot, value)
+        return value
 
 
 class TakeOnce:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from lightning_moe.ops.backend import csrc_extension
-from lightning_moe.ops.deferred import Deferred, resolved
+from lightning_moe.ops.deferred import Deferred, ResolvedOnRead
 
 __all__ = [
     "Permutation",
@@ -56,6 +56,9 @@ class Permutation:
 
     __slots__ = ("_slot_of_row_R", "slot_row_TK", "_tokens_per_expert_E", "top_k", "src_token_R", "padded", "offsets_E")
 
+    slot_of_row_R = ResolvedOnRead()
+    tokens_per_expert_E = ResolvedOnRead()
+
     def __init__(
         self,
         slot_of_row_R: Deferred,
@@ -73,16 +76,6 @@ class Permutation:
         self.src_token_R = src_token_R
         self.padded = padded
         self.offsets_E = offsets_E
-
-    @property
-    def slot_of_row_R(self) -> torch.Tensor:
-        self._slot_of_row_R = resolved(self._slot_of_row_R)
-        return self._slot_of_row_R
-
-    @property
-    def tokens_per_expert_E(self) -> torch.Tensor:
-        self._tokens_per_expert_E = resolved(self._tokens_per_expert_E)
-        return self._tokens_per_expert_E
 
     @property
     def num_rows(self) -> int:
