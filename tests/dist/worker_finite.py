@@ -5,7 +5,7 @@ one expert-weight gradient (after backward, before the guard; clipping is on):
 
 1. ``raise``: every rank raises ``FloatingPointError`` with the same message naming that parameter
    and rank 1, and every rank's local shards equal their values before step 2;
-2. ``skip``: with ``skip_nonfinite=1`` the step is skipped on both ranks and training goes on; each
+2. ``skip``: with ``FoldedMoEStrategy(skip_nonfinite=1)`` the step is skipped on both ranks and training goes on; each
    rank's final local shards equal those of a run that drops every gradient at step 2;
 3. ``fabric``: the same under ``FabricFoldedMoEStrategy(ep=2)``, where ``optimizer.step()`` of the
    optimizer ``fabric.setup`` returned runs the guard: every rank raises the same error naming the
@@ -29,6 +29,7 @@ import lightning_moe  # noqa: F401 - registers "folded_moe"
 from _models import BATCH, CLIP, TokenData, leave_together, model_config
 from lightning_moe.lit import MoELanguageModel
 from lightning_moe.models.transformer import MoETransformer
+from lightning_moe.optimizer import OptimizerConfig
 from lightning_moe.strategies import FabricFoldedMoEStrategy, FoldedMoEStrategy
 
 EXPERT_W13 = "model.layers.1.ffn.experts.w13"
@@ -40,8 +41,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class GuardedLM(MoELanguageModel):
-    def __init__(self, mode: str, skip_nonfinite: int = 0) -> None:
-        super().__init__(model_config(), warmup_steps=1, log_layer_load=False, skip_nonfinite=skip_nonfinite)
+    def __init__(self, mode: str) -> None:
+        super().__init__(model_config(), optimizer=OptimizerConfig(warmup_steps=1), log_layer_load=False)
         self.mode = mode
         self.before: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -63,9 +64,10 @@ class GuardedLM(MoELanguageModel):
         return DataLoader(TokenData(), batch_size=BATCH, shuffle=False)
 
 
-def _fit(model: GuardedLM) -> GuardedLM:
+def _fit(model: GuardedLM, skip_nonfinite: int = 0) -> GuardedLM:
+    strategy = FoldedMoEStrategy(ep=2, skip_nonfinite=skip_nonfinite, timeout=timedelta(seconds=90))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=FoldedMoEStrategy(ep=2, timeout=timedelta(seconds=90)),
+        accelerator="cpu", devices=2, strategy=strategy,
         max_steps=STEPS, gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
     )  # fmt: skip
@@ -73,9 +75,9 @@ def _fit(model: GuardedLM) -> GuardedLM:
     return model
 
 
-def _build(mode: str, skip_nonfinite: int = 0) -> GuardedLM:
+def _build(mode: str) -> GuardedLM:
     torch.manual_seed(0)
-    return GuardedLM(mode, skip_nonfinite)
+    return GuardedLM(mode)
 
 
 def _local_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -128,7 +130,7 @@ def main() -> None:
         assert f"parameter '{EXPERT_W13}'" in message and f"on rank {BAD_RANK}" in message, message
         print(f"RAISE OK {message}", flush=True)
     # 2. skip, against a run that drops step 2's gradients
-    skipped = _local_params(_fit(_build("inf", skip_nonfinite=1)))
+    skipped = _local_params(_fit(_build("inf"), skip_nonfinite=1))
     dropped = _local_params(_fit(_build("drop")))
     finite = all(bool(torch.isfinite(t).all()) for t in skipped.values())
     dist.all_gather_object(results, (_differ(skipped, dropped), finite))
