@@ -10,10 +10,14 @@
 * ``memory``: bf16; each rank's peak RSS (``VmHWM``, reset before the load) stays under
   ``(dense bytes + expert bytes / 4) * 1.3 + baseline + ALLOWANCE``, where the baseline is the
   resident size just before the load (torch, Lightning and transformers imported, meta model built).
+  After that measurement the same loaded model, upcast to fp32, gives the logits of a short random
+  batch; every rank frees its shards, and rank 0 compares them with transformers' ``from_pretrained``
+  of the checkpoint computed in fp32 (``LOGITS_RTOL``/``LOGITS_ATOL``).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -23,6 +27,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.utils.data import DataLoader
 
 import lightning_moe  # noqa: F401 - registers the strategy names
@@ -33,6 +38,10 @@ from lightning_moe.strategies import FoldedMoEStrategy
 from _models import leave_together  # noqa: E402 - tests/dist is on sys.path for workers
 
 ALLOWANCE = 256 * 1024**2  # one shard file's mapped pages, one slice, allocator slack
+# fp32 logits of unit scale (the test's checkpoint keeps activations there) summed in other orders
+# (FSDP-gathered weights, grouped expert GEMMs, EP combine across ranks) differ from transformers'
+# by about 1e-6 after 14 layers; one wrong expert slice moves them by far more than 1e-4.
+LOGITS_RTOL = LOGITS_ATOL = 1e-4
 
 
 def _status_kb(field: str) -> int:
@@ -141,6 +150,46 @@ def logits(hf_dir: Path, out: Path, spec: str) -> None:
         print("WORKER OK", flush=True)
 
 
+def _logits_in_fp32(lit: HFMoELanguageModel, ids: torch.Tensor) -> torch.Tensor:
+    """The loaded model's full logits after an in-place upcast to fp32 (exact for bf16 weights)."""
+    lit.float()
+    dtypes = {(p.to_local() if hasattr(p, "to_local") else p).dtype for p in lit.parameters()}
+    assert dtypes == {torch.float32}, dtypes
+    with torch.no_grad():
+        got = lit(ids)
+    return got.full_tensor() if hasattr(got, "full_tensor") else got
+
+
+def _upcast_for_forward(module: nn.Module, _args: object) -> None:
+    module.float()
+
+
+def _back_to_bf16(module: nn.Module, _args: object, _output: object) -> None:
+    module.to(torch.bfloat16)
+
+
+def _transformers_logits(hf_dir: Path, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' own load of the checkpoint (``from_pretrained``, one process), computed in fp32.
+
+    It loads in the checkpoint's bf16 (a fp32 load holds twice the memory and takes three times as
+    long); everything outside the decoder layers is upcast, and each decoder layer is upcast just
+    for its own forward. bf16 -> fp32 is exact, so this is the fp32 model's arithmetic."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True, dtype=torch.bfloat16).eval()
+    for name, child in ref.model.named_children():
+        if name != "layers":
+            child.float()
+    ref.lm_head.float()
+    for layer in ref.model.layers:
+        layer.register_forward_pre_hook(_upcast_for_forward)
+        layer.register_forward_hook(_back_to_bf16)
+    with torch.no_grad():
+        logits = ref(input_ids=ids).logits
+    assert logits.dtype == torch.float32, logits.dtype
+    return logits
+
+
 def memory(hf_dir: Path, out: Path, spec: str) -> None:
     lit, stats, _ = _loaded(hf_dir, _layout(spec), "bfloat16", batches=0)
     assert not any(p.is_meta for p in lit.parameters())
@@ -157,7 +206,23 @@ def memory(hf_dir: Path, out: Path, spec: str) -> None:
         for r in reports:
             print(json.dumps(r), flush=True)
             assert r["peak"] <= r["budget"], r
+    # After the measurement: the same loaded model, upcast, against transformers' load of the checkpoint.
+    ids = torch.randint(0, lit.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(7))
+    start = time.perf_counter()
+    got = _logits_in_fp32(lit, ids)
+    sharded_s = time.perf_counter() - start
+    del lit
+    gc.collect()
+    dist.barrier()  # every rank's shards are freed before rank 0 loads the whole model
+    if dist.get_rank() == 0:
+        start = time.perf_counter()
+        want = _transformers_logits(hf_dir, ids)
+        comparison = {"max_abs_logit": want.abs().max().item(), "max_abs_error": (got - want).abs().max().item(),
+                      "sharded_forward_s": sharded_s, "transformers_s": time.perf_counter() - start}  # fmt: skip
+        print(json.dumps(comparison), flush=True)
+        torch.testing.assert_close(got, want, rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
         (out / "memory.json").write_text(json.dumps(reports))
+        (out / "logits.json").write_text(json.dumps(comparison))
         print("WORKER OK", flush=True)
 
 
