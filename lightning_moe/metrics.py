@@ -52,7 +52,8 @@ def _check_positive(owner: str, **values: int) -> None:
 class _LayerCountTable(Metric):
     """An int64 table ``[L, X]`` of per-layer counts, summed over updates and ranks.
 
-    A subclass names its state (``_state``), what it counts (``_counted``) and its columns (``_columns``).
+    A subclass names its state (``_state``), what it counts (``_counted``), its columns (``_columns``)
+    and the argument that sizes them (``_size_name``, kept as an attribute like ``num_layers``).
     """
 
     full_state_update = False
@@ -61,9 +62,13 @@ class _LayerCountTable(Metric):
     _state: str
     _counted: str
     _columns: str
+    _size_name: str
 
     def __init__(self, num_layers: int, num_columns: int, process_group: Any, **kwargs: Any) -> None:
+        _check_positive(type(self).__name__, num_layers=num_layers, **{self._size_name: num_columns})
         super().__init__(process_group=process_group, **kwargs)
+        self.num_layers = num_layers
+        setattr(self, self._size_name, num_columns)
         zeros_LX = torch.zeros(num_layers, num_columns, dtype=torch.int64)
         self.add_state(self._state, default=zeros_LX, dist_reduce_fx="sum")
 
@@ -93,12 +98,11 @@ class ExpertLoad(_LayerCountTable):
             ``None`` is the default group.
     """
 
-    _state, _counted, _columns = "tokens_LE", "counts", "experts"
+    _state, _counted, _columns, _size_name = "tokens_LE", "counts", "experts", "num_experts"
+    num_experts: int
 
     def __init__(self, num_layers: int, num_experts: int, process_group: Any = None, **kwargs: Any) -> None:
-        _check_positive("ExpertLoad", num_layers=num_layers, num_experts=num_experts)
         super().__init__(num_layers, num_experts, process_group, **kwargs)
-        self.num_layers, self.num_experts = num_layers, num_experts
 
 
 class RankLoad(_LayerCountTable):
@@ -108,12 +112,11 @@ class RankLoad(_LayerCountTable):
     (the EP group) is then what every EP rank receives.
     """
 
-    _state, _counted, _columns = "rows_LP", "rows", "EP ranks"
+    _state, _counted, _columns, _size_name = "rows_LP", "rows", "EP ranks", "ep_size"
+    ep_size: int
 
     def __init__(self, num_layers: int, ep_size: int, process_group: Any = None, **kwargs: Any) -> None:
-        _check_positive("RankLoad", num_layers=num_layers, ep_size=ep_size)
         super().__init__(num_layers, ep_size, process_group, **kwargs)
-        self.num_layers, self.ep_size = num_layers, ep_size
 
 
 class LayerMean(Metric):
