@@ -9,6 +9,8 @@ to any ETP, EP, EDP and to one process. The experts' up-projection bias ``b13 [E
 each ``[E, F]``). :func:`split_model_state` / :func:`split_optimizer_state`
 rewrite a state dict before a save or load; :func:`join_model_state` /
 :func:`join_optimizer_state` put ``w13`` back in this process's layout after a load.
+A one-file checkpoint holds full tensors: :func:`relayout_full_state` turns its ETP-blocked
+``w13`` (:func:`block_w13`) into ``[gate | up]`` before the save and back after the load.
 """
 
 from __future__ import annotations
@@ -20,14 +22,18 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from lightning_moe.moe.experts import GroupedExperts
+from lightning_moe.parallel.parallelize import unblock_w13
 
 __all__ = [
     "GATE",
     "UP",
+    "block_w13",
     "join_model_state",
     "join_optimizer_state",
     "split_model_state",
+    "relayout_full_state",
     "split_optimizer_state",
+    "w13_etps",
     "w13_names",
 ]
 
@@ -126,3 +132,48 @@ def join_optimizer_state(loaded: dict[str, Any], like: dict[str, Any], names: se
         else:
             new_state[key] = entries
     return {**loaded, "state": new_state}
+
+
+def block_w13(w13: torch.Tensor, etp: int) -> torch.Tensor:
+    """``[gate | up]`` columns as the ETP-blocked ``[gate_0|up_0|gate_1|up_1|...]`` of ``etp`` ranks
+    (the inverse of ``parallelize.unblock_w13``): the full tensor whose ``Shard`` over ETP gives
+    rank j its ``[gate_j | up_j]``."""
+    if etp == 1:
+        return w13
+    *lead, two_f = w13.shape
+    f = two_f // (2 * etp)
+    gate, up = w13[..., : two_f // 2].reshape(*lead, etp, 1, f), w13[..., two_f // 2 :].reshape(*lead, etp, 1, f)
+    return torch.cat([gate, up], dim=-2).reshape(*lead, two_f)
+
+
+def w13_etps(module: nn.Module) -> dict[str, int]:
+    """The ETP degree of every name of :func:`w13_names` (``GroupedExperts.etp``, 1 when unsharded)."""
+    out: dict[str, int] = {}
+    for name, m in module.named_modules():
+        if isinstance(m, GroupedExperts):
+            prefix = f"{name}." if name else ""
+            for tensor in ("w13", "b13") if m.b13 is not None else ("w13",):
+                out[f"{prefix}{tensor}"] = getattr(m, "etp", 1)
+    return out
+
+
+def _relayout(value: Any, shape: tuple[int, ...], etp: int, to_blocked: bool) -> Any:
+    if etp == 1 or isinstance(value, DTensor) or not _is_w13_state(value, shape):
+        return value
+    return block_w13(value, etp) if to_blocked else unblock_w13(value, etp)
+
+
+def relayout_full_state(
+    model_state: dict[str, Any], optimizer_states: list[dict[str, Any]], etps: dict[str, int], *, to_blocked: bool
+) -> None:
+    """In place: every full ``w13``/``b13`` (named in ``etps``) of a model state dict and its
+    optimizer entries (optimizer states keyed by parameter name) from ``[gate | up]`` to this ETP
+    layout (``to_blocked``) or back."""
+    shapes = {n: tuple(model_state[n].shape) for n in etps if isinstance(model_state.get(n), torch.Tensor)}
+    for name, shape in shapes.items():
+        model_state[name] = _relayout(model_state[name], shape, etps[name], to_blocked)
+    for optim_state in optimizer_states:
+        for name, entries in optim_state.get("state", {}).items():
+            if name in shapes and isinstance(entries, dict):
+                for entry, value in entries.items():
+                    entries[entry] = _relayout(value, shapes[name], etps[name], to_blocked)

@@ -2,9 +2,12 @@
 
 Trainer: :func:`save_trainer_checkpoint` writes a DCP folder (``w13`` as gate/up halves, loads at
 any layout) with a manifest of sizes and CRC-32s, written aside and published by rename, or one
-file replaced by rename; :func:`load_trainer_checkpoint` verifies a folder against its manifest
-before any weight changes and loads it at this process's layout, or reads one file with the config
-dataclasses allow-listed.
+file replaced by rename (``w13`` and its optimizer entries in the one-process ``[gate | up]``
+layout, marked by :data:`W13_FORMAT_KEY`, so it too loads at any layout);
+:func:`load_trainer_checkpoint` verifies a folder against its manifest before any weight changes
+and loads it at this process's layout, or reads one file (the config dataclasses allow-listed; a
+file consolidated from a DCP folder by Lightning's tool too) and loads it at this layout, on one
+device as on many.
 
 Fabric: :func:`save_fabric_checkpoint` publishes what Lightning's save writes the same way, with
 the ETP degree in the manifest (Lightning's folder keeps ``w13`` at the saved layout);
@@ -22,12 +25,22 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from lightning_moe.checkpoint.atomic import publish, staging_path
-from lightning_moe.checkpoint.dcp import load_distributed, save_distributed, save_staged, verified_manifest
+from lightning_moe.checkpoint.dcp import W13_FORMAT, load_distributed, save_distributed, save_staged, verified_manifest
+from lightning_moe.checkpoint.experts import relayout_full_state, w13_etps
 from lightning_moe.checkpoint.hparams import config_classes, config_from_plain, config_to_plain
 from lightning_moe.checkpoint.manifest import CheckpointError
+from lightning_moe.checkpoint.read import join_consolidated, read_checkpoint_file
 from lightning_moe.parallel.mesh import FoldedMesh
 
-__all__ = ["check_fabric_checkpoint", "load_trainer_checkpoint", "save_fabric_checkpoint", "save_trainer_checkpoint"]
+__all__ = [
+    "W13_FORMAT_KEY",
+    "check_fabric_checkpoint",
+    "load_trainer_checkpoint",
+    "save_fabric_checkpoint",
+    "save_trainer_checkpoint",
+]
+
+W13_FORMAT_KEY = "w13_format"  # a one-file checkpoint's marker: w13 stored as [gate | up] (W13_FORMAT)
 
 
 def save_trainer_checkpoint(
@@ -50,8 +63,22 @@ def save_trainer_checkpoint(
         return
     if rank == 0:
         staged = staging_path(path)
-        torch.save(config_to_plain(checkpoint), staged)
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        _relayout_file_state(checkpoint, model, to_blocked=False)
+        torch.save(config_to_plain({**checkpoint, W13_FORMAT_KEY: W13_FORMAT}), staged)
         publish(staged, path)
+
+
+def _relayout_file_state(checkpoint: dict[str, Any], model: nn.Module, *, to_blocked: bool) -> None:
+    """In place: the full ``w13`` tensors of a one-file checkpoint (model and optimizer entries,
+    the latter keyed by parameter position or name) from this run's ETP layout to ``[gate | up]``
+    or back (``relayout_full_state``)."""
+    names = dict(enumerate(name for name, _ in model.named_parameters()))
+    by_name = [
+        {"state": {names.get(k, k): v for k, v in optim.get("state", {}).items()}}
+        for optim in checkpoint.get("optimizer_states", [])
+    ]
+    relayout_full_state(checkpoint.get("state_dict", {}), by_name, w13_etps(model), to_blocked=to_blocked)
 
 
 def load_trainer_checkpoint(
@@ -65,13 +92,49 @@ def load_trainer_checkpoint(
     weights_only: bool | None,
     load_file: Callable[[Path], dict[str, Any]],
 ) -> dict[str, Any]:
-    """A folder: verified, then loaded into ``model`` at this layout (``load_distributed``); a file
-    (or no model yet): ``load_file`` (Lightning's load) with the config dataclasses allow-listed."""
+    """A folder: verified, then loaded into ``model`` at this layout (``load_distributed``); a file:
+    loaded into ``model`` at this layout (:func:`load_file_checkpoint`); no model yet: ``load_file``
+    (Lightning's load) with the config dataclasses allow-listed."""
     if path.is_dir() and model is not None:
         return load_distributed(path, model, optimizers, strict=strict, rank=rank, broadcast=broadcast,
                                 weights_only=weights_only)  # fmt: skip
+    if path.is_file() and model is not None:
+        return load_file_checkpoint(path, model, optimizers, strict=strict, weights_only=weights_only)
     with torch.serialization.safe_globals(list(config_classes().values())):
         return config_from_plain(load_file(path))
+
+
+def load_file_checkpoint(
+    path: Path, model: nn.Module, optimizers: list[Optimizer], *, strict: bool, weights_only: bool | None
+) -> dict[str, Any]:
+    """A one-file checkpoint into ``model`` and ``optimizers`` at this process's layout (plain or
+    DTensor parameters, any ETP); returns the rest of the checkpoint (without ``state_dict``).
+
+    ``w13`` comes back in this run's ETP layout from the ``[gate | up]`` of a marked file; a file
+    without the marker holds it as it was in memory and loads as stored. A file consolidated from a
+    DCP folder (``join_consolidated``) loads too.
+    """
+    from lightning.fabric.strategies.model_parallel import _load_raw_module_state
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from torch.distributed.tensor import DTensor
+
+    checkpoint = join_consolidated(config_from_plain(read_checkpoint_file(path, weights_only)))
+    if checkpoint.pop(W13_FORMAT_KEY, None) == W13_FORMAT:
+        _relayout_file_state(checkpoint, model, to_blocked=True)
+    _load_raw_module_state(checkpoint.pop("state_dict"), model, strict=strict)
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())
+    names = dict(enumerate(name for name, _ in model.named_parameters()))
+    for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states", [])):
+        if not sharded:
+            optimizer.load_state_dict(state)
+            continue
+        keyed = {
+            "state": {names.get(k, k): v for k, v in state["state"].items()},
+            "param_groups": [{**g, "params": [names.get(p, p) for p in g["params"]]} for g in state["param_groups"]],
+        }
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=keyed, options=options)
+    return checkpoint
 
 
 def save_fabric_checkpoint(
