@@ -2,7 +2,9 @@
 
 Liveness (``parallel/liveness.py``): :func:`start_liveness_watchdog` starts one watchdog per
 process (unless off or alone); :func:`note_dead_rank` adds its verdict, the line naming a dead
-rank, to a collective's exception.
+rank, to a collective's exception. Where Lightning's launcher started the ranks, its
+child-process observer (``launcher.py``) waits for that verdict and the watchdog's own exit before
+killing the processes, so a rank the watchdog finds dead is named before that kill.
 
 Non-finite guard (``parallel/finite.py``): the strategy owns ``guard_nonfinite`` and
 ``skip_nonfinite``. :func:`nonfinite_guard_for` builds the guard from them (a module's deprecated

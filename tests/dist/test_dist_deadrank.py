@@ -7,8 +7,10 @@ then SIGKILLs itself. The job's output must hold one line naming rank 1 and its 
 coordinates within 60 s of the kill, and every process must exit non-zero; the subprocess
 timeout is the hang guard.
 
-The launcher's child-process observer is off in the worker (its docstring says why): the
-survivor's watchdog is the only thing that may end it, so the outcome does not depend on timing.
+Rank 0 then stays in a slow failure handler (the worker's docstring says why), so the watchdog
+ends it with exit code 1 after its grace period. Lightning's child-process observer, which the
+launcher runs in rank 0, polls every 5 s: had it killed at its first poll after the death, rank 0
+would always be SIGKILLed first. The launcher's observer must wait for the watchdog instead.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def test_dead_rank_is_named_and_every_rank_exits_nonzero() -> None:
     assert rc is not None, f"the job hung (killed after {JOB_TIMEOUT_S:.0f} s):\n{tail}"
     assert rc != 0, f"rank 0 exited with 0 after rank 1 died:\n{tail}"
     assert rc != -signal.SIGKILL, f"rank 0 was SIGKILLed, not ended by its watchdog:\n{tail}"
+    assert rc == 1, f"rank 0 exited with {rc}, not with its watchdog's exit code 1:\n{tail}"
     assert "FIT-DONE" not in output, tail
     killed = [float(m.group(1)) for _, t in lines if (m := re.search(rf"STEP-REACHED 1 {KILL_STEP} (\d+\.\d{{3}})", t))]
     assert killed, f"rank 1 never reached its kill step (the stall at step {SLOW_STEP} was fatal?):\n{tail}"
