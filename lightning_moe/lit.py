@@ -38,6 +38,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStr
 from typing_extensions import override
 
 from lightning_moe.checkpoint.hparams import config_from_plain, config_to_plain
+from lightning_moe.checkpoint.read import join_consolidated
 from lightning_moe.checks import check_bool
 from lightning_moe.models.transformer import MoETransformer, TransformerConfig
 from lightning_moe.optimizer import OptimizerConfig, build_adamw, optimizer_config_from
@@ -216,6 +217,13 @@ class MoELanguageModelBase(L.LightningModule):
             if isinstance(hparams.get("optimizer"), OptimizerConfig):
                 hparams = {**hparams, "optimizer": hparams["optimizer"].as_dict()}
             checkpoint["hyper_parameters"] = hparams
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A DCP folder made one file by Lightning's ``consolidate_checkpoint`` loads like a Lightning
+        checkpoint (``join_consolidated``: ``w13``'s gate/up halves joined, its optimizers as
+        ``optimizer_states``); other checkpoints are unchanged."""
+        join_consolidated(checkpoint)
 
     @override
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
