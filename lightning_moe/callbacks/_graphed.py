@@ -117,6 +117,81 @@ def _differentiable(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [o for o in outputs if o.requires_grad]
 
 
+class _Capturable:
+    """Modules run against detached aliases of their parameters on static copies of their samples."""
+
+    def __init__(self, modules: Sequence[nn.Module], samples: Sequence[tuple[torch.Tensor, ...]]) -> None:
+        self.modules = modules
+        self.aliases = [
+            {name: p.detach().requires_grad_(True) for name, p in m.named_parameters() if p.requires_grad}
+            for m in modules
+        ]
+        self.params = [[p for _, p in m.named_parameters() if p.requires_grad] for m in modules]
+        self.static_inputs = [tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in s) for s in samples]
+
+    def run(self, i: int) -> Any:
+        return functional_call(self.modules[i], self.aliases[i], self.static_inputs[i], strict=False)
+
+    def grad_inputs(self, i: int) -> list[torch.Tensor]:
+        return [x for x in self.static_inputs[i] if x.requires_grad] + list(self.aliases[i].values())
+
+
+def _warm_up(modules: _Capturable, warmup_iters: int) -> None:
+    """Forward and backward of every module ``warmup_iters`` times on a side stream, as capture will run."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as capture will run
+        for i in range(len(modules.modules)):
+            for _ in range(warmup_iters):
+                outputs = _differentiable(tree_flatten(modules.run(i))[0])
+                if outputs:
+                    torch.autograd.grad(
+                        outputs, modules.grad_inputs(i), [torch.ones_like(o) for o in outputs], allow_unused=True
+                    )
+            del outputs
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+def _capture_forward(modules: _Capturable, i: int, pool: Any) -> _Graphs:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        flat, spec = tree_flatten(modules.run(i))
+    if not all(isinstance(o, torch.Tensor) for o in flat):
+        raise TypeError(f"CUDAGraphCapture: {type(modules.modules[i]).__name__} returns non-tensor outputs.")
+    return _Graphs(
+        params=modules.params[i],
+        static_inputs=modules.static_inputs[i],
+        static_outputs=flat,
+        output_spec=spec,
+        differentiable=[o.requires_grad for o in flat],
+        static_grad_outputs=[torch.empty_like(o) if o.requires_grad else None for o in flat],
+        static_grads=[],
+        forward_graph=graph,
+    )
+
+
+def _capture_backward(modules: _Capturable, i: int, graphs: _Graphs, pool: Any) -> None:
+    outputs = _differentiable(graphs.static_outputs)
+    if not outputs:
+        return
+    grad_outputs = [g for g in graphs.static_grad_outputs if g is not None]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        grads = torch.autograd.grad(outputs, modules.grad_inputs(i), grad_outputs, allow_unused=True)
+    graphs.static_grads = list(grads)
+    graphs.backward_graph = graph
+    graphs.static_outputs = [o.detach() for o in graphs.static_outputs]  # drop the capture's autograd graph
+
+
+def _replayer(graphs: _Graphs) -> Callable[..., Any]:
+    def replay(*args: torch.Tensor) -> Any:
+        outputs = _GraphReplay.apply(graphs, *args, *graphs.params)
+        return tree_unflatten(list(outputs), graphs.output_spec)
+
+    return replay
+
+
 def capture_modules(
     modules: Sequence[nn.Module], samples: Sequence[tuple[torch.Tensor, ...]], warmup_iters: int = 3
 ) -> list[Callable[..., Any]]:
@@ -126,75 +201,13 @@ def capture_modules(
     ``requires_grad`` are what the replay accepts). Buffers are used in place, so a warm-up that
     updates them (MoE statistics) should be undone by the caller.
     """
-    aliases = [
-        {name: p.detach().requires_grad_(True) for name, p in m.named_parameters() if p.requires_grad}
-        for m in modules
-    ]
-    params = [[p for _, p in m.named_parameters() if p.requires_grad] for m in modules]
-    static_inputs = [tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in s) for s in samples]
-
-    def run(i: int) -> Any:
-        return functional_call(modules[i], aliases[i], static_inputs[i], strict=False)
-
-    def grad_inputs(i: int) -> list[torch.Tensor]:
-        return [x for x in static_inputs[i] if x.requires_grad] + list(aliases[i].values())
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the default stream, as capture will run
-        for i in range(len(modules)):
-            for _ in range(warmup_iters):
-                outputs = _differentiable(tree_flatten(run(i))[0])
-                if outputs:
-                    torch.autograd.grad(
-                        outputs, grad_inputs(i), [torch.ones_like(o) for o in outputs], allow_unused=True
-                    )
-            del outputs
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-
+    capturable = _Capturable(modules, samples)
+    _warm_up(capturable, warmup_iters)
     pool = torch.cuda.graph_pool_handle()
-    captured: list[_Graphs] = []
-    for i in range(len(modules)):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            flat, spec = tree_flatten(run(i))
-        if not all(isinstance(o, torch.Tensor) for o in flat):
-            raise TypeError(f"CUDAGraphCapture: {type(modules[i]).__name__} returns non-tensor outputs.")
-        captured.append(
-            _Graphs(
-                params=params[i],
-                static_inputs=static_inputs[i],
-                static_outputs=flat,
-                output_spec=spec,
-                differentiable=[o.requires_grad for o in flat],
-                static_grad_outputs=[torch.empty_like(o) if o.requires_grad else None for o in flat],
-                static_grads=[],
-                forward_graph=graph,
-            )
-        )
+    captured = [_capture_forward(capturable, i, pool) for i in range(len(modules))]
     for i in reversed(range(len(modules))):
-        graphs = captured[i]
-        outputs = _differentiable(graphs.static_outputs)
-        if not outputs:
-            continue
-        grad_outputs = [g for g in graphs.static_grad_outputs if g is not None]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            grads = torch.autograd.grad(outputs, grad_inputs(i), grad_outputs, allow_unused=True)
-        graphs.static_grads = list(grads)
-        graphs.backward_graph = graph
-        graphs.static_outputs = [o.detach() for o in graphs.static_outputs]  # drop the capture's autograd graph
-
+        _capture_backward(capturable, i, captured[i], pool)
     group = _Group(captured)
     for graphs in captured:
         graphs.group = group
-
-    def replayer(graphs: _Graphs) -> Callable[..., Any]:
-        def replay(*args: torch.Tensor) -> Any:
-            outputs = _GraphReplay.apply(graphs, *args, *graphs.params)
-            return tree_unflatten(list(outputs), graphs.output_spec)
-
-        return replay
-
-    return [replayer(g) for g in captured]
+    return [_replayer(g) for g in captured]

@@ -37,10 +37,12 @@ import importlib
 import inspect
 import warnings
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, NamedTuple, get_args
 
 import torch
 import torch.nn.functional as F
+
+from lightning_moe.parallel.attention_shapes import check_attention_shapes
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -52,7 +54,7 @@ __all__ = [
 ]
 
 AttentionBackend = Literal["auto", "sdpa", "flex", "flash_varlen", "varlen"]
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "sdpa", "flex", "flash_varlen", "varlen")
+ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 
 _HALF = (torch.float16, torch.bfloat16)
 _VARLEN_MAX_HEAD_DIM = 256  # torch's flash kernel: head dims up to 256, multiples of 8
@@ -183,7 +185,8 @@ def attend(
     ``([B, Sq], [B, Sk])``. ``positions_q``/``positions_k``: ``[S]`` or ``[B, S]`` (both or neither).
     """
     doc_q, doc_k = _split_documents(document_ids)
-    _check_inputs(q_BNQD, k_BNKD, v_BNKD, positions_q, positions_k, doc_q, doc_k)
+    masking = _Masking(positions_q, positions_k, doc_q, doc_k)
+    _check_inputs(q_BNQD, k_BNKD, v_BNKD, masking)
     packed, positioned = doc_q is not None, positions_q is not None
     same_tokens = not isinstance(document_ids, (tuple, list)) and q_BNQD.shape[2] == k_BNKD.shape[2]
     head_dim = max(q_BNQD.shape[-1], v_BNKD.shape[-1])
@@ -194,10 +197,10 @@ def attend(
     if chosen == "sdpa":
         if not packed and not positioned:
             return F.scaled_dot_product_attention(q_BNQD, k_BNKD, v_BNKD, is_causal=True, scale=scale, enable_gqa=gqa)
-        mask_B1QK = _mask(q_BNQD, k_BNKD, positions_q, positions_k, doc_q, doc_k)[:, None]
+        mask_B1QK = _mask(q_BNQD, k_BNKD, masking)[:, None]
         return F.scaled_dot_product_attention(q_BNQD, k_BNKD, v_BNKD, attn_mask=mask_B1QK, scale=scale, enable_gqa=gqa)
     if chosen == "flex":
-        return _attend_flex(q_BNQD, k_BNKD, v_BNKD, positions_q, positions_k, doc_q, doc_k, scale, gqa)
+        return _attend_flex(q_BNQD, k_BNKD, v_BNKD, masking, scale, gqa)
     if chosen == "varlen":
         return _attend_varlen(q_BNQD, k_BNKD, v_BNKD, doc_q, scale, "varlen", _torch_varlen_kernel)
     return _attend_flash_varlen(q_BNQD, k_BNKD, v_BNKD, doc_q, scale)
@@ -220,27 +223,19 @@ def _split_documents(
     )
 
 
-def _check_inputs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pos_q: torch.Tensor | None,
-    pos_k: torch.Tensor | None,
-    doc_q: torch.Tensor | None,
-    doc_k: torch.Tensor | None,
-) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(
-            f"attend: q, k, v must be [B, N, S, D]; got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}."
-        )
-    B, N, Sq, _ = q.shape
-    if k.shape[0] != B or v.shape[0] != B or k.shape[:3] != v.shape[:3] or k.shape[-1] != q.shape[-1]:
-        raise ValueError(
-            f"attend: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit: batch, key heads and key "
-            "length must agree, and k's head dim must equal q's."
-        )
-    if k.shape[1] == 0 or N % k.shape[1]:
-        raise ValueError(f"attend: {N} query heads are not a multiple of {k.shape[1]} key/value heads.")
+class _Masking(NamedTuple):
+    """What decides which keys a query reads: positions (both or neither) and document ids."""
+
+    pos_q: torch.Tensor | None
+    pos_k: torch.Tensor | None
+    doc_q: torch.Tensor | None
+    doc_k: torch.Tensor | None
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masking: _Masking) -> None:
+    check_attention_shapes("attend", q, k, v)
+    pos_q, pos_k, doc_q, doc_k = masking
+    B, _, Sq, _ = q.shape
     Sk = k.shape[2]
     if (pos_q is None) != (pos_k is None):
         raise ValueError("attend: pass both positions_q and positions_k, or neither.")
@@ -252,14 +247,8 @@ def _check_inputs(
             raise ValueError(f"attend: {name} must be an integer [{B}, {S}] tensor; got {doc.dtype} {tuple(doc.shape)}.")
 
 
-def _mask(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    pos_q: torch.Tensor | None,
-    pos_k: torch.Tensor | None,
-    doc_q: torch.Tensor | None,
-    doc_k: torch.Tensor | None,
-) -> torch.Tensor:
+def _mask(q: torch.Tensor, k: torch.Tensor, masking: _Masking) -> torch.Tensor:
+    pos_q, pos_k, doc_q, doc_k = masking
     if pos_q is None:
         pos_q = torch.arange(q.shape[2], device=q.device)
         pos_k = torch.arange(k.shape[2], device=q.device)
@@ -288,17 +277,11 @@ def _flex_fn(device: torch.device) -> Callable[..., torch.Tensor] | None:
 
 
 def _attend_flex(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pos_q: torch.Tensor | None,
-    pos_k: torch.Tensor | None,
-    doc_q: torch.Tensor | None,
-    doc_k: torch.Tensor | None,
-    scale: float | None,
-    gqa: bool,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masking: _Masking, scale: float | None, gqa: bool
 ) -> torch.Tensor:
     from torch.nn.attention.flex_attention import create_block_mask
+
+    pos_q, pos_k, doc_q, doc_k = masking
 
     B, N, Sq, _ = q.shape
     Sk = k.shape[2]

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn as nn
@@ -78,7 +78,7 @@ __all__ = [
 ]
 
 RecomputeTarget = Literal["norm", "moe_act", "moe", "attn", "block"]
-RECOMPUTE_TARGETS: tuple[str, ...] = ("norm", "moe_act", "moe", "attn", "block")
+RECOMPUTE_TARGETS: tuple[str, ...] = get_args(RecomputeTarget)
 
 # Autograd nodes whose output is the experts' pre-activation h_R2F = x_TH[src_R] @ w13.
 _HIDDEN_PRODUCERS = frozenset({"_PermuteUpBackward"})

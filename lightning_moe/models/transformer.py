@@ -29,7 +29,8 @@ from lightning_moe.models.recompute import RecomputePlan, RecomputeScope, Recomp
 from lightning_moe.moe.layer import MoELayer
 from lightning_moe.ops.qk_norm_rope import qk_norm_rope
 from lightning_moe.ops.rope import rope
-from lightning_moe.parallel.context import all_gather_cat, context_parallel_attention, unshard_sequence
+from lightning_moe.parallel.collectives import all_gather_cat
+from lightning_moe.parallel.context import context_parallel_attention, unshard_sequence
 
 __all__ = [
     "TransformerConfig",

@@ -131,7 +131,19 @@ def upcycle_mlp(
 
     s = topk_weight_sum_at_uniform(config) if match_output else 1.0
     w13_H2F = torch.cat([W_gate, W_up], dim=0).t()  # [H, 2F], gate columns first
-    w2_FH = W_down.t() / s
+    _copy_into_experts(layer, w13_H2F, W_down.t() / s, noise_std, generator)
+    _init_router(layer, router_init, router_std, generator)
+    if layer.shared_expert is not None:
+        # A shared expert would add a second copy of the MLP; start it at zero output instead.
+        layer.shared_expert.down.weight.zero_()
+    return layer
+
+
+def _copy_into_experts(
+    layer: MoELayer, w13_H2F: torch.Tensor, w2_FH: torch.Tensor, noise_std: float, generator: torch.Generator | None
+) -> None:
+    """Every expert a copy of the dense weights, plus ``N(0, (noise_std · std(W))²)`` noise drawn on CPU."""
+    num_experts = layer.experts.w13.shape[0]
     layer.experts.w13.copy_(w13_H2F.unsqueeze(0).expand(num_experts, -1, -1))
     layer.experts.w2.copy_(w2_FH.unsqueeze(0).expand(num_experts, -1, -1))
     if noise_std > 0:
@@ -139,15 +151,15 @@ def upcycle_mlp(
             std = float(base.float().std()) * noise_std
             noise = torch.randn(w.shape, generator=generator, dtype=torch.float32, device="cpu") * std
             w.add_(noise.to(device=w.device, dtype=w.dtype))
+
+
+def _init_router(layer: MoELayer, router_init: str, router_std: float, generator: torch.Generator | None) -> None:
+    """The router at zero (uniform routing) or ``N(0, router_std²)`` drawn on CPU."""
     if router_init == "zeros":
         layer.router.weight.zero_()
     else:
         noise = torch.randn(layer.router.weight.shape, generator=generator, dtype=torch.float32, device="cpu")
         layer.router.weight.copy_(noise * router_std)
-    if layer.shared_expert is not None:
-        # A shared expert would add a second copy of the MLP; start it at zero output instead.
-        layer.shared_expert.down.weight.zero_()
-    return layer
 
 
 def upcycle_model(

@@ -12,8 +12,8 @@ and the key positions / document ids (another) over the group, and computes the 
 attention over all keys block by block in fp32 (no ``[s, S]`` score matrix is ever whole). It
 saves only local tensors: ``q``, ``k``, ``v``, the output and its per-query logsumexp. Backward
 all-gathers K/V again, recomputes the probabilities from the logsumexp, and sends each rank the sum
-of every rank's dK/dV for its own keys (``reduce_scatter`` where the backend has it, an
-``all_to_all`` and a local sum on gloo). The memory kept for backward per rank is therefore
+of every rank's dK/dV for its own keys (``parallel/collectives.py``: ``all_gather_cat``,
+``reduce_scatter_cat``). The memory kept for backward per rank is therefore
 ``1/cp`` of a single-rank run's.
 
 The mask is the one of ``models/attention.py``: key position ``<=`` query position and, with
@@ -28,11 +28,12 @@ import math
 import torch
 import torch.distributed as dist
 
+from lightning_moe.parallel.attention_shapes import check_attention_shapes
+from lightning_moe.parallel.collectives import all_gather_cat, reduce_scatter_cat
+
 __all__ = [
-    "all_gather_cat",
     "context_parallel_attention",
     "cp_chunk_positions",
-    "reduce_scatter_cat",
     "shard_sequence",
     "unshard_sequence",
 ]
@@ -84,40 +85,6 @@ def unshard_sequence(shards: list[torch.Tensor], cp_size: int, dim: int = 1) -> 
     S = gathered.shape[dim]
     order = torch.cat([cp_chunk_positions(S, cp_size, r, device=gathered.device) for r in range(cp_size)])
     return gathered.index_select(dim, torch.argsort(order))
-
-
-# ----------------------------------------------------------------------------------------------
-# collectives (a group of one, or ``None``, needs none)
-
-
-def _group_size(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def all_gather_cat(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
-    """Every rank's ``x`` concatenated along ``dim`` in group-rank order."""
-    world = _group_size(group)
-    if world == 1:
-        return x
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=dim)
-
-
-def reduce_scatter_cat(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
-    """Inverse of ``all_gather_cat`` for gradients: this rank's chunk along ``dim``, summed over ranks."""
-    world = _group_size(group)
-    if world == 1:
-        return x
-    send_c = torch.stack(x.chunk(world, dim=dim)).contiguous()  # [c, ...]: chunk j goes to rank j
-    if dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter
-        recv_c = torch.empty_like(send_c)
-        dist.all_to_all_single(recv_c, send_c, group=group)
-        return recv_c.sum(0)
-    out = torch.empty_like(send_c[0])
-    dist.reduce_scatter_tensor(out, send_c, group=group)
-    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,16 +223,8 @@ def context_parallel_attention(
     """
     q, k, v = q_BNsD, k_BNsD, v_BNsD
     owner = "context_parallel_attention"
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"{owner}: q, k, v must be [B, N, s, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}.")
-    B, N, s, D = q.shape
-    if k.shape[0] != B or k.shape[2] != s or k.shape[3] != D or v.shape[:3] != k.shape[:3]:
-        raise ValueError(
-            f"{owner}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit: batch and local length "
-            "must agree, k's head dim must equal q's, v must have k's heads."
-        )
-    if k.shape[1] == 0 or N % k.shape[1]:
-        raise ValueError(f"{owner}: {N} query heads are not a multiple of {k.shape[1]} key/value heads.")
+    check_attention_shapes(owner, q, k, v, same_length=True)
+    B, _, s, D = q.shape
     if not isinstance(positions_s, torch.Tensor) or positions_s.dtype.is_floating_point or positions_s.shape not in ((s,), (B, s)):
         got = f"{positions_s.dtype} {tuple(positions_s.shape)}" if isinstance(positions_s, torch.Tensor) else type(positions_s).__name__
         raise ValueError(f"{owner}: positions_s must be an integer [{s}] or [{B}, {s}] tensor (cp_chunk_positions); got {got}.")

@@ -45,7 +45,7 @@ The ETP layout of ``w13`` in the DTensor is "blocked": global column block j hol
 from __future__ import annotations
 
 import functools
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn as nn
@@ -80,7 +80,7 @@ __all__ = [
 ]
 
 DispatcherKind = Literal["alltoall", "alltoall_dedup", "allgather", "deepep", "hybridep"]
-DISPATCHERS: tuple[str, ...] = ("alltoall", "alltoall_dedup", "allgather", "deepep", "hybridep")
+DISPATCHERS: tuple[str, ...] = get_args(DispatcherKind)
 
 
 def check_dispatcher(dispatcher: str, owner: str = "parallelize_moe_model") -> None:
@@ -385,28 +385,44 @@ def parallelize_moe_model(
     if lay.tp > 1:
         _apply_tp(module, mesh, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
     layers = [m for m in module.modules() if isinstance(m, MoELayer)]
-    dp_cp_group = mesh.group("dp_cp") if lay.dp * lay.cp > 1 else None
-    exchanges: dict[int, Any] = {}  # one library buffer per expert count, shared by the layers
-    for layer in layers:
-        layer.aux_loss_group = dp_cp_group
-        if lay.ep > 1 or lay.etp > 1:
-            _shard_experts(layer.experts, mesh)
-            groups = dict(ep_group=mesh.group("ep"), etp_group=mesh.group("etp"))
-            num_experts = layer.config.num_experts
-            etp_sp = dict(etp_sequence_parallel=True) if sequence_parallel and lay.etp > 1 else {}
-            if dispatcher in ("alltoall_dedup", "deepep", "hybridep"):
-                if num_experts not in exchanges:
-                    exchanges[num_experts] = _flex_exchange(dispatcher, mesh.group("ep"), num_experts)
-                layer.dispatcher = FlexDispatcher(num_experts, **groups, exchange=exchanges[num_experts], **etp_sp)
-            elif dispatcher == "alltoall":
-                layer.dispatcher = AllToAllDispatcher(num_experts, **groups, **etp_sp)
-            else:
-                layer.dispatcher = AllGatherDispatcher(num_experts, **groups)
+    _install_dispatchers(layers, mesh, dispatcher, sequence_parallel)
     if not fsdp or lay.world_size == 1:
         # One rank: FSDP2 would shard nothing and only copy (every parameter all-gathered into a
         # second buffer, every gradient packed for a reduce-scatter of one), so the model stays plain.
         return module
-    scale = applied_expert_grad_scale(lay, sequence_parallel)
+    _shard_experts_fsdp(layers, mesh, applied_expert_grad_scale(lay, sequence_parallel), reshard_after_forward)
+    _shard_dense_fsdp(module, mesh.mesh("dp_cp"), shard_root, reshard_after_forward)
+    return module
+
+
+def _install_dispatchers(layers: list[MoELayer], mesh: FoldedMesh, dispatcher: str, sequence_parallel: bool) -> None:
+    """Each MoE layer's aux-loss group, and with experts over EP/ETP ranks its sharded experts and
+    its token exchange (one library buffer per expert count, shared by the layers)."""
+    lay = mesh.layout
+    dp_cp_group = mesh.group("dp_cp") if lay.dp * lay.cp > 1 else None
+    exchanges: dict[int, Any] = {}
+    for layer in layers:
+        layer.aux_loss_group = dp_cp_group
+        if lay.ep == 1 and lay.etp == 1:
+            continue
+        _shard_experts(layer.experts, mesh)
+        groups = dict(ep_group=mesh.group("ep"), etp_group=mesh.group("etp"))
+        num_experts = layer.config.num_experts
+        etp_sp = dict(etp_sequence_parallel=True) if sequence_parallel and lay.etp > 1 else {}
+        if dispatcher in ("alltoall_dedup", "deepep", "hybridep"):
+            if num_experts not in exchanges:
+                exchanges[num_experts] = _flex_exchange(dispatcher, mesh.group("ep"), num_experts)
+            layer.dispatcher = FlexDispatcher(num_experts, **groups, exchange=exchanges[num_experts], **etp_sp)
+        elif dispatcher == "alltoall":
+            layer.dispatcher = AllToAllDispatcher(num_experts, **groups, **etp_sp)
+        else:
+            layer.dispatcher = AllGatherDispatcher(num_experts, **groups)
+
+
+def _shard_experts_fsdp(
+    layers: list[MoELayer], mesh: FoldedMesh, grad_scale: float, reshard_after_forward: bool
+) -> None:
+    """FSDP2 over EDP for each layer's experts (sharded along H), their gradients scaled by ``grad_scale``."""
     for layer in layers:
         fully_shard(
             layer.experts,
@@ -414,12 +430,16 @@ def parallelize_moe_model(
             reshard_after_forward=reshard_after_forward,
             shard_placement_fn=lambda p: Shard(1),
         )
-        install_expert_grad_scaling(layer.experts, scale)  # type: ignore[arg-type]
+        install_expert_grad_scaling(layer.experts, grad_scale)  # type: ignore[arg-type]
         # The local (EP=1) path calls ``experts.forward_local`` instead of ``experts(...)``: FSDP
         # must all-gather the EDP shards around that method too, not only around ``forward``.
         if hasattr(layer.experts, "forward_local"):
             register_fsdp_forward_method(layer.experts, "forward_local")
-    dense_mesh = mesh.mesh("dp_cp")
+
+
+def _shard_dense_fsdp(module: nn.Module, dense_mesh: Any, shard_root: bool, reshard_after_forward: bool) -> None:
+    """FSDP2 over DP×CP for every block of a ``ModuleList`` and then the root (``shard_root``) or
+    each of its children, wherever parameters are not managed yet."""
     for m in list(module.modules()):
         if isinstance(m, nn.ModuleList):
             for block in m:
@@ -427,11 +447,10 @@ def parallelize_moe_model(
                     fully_shard(block, mesh=dense_mesh, reshard_after_forward=reshard_after_forward)
     if shard_root:
         fully_shard(module, mesh=dense_mesh, reshard_after_forward=reshard_after_forward)
-        return module
+        return
     for child in module.children():
         if _has_unmanaged_params(child):
             fully_shard(child, mesh=dense_mesh, reshard_after_forward=reshard_after_forward)
-    return module
 
 
 def applied_expert_grad_scale(layout: FoldedLayout, sequence_parallel: bool = False) -> float:

@@ -31,11 +31,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from lightning_moe.parallel.collectives import all_gather_cat, reduce_scatter_cat
 
 __all__ = [
     "check_sequence_length",
@@ -55,21 +56,9 @@ def check_sequence_length(S: int, tp: int, owner: str = "sequence_parallel") -> 
         )
 
 
-def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
-    tp = group.size()
-    x_front = x.movedim(dim, 0).contiguous()
-    out = x_front.new_empty((tp * x_front.shape[0], *x_front.shape[1:]))
-    dist.all_gather_into_tensor(out, x_front, group=group)
-    return out.movedim(0, dim)
-
-
 def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
-    tp = group.size()
-    check_sequence_length(x.shape[dim], tp)
-    x_front = x.movedim(dim, 0).contiguous()
-    out = x_front.new_empty((x_front.shape[0] // tp, *x_front.shape[1:]))
-    dist.reduce_scatter_tensor(out, x_front, group=group)
-    return out.movedim(0, dim)
+    check_sequence_length(x.shape[dim], group.size())
+    return reduce_scatter_cat(x, group, dim)
 
 
 def _slice(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
@@ -78,22 +67,25 @@ def _slice(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     return x.chunk(tp, dim=dim)[group.rank()].contiguous()
 
 
-class _Scatter(torch.autograd.Function):
+class _ToSequenceShard(torch.autograd.Function):
+    """This rank's sequence slice of a whole tensor (``reduce=False``) or of a sum of partial ones
+    (``reduce=True``); either way backward all-gathers the gradient."""
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup, reduce: bool) -> torch.Tensor:  # type: ignore[override]
         ctx.dim, ctx.group = dim, group
-        return _slice(x, dim, group)
+        return _reduce_scatter(x, dim, group) if reduce else _slice(x, dim, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
+        return all_gather_cat(grad, ctx.group, ctx.dim), None, None, None
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup, partial: bool) -> torch.Tensor:  # type: ignore[override]
         ctx.dim, ctx.group, ctx.partial = dim, group, partial
-        return _all_gather(x, dim, group)
+        return all_gather_cat(x, group, dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
@@ -102,23 +94,12 @@ class _Gather(torch.autograd.Function):
         return _slice(grad, ctx.dim, ctx.group), None, None, None
 
 
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
-
-
 def scatter_to_sequence(x_BSH: torch.Tensor, group: ProcessGroup, dim: int = 1) -> torch.Tensor:
     """``[B, S, H] -> [B, s, H]``: this rank's slice of a tensor every TP rank holds whole.
 
     Backward all-gathers the slices' gradients, so every rank gets the whole (equal) gradient.
     """
-    return _Scatter.apply(x_BSH, dim, group)
+    return _ToSequenceShard.apply(x_BSH, dim, group, False)
 
 
 def gather_from_sequence(
@@ -138,7 +119,7 @@ def reduce_scatter_to_sequence(x_BSH: torch.Tensor, group: ProcessGroup, dim: in
 
     Backward all-gathers the gradient (each rank's partial input saw the whole output).
     """
-    return _ReduceScatter.apply(x_BSH, dim, group)
+    return _ToSequenceShard.apply(x_BSH, dim, group, True)
 
 
 def _local_params_pre_hook(module: nn.Module, args: Any) -> None:
