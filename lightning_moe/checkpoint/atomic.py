@@ -71,7 +71,10 @@ def recover(path: str | Path) -> None:
     """Put a retired checkpoint back if a crash came between its retirement and the publish."""
     p, old = Path(path), retired_path(path)
     if not p.exists() and old.exists():
-        os.replace(old, p)
+        try:
+            os.replace(old, p)
+        except FileNotFoundError:  # another process of the job put it back first
+            pass
 
 
 def publish(staged: str | Path, path: str | Path) -> None:

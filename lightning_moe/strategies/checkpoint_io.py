@@ -9,6 +9,10 @@ and loads it at this process's layout, or reads one file (the config dataclasses
 file consolidated from a DCP folder by Lightning's tool too) and loads it at this layout, on one
 device as on many.
 
+``ckpt_path="last"``: :func:`resume_last_or_newest_complete` makes a Trainer fall back to the
+newest complete checkpoint of its ``ModelCheckpoint`` folders, with a warning naming it, when
+``last`` is missing or was not published complete.
+
 Fabric: :func:`save_fabric_checkpoint` publishes what Lightning's save writes the same way, with
 the ETP degree in the manifest (Lightning's folder keeps ``w13`` at the saved layout);
 :func:`check_fabric_checkpoint` verifies a folder and refuses one saved at another ETP degree.
@@ -30,12 +34,14 @@ from lightning_moe.checkpoint.experts import relayout_full_state, w13_etps
 from lightning_moe.checkpoint.hparams import config_classes, config_from_plain, config_to_plain
 from lightning_moe.checkpoint.manifest import CheckpointError
 from lightning_moe.checkpoint.read import join_consolidated, read_checkpoint_file
+from lightning_moe.checkpoint.resume import last_or_newest_complete
 from lightning_moe.parallel.mesh import FoldedMesh
 
 __all__ = [
     "W13_FORMAT_KEY",
     "check_fabric_checkpoint",
     "load_trainer_checkpoint",
+    "resume_last_or_newest_complete",
     "save_fabric_checkpoint",
     "save_trainer_checkpoint",
 ]
@@ -156,3 +162,39 @@ def check_fabric_checkpoint(owner: str, path: Path, mesh: FoldedMesh, *, rank: i
         raise CheckpointError(
             f"{owner}: checkpoint {str(path)!r} holds w13 at etp={saved}, this run has etp={here}; load it at etp={saved}."
         )
+
+
+_FALLBACK_INSTALLED = "_lightning_moe_last_fallback"
+
+
+def resume_last_or_newest_complete(module: Any) -> None:
+    """Make the Trainer of ``module`` resolve ``ckpt_path="last"`` to the newest complete
+    checkpoint of its ``ModelCheckpoint`` folders (those with a ``dirpath``) when the ``last``
+    Lightning finds is missing or not published complete (``last_or_newest_complete``), with a
+    rank-zero warning naming the file used. Once per Trainer; a module without one is left alone.
+
+    The Trainer resolves the path (``_CheckpointConnector._parse_ckpt_path``) right after it
+    attaches the module and reads the strategy's ``lightning_module``, before any process group
+    exists, so every rank resolves it from the file system alike.
+    """
+    from lightning.fabric.utilities.rank_zero import rank_zero_warn
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    trainer = getattr(module, "_trainer", None)
+    connector = getattr(trainer, "_checkpoint_connector", None)
+    if connector is None or getattr(connector, _FALLBACK_INSTALLED, False):
+        return
+    parse = connector._parse_ckpt_path
+
+    def parse_with_fallback(state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
+        resolved = parse(state_fn, ckpt_path, model_provided, model_connected)
+        if ckpt_path != "last":
+            return resolved
+        folders = [cb.dirpath for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+        path, why = last_or_newest_complete(resolved, folders)
+        if why is not None:
+            rank_zero_warn(why)
+        return str(path) if path is not None else resolved
+
+    connector._parse_ckpt_path = parse_with_fallback
+    setattr(connector, _FALLBACK_INSTALLED, True)

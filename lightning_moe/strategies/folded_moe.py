@@ -63,7 +63,11 @@ from lightning_moe.optimizer import unscale_before_step
 from lightning_moe.parallel.finite import NonFiniteGuard
 from lightning_moe.parallel.grad import set_gradient_sync
 from lightning_moe.strategies._core import FoldedMoECore
-from lightning_moe.strategies.checkpoint_io import load_trainer_checkpoint, save_trainer_checkpoint
+from lightning_moe.strategies.checkpoint_io import (
+    load_trainer_checkpoint,
+    resume_last_or_newest_complete,
+    save_trainer_checkpoint,
+)
 from lightning_moe.strategies.clipping import install_mesh_aware_clipping
 from lightning_moe.strategies.guards import guarded_closure, nonfinite_guard_for
 from lightning_moe.strategies.launcher import trainer_launcher_for
@@ -103,6 +107,13 @@ class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
     @override
     def _module_to_check(self) -> nn.Module | None:
         return self.lightning_module
+
+    @property
+    @override
+    def lightning_module(self) -> pl.LightningModule | None:
+        module = super().lightning_module
+        resume_last_or_newest_complete(module)  # read by the Trainer right before it resolves ckpt_path="last"
+        return module
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
