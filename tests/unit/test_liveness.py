@@ -300,12 +300,13 @@ def test_the_observer_leaves_children_that_run_or_ended_cleanly(monkeypatch: pyt
     assert events == []
 
 
-def test_both_strategies_launch_with_the_watchdog_first_observer() -> None:
+def test_both_strategies_launch_with_the_watchdog_first_observer(monkeypatch: pytest.MonkeyPatch) -> None:
     import lightning.pytorch as pl
     from lightning.fabric import Fabric
 
     from lightning_moe.strategies.launcher import FabricWatchdogFirstLauncher, WatchdogFirstLauncher
 
+    monkeypatch.delenv("LOCAL_RANK", raising=False)  # set: the processes exist already, no launcher
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=FoldedMoEStrategy(ep=2), logger=False)
     assert type(trainer.strategy.launcher) is WatchdogFirstLauncher
     fabric = Fabric(accelerator="cpu", devices=2, strategy=FabricFoldedMoEStrategy(ep=2))
