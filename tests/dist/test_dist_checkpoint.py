@@ -33,13 +33,17 @@ def test_resume_repeats_the_loss_tail_bitwise_and_the_checkpoint_reshards_on_loa
 
 
 @pytest.mark.suite4("ckpt:etp")
-def test_a_folder_saved_at_etp2_loads_bitwise_at_etp1_other_layouts_and_on_one_process(suite4: Suite) -> None:
-    """Saved at tp2·ep2·etp2; the worker loads it at tp2·ep2·etp1, tp1·ep4·etp1, tp1·ep2·etp1 (bitwise
-    parameters, equal validation loss); here one process reads it whole, without a process group."""
+@pytest.mark.parametrize("kind", ["folder", "file"])
+def test_a_folder_or_file_saved_at_etp2_loads_bitwise_at_etp1_other_layouts_and_on_one_process(
+    suite4: Suite, kind: str
+) -> None:
+    """Saved at tp2·ep2·etp2 as a DCP folder or one file; the worker loads it at tp2·ep2·etp1,
+    tp1·ep4·etp1, tp1·ep2·etp1 (bitwise parameters, equal validation loss); here one process reads
+    it whole, without a process group."""
     from lightning_moe.export import load_checkpoint
 
     suite4.check("ckpt:etp")
-    result = torch.load(suite4.out / "ckpt_etp.pt")
+    result = torch.load(suite4.out / ("ckpt_etp.pt" if kind == "folder" else "ckpt_etp_file.pt"))
     state, hparams = load_checkpoint(result["folder"])
     assert set(state) == set(result["params"])
     for name, want in result["params"].items():

@@ -26,7 +26,9 @@ Rank 0 writes ``OUT_DIR/ckpt_<LAYOUT>.pt`` with every rank's losses of both runs
 tp1·ep4·etp1 and tp1·ep2·etp1 (EDP2) with bitwise the parameters it was saved with (``w13`` is
 stored as gate/up halves, so a DCP reshard over F stays right) and, at the same dense layout (tp,
 so the same samples per rank), bitwise the same validation loss; rank 0 writes
-``OUT_DIR/ckpt_etp.pt`` (the saved parameters, the folder) for a one-process load.
+``OUT_DIR/ckpt_etp.pt`` (the saved parameters, the folder) for a one-process load. The same for
+one file (``save_distributed_checkpoint=False``: ``w13`` stored as ``[gate | up]``), into
+``OUT_DIR/ckpt_etp_file.pt``.
 """
 
 from __future__ import annotations
@@ -63,8 +65,11 @@ class AdamLM(RecordingLM):
         return MoELanguageModel.configure_optimizers(self)
 
 
-def _trainer(tp: int, ep: int, callbacks: list[pl.Callback] | None = None, etp: int = 1) -> pl.Trainer:
-    strategy = FoldedMoEStrategy(tp=tp, ep=ep, etp=etp, timeout=timedelta(seconds=90))
+def _trainer(
+    tp: int, ep: int, callbacks: list[pl.Callback] | None = None, etp: int = 1, one_file: bool = False
+) -> pl.Trainer:
+    strategy = FoldedMoEStrategy(tp=tp, ep=ep, etp=etp, save_distributed_checkpoint=not one_file,
+                                 timeout=timedelta(seconds=90))  # fmt: skip
     return pl.Trainer(
         accelerator="cpu", devices=4, strategy=strategy,
         max_steps=STEPS, accumulate_grad_batches=ACCUM, gradient_clip_val=CLIP, logger=False,
@@ -128,12 +133,23 @@ def run(out: Path, spec: str) -> None:
 
 
 def run_etp(out: Path) -> None:
-    ckpt_dir = out / "ckpt_etp"
+    """The folder, then one file (``save_distributed_checkpoint=False``), saved at tp2·ep2·etp2."""
+    results = {kind: _saved_at_etp2_loads_everywhere(out, one_file=kind == "file") for kind in ("folder", "file")}
+    if dist.get_rank() == 0:
+        torch.save(results["folder"], out / "ckpt_etp.pt")
+        torch.save(results["file"], out / "ckpt_etp_file.pt")
+        print(f"CKPT OK etp {results['folder']['losses']} file {results['file']['losses']}", flush=True)
+
+
+def _saved_at_etp2_loads_everywhere(out: Path, one_file: bool) -> dict[str, Any]:
+    ckpt_dir = out / ("ckpt_etp_file" if one_file else "ckpt_etp")
     saver = ModelCheckpoint(dirpath=ckpt_dir, filename="saved", every_n_train_steps=RESUME_AT, save_top_k=1)
     saved_model = _fresh()
-    _trainer(2, 2, [saver], etp=2).fit(saved_model)
+    _trainer(2, 2, [saver], etp=2, one_file=one_file).fit(saved_model)
     saved = gather_full_state(saved_model)
-    folder = ckpt_dir / "saved.ckpt"
+    path = ckpt_dir / "saved.ckpt"
+    if path.is_file() != one_file:
+        raise AssertionError(f"{path}: expected {'one file' if one_file else 'a folder'}")
     val = DataLoader(TokenData(), batch_size=2)
     rank, losses = dist.get_rank(), {}
     for tp, ep, etp in ((2, 2, 2), (2, 2, 1), (1, 4, 1), (1, 2, 1)):
@@ -141,20 +157,18 @@ def run_etp(out: Path) -> None:
         with torch.no_grad():
             for p in other.parameters():
                 p.zero_()
-        metrics = _trainer(tp, ep, etp=etp).validate(other, dataloaders=val, ckpt_path=folder, verbose=False)
+        metrics = _trainer(tp, ep, etp=etp).validate(other, dataloaders=val, ckpt_path=path, verbose=False)
         losses[(tp, ep, etp)] = metrics[0]["val/loss"] if metrics and "val/loss" in metrics[0] else None
         got = gather_full_state(other)
         for name, want in saved.items():
             if not torch.equal(got[name], want):
                 diff = (got[name] - want).abs().max().item()
-                raise AssertionError(f"rank {rank}: {name} differs by {diff} after loading tp2·ep2·etp2 at "
-                                     f"tp{tp}·ep{ep}·etp{etp}")  # fmt: skip
+                raise AssertionError(f"rank {rank}: {name} differs by {diff} after loading {path.name} saved at "
+                                     f"tp2·ep2·etp2 at tp{tp}·ep{ep}·etp{etp}")  # fmt: skip
     # the same dense layout (tp, hence dp: which samples each rank reads) gives the same loss bit for bit
     if None in losses.values() or losses[(2, 2, 2)] != losses[(2, 2, 1)] or losses[(1, 4, 1)] != losses[(1, 2, 1)]:
-        raise AssertionError(f"rank {rank}: validation losses differ across layouts: {losses}")
-    if rank == 0:
-        torch.save({"params": saved, "folder": str(folder), "losses": losses}, out / "ckpt_etp.pt")
-        print(f"CKPT OK etp {losses}", flush=True)
+        raise AssertionError(f"rank {rank}: validation losses differ across layouts ({path.name}): {losses}")
+    return {"params": saved, "folder": str(path), "losses": losses}
 
 
 if __name__ == "__main__":
