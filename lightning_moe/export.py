@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from lightning_moe.checkpoint.dcp import W13_FORMAT, W13_FORMAT_KEY
 from lightning_moe.checkpoint.manifest import MANIFEST_NAME
 from lightning_moe.checkpoint.read import join_w13, load_checkpoint
 from lightning_moe.models.hf_config import hf_config_from
@@ -106,6 +107,16 @@ def export_state_dict(
     return out
 
 
+def _stores_w13_layout_free(path: Path) -> bool:
+    """A DCP folder with a manifest, or a one-file checkpoint with the ``w13_format`` marker: ``w13``
+    is stored as ``[gate | up]`` whatever the layout it was trained at (a second un-blocking would
+    scramble it)."""
+    if path.is_dir():
+        return (path / MANIFEST_NAME).is_file()
+    ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=False)  # mapped: reads no tensor data
+    return ckpt.get(W13_FORMAT_KEY) == W13_FORMAT
+
+
 def export_checkpoint(
     checkpoint: str | Path,
     out_dir: str | Path,
@@ -120,10 +131,10 @@ def export_checkpoint(
     ``pretrained`` hyper-parameters (what :class:`~lightning_moe.lit_hf.HFMoELanguageModel` saves).
     """
     state_dict, hparams = load_checkpoint(checkpoint, owner="export")
-    if etp != 1 and Path(checkpoint).is_dir() and (Path(checkpoint) / MANIFEST_NAME).is_file():
+    if etp != 1 and _stores_w13_layout_free(Path(checkpoint)):
         raise ValueError(
-            f"export: etp={etp} is not needed for {checkpoint}: the folder stores w13 independently of the layout; "
-            "drop --etp."
+            f"export: etp={etp} is not needed for {checkpoint}: it stores w13 independently of the layout "
+            "([gate | up]); drop --etp."
         )
     state_dict = strip_prefix(state_dict, prefix)
     pretrained = None

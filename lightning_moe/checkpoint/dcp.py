@@ -33,10 +33,11 @@ from lightning_moe.checkpoint.experts import (
 from lightning_moe.checkpoint.hparams import config_classes, config_from_plain, config_to_plain
 from lightning_moe.checkpoint.manifest import CheckpointError, verify_checkpoint, write_manifest
 
-__all__ = ["META_NAME", "W13_FORMAT", "load_distributed", "load_meta", "save_distributed", "save_staged", "verified_manifest"]
+__all__ = ["META_NAME", "W13_FORMAT", "W13_FORMAT_KEY", "load_distributed", "load_meta", "save_distributed", "save_staged", "verified_manifest"]
 
 META_NAME = "meta.pt"  # Lightning's name for the non-tensor part of a DCP checkpoint
 W13_FORMAT = "gate_up"
+W13_FORMAT_KEY = "w13_format"  # a one-file checkpoint's marker: w13 stored as [gate | up] (W13_FORMAT)
 
 
 def _expert_etp(module: nn.Module) -> int:

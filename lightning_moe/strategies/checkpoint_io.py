@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from lightning_moe.checkpoint.atomic import publish, staging_path
-from lightning_moe.checkpoint.dcp import W13_FORMAT, load_distributed, save_distributed, save_staged, verified_manifest
+from lightning_moe.checkpoint.dcp import W13_FORMAT, W13_FORMAT_KEY, load_distributed, save_distributed, save_staged, verified_manifest
 from lightning_moe.checkpoint.experts import relayout_full_state, w13_etps
 from lightning_moe.checkpoint.hparams import config_classes, config_from_plain, config_to_plain
 from lightning_moe.checkpoint.manifest import CheckpointError
@@ -46,7 +46,6 @@ __all__ = [
     "save_trainer_checkpoint",
 ]
 
-W13_FORMAT_KEY = "w13_format"  # a one-file checkpoint's marker: w13 stored as [gate | up] (W13_FORMAT)
 
 
 def save_trainer_checkpoint(

@@ -64,3 +64,21 @@ def test_the_file_is_marked_and_loads_into_a_plain_model(tmp_path: Path) -> None
     back = MoELanguageModel.load_from_checkpoint(tmp_path / "last.ckpt", weights_only=True)
     for (name, want), got in zip(trained.state_dict().items(), back.state_dict().values()):
         assert torch.equal(want, got), name
+
+
+def test_export_refuses_etp_for_a_marked_file(tmp_path: Path) -> None:
+    """The marked file holds w13 as [gate | up]: un-blocking it again for --etp would scramble the experts."""
+    import pytest
+
+    from lightning_moe.export import _stores_w13_layout_free
+
+    _trainer(tmp_path, 2).fit(_model(), datamodule=_data())
+    assert _stores_w13_layout_free(tmp_path / "last.ckpt")
+    unmarked = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    del unmarked[W13_FORMAT_KEY]
+    torch.save(unmarked, tmp_path / "old.ckpt")
+    assert not _stores_w13_layout_free(tmp_path / "old.ckpt")  # a file from before the marker: --etp applies
+    from lightning_moe.export import export_checkpoint
+
+    with pytest.raises(ValueError, match=r"etp=2 is not needed .* drop --etp"):
+        export_checkpoint(tmp_path / "last.ckpt", tmp_path / "out", hf_config={"model_type": "qwen3_moe"}, etp=2)
