@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 __all__ = [
+    "pid_alive",
     "RECIPE_SUFFIX",
     "KernelsMode",
     "build_cache_dir",
@@ -165,3 +166,19 @@ def reread_environment() -> None:
     """Forget the machine facts read so far; the next call of each reads the environment again."""
     for read in (kernels_mode, build_cache_dir, cutlass_dir):
         read.cache_clear()
+
+
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` of this host runs (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            state = f.read().rsplit(")", 1)[-1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): os.kill said it exists
+    return state not in ("Z", "X")

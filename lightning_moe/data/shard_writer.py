@@ -23,6 +23,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from lightning_moe.data.shard_format import FORMAT_NAME, FORMAT_VERSION, HEADER_NAME, shard_file
+from lightning_moe.resources import pid_alive
 
 __all__ = ["ShardWriter", "install_folder", "remove_stale_partials", "temp_folder", "write_json_atomic"]
 
@@ -67,23 +68,13 @@ def write_json_atomic(path: Path, value: dict[str, Any]) -> None:
     os.replace(partial, path)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_partials(target: Path) -> list[Path]:
     """Remove the temporary folders next to ``target`` left by writers of this host that died; return them."""
     host = socket.gethostname()
     removed = []
     for path in target.parent.glob(f".{target.name}.*-{host}-*"):
         pid_text = path.name.rsplit("-", 2)[-2]
-        if path.is_dir() and pid_text.isdigit() and not _pid_alive(int(pid_text)):
+        if path.is_dir() and pid_text.isdigit() and not pid_alive(int(pid_text)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

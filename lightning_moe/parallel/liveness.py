@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
+from lightning_moe.resources import pid_alive
 
 __all__ = [
     "DeadRank",
@@ -69,22 +70,6 @@ class DeadRank:
 
     rank: int
     reason: str
-
-
-def pid_alive(pid: int) -> bool:
-    """True while process ``pid`` of this host runs (a zombie counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            state = f.read().rsplit(")", 1)[-1].split()[0]
-    except (OSError, IndexError):
-        return True  # no /proc (not Linux): os.kill said it exists
-    return state not in ("Z", "X")
 
 
 def _beat_key(rank: int) -> str:
