@@ -274,7 +274,7 @@ CLI_CASES: dict[str, tuple[list[str], str]] = {
     "unknown trainer key": (["--trainer.max_stepz=3"], "max_stepz"),
     "bad type": (["--data.init_args.batch_size=abc"], "batch_size"),
     "moe rule": (["--model.init_args.model.moe.top_k=9"], "top_k=9"),
-    "learning_rate=-1": (["--model.init_args.learning_rate=-1"], "learning_rate=-1"),
+    "learning_rate=-1": (["--model.init_args.optimizer.learning_rate=-1"], "learning_rate=-1"),
     "missing config": (["--config", "missing_recipe.yaml"], "missing_recipe.yaml"),
     "strategy degree": (
         ["--trainer.strategy=lightning_moe.strategies.FoldedMoEStrategy", "--trainer.strategy.init_args.ep=0"],
