@@ -187,7 +187,10 @@ def scales_from_amax(amax: torch.Tensor, fmt: str, pow2_scales: bool) -> torch.T
 
 def _to_fp8(x32: torch.Tensor, fmt: str) -> torch.Tensor:
     m = FP8_MAX[fmt]
-    return x32.clamp(-m, m).to(FP8_DTYPE[fmt])  # clamp keeps NaN; e4m3fn has no inf to overflow to
+    # clamp keeps NaN (e4m3fn has no inf to overflow to); every NaN is made the same positive quiet
+    # NaN first, since a NaN's sign and payload after a division differ between the CPU and CUDA
+    x32 = torch.where(torch.isnan(x32), torch.full_like(x32, float("nan")), x32.clamp(-m, m))
+    return x32.to(FP8_DTYPE[fmt])
 
 
 def _check_source(x: object, what: str) -> torch.Tensor:
