@@ -24,8 +24,10 @@ journey() {
   local repo work site
   repo=$(pwd)
   work=${JOURNEY_DIR:-/tmp/lightning_moe_journey}
-  rm -rf "$work" && mkdir -p "$work/wheel" "$work/site" "$work/run"
-  python3 -m pip wheel -q --no-deps --no-build-isolation -w "$work/wheel" "$repo"
+  rm -rf "$work" && mkdir -p "$work/wheel" "$work/site" "$work/run" "$work/src"
+  # The wheel builds from a private copy, so two journeys of one checkout never share a build folder.
+  tar -C "$repo" --exclude=./build --exclude=./.git --exclude="./$RESULTS" -cf - . | tar -C "$work/src" -xf -
+  python3 -m pip wheel -q --no-deps --no-build-isolation -w "$work/wheel" "$work/src"
   python3 -m pip install -q --no-deps --no-index --target "$work/site" "$work"/wheel/lightning_moe-*.whl
   # Wheels of dependencies the machine lacks (jsonargparse, the CUTLASS headers), if brought along in .whl/.
   if compgen -G "$repo/.whl/*.whl" >/dev/null; then
