@@ -9,47 +9,21 @@ from __future__ import annotations
 
 import shutil
 import sys
-from datetime import timedelta
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
-import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _resume_run import model_config  # noqa: E402
+from _checkpoint_trainer import checkpoint_trainer, tiny_data, tiny_model  # noqa: E402
 
-import lightning_moe  # noqa: F401, E402
 from lightning_moe.checkpoint.atomic import staging_path  # noqa: E402
 from lightning_moe.checkpoint.resume import last_or_newest_complete  # noqa: E402
-from lightning_moe.data import MoEDataModule  # noqa: E402
-from lightning_moe.lit import MoELanguageModel  # noqa: E402
-from lightning_moe.strategies import FoldedMoEStrategy  # noqa: E402
-
-
-def _trainer(out: Path, steps: int) -> pl.Trainer:
-    ckpt = ModelCheckpoint(dirpath=out, every_n_train_steps=2, save_top_k=-1, save_last=True)
-    return pl.Trainer(
-        accelerator="cpu", devices=1, strategy=FoldedMoEStrategy(timeout=timedelta(seconds=60)), max_steps=steps,
-        limit_val_batches=0, num_sanity_val_steps=0, logger=False, callbacks=[ckpt], enable_progress_bar=False,
-        enable_model_summary=False,
-    )  # fmt: skip
-
-
-def _model() -> MoELanguageModel:
-    torch.manual_seed(0)
-    return MoELanguageModel(model_config(), warmup_steps=1, log_layer_load=False)
-
-
-def _data() -> MoEDataModule:
-    return MoEDataModule(seq_len=16, batch_size=4, max_bytes=520, val_fraction=0.05, seed=7)
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("last")
-    _trainer(out, 4).fit(_model(), datamodule=_data())
+    checkpoint_trainer(out, 4).fit(tiny_model(), datamodule=tiny_data())
     return out
 
 
@@ -70,9 +44,9 @@ def _crashed(run_dir: Path, dst: Path, how: str) -> Path:
 def test_last_falls_back_to_the_newest_complete_checkpoint(run_dir: Path, tmp_path: Path, how: str) -> None:
     out = _crashed(run_dir, tmp_path, how)
     step4 = next(out.glob("*step=4.ckpt"))
-    trainer = _trainer(out, 4)
+    trainer = checkpoint_trainer(out, 4)
     with pytest.warns(UserWarning, match=rf'ckpt_path="last".*{step4.name}'):
-        trainer.fit(_model(), datamodule=_data(), ckpt_path="last")
+        trainer.fit(tiny_model(), datamodule=tiny_data(), ckpt_path="last")
     assert Path(trainer.ckpt_path) == step4, "started from step 0 instead of the complete step=4 checkpoint"
     assert trainer.global_step == 4
 

@@ -9,56 +9,38 @@
 from __future__ import annotations
 
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _resume_run import model_config  # noqa: E402
+from _checkpoint_trainer import checkpoint_trainer, folded, tiny_data, tiny_model  # noqa: E402
 
-import lightning_moe  # noqa: F401, E402
-from lightning_moe.data import MoEDataModule  # noqa: E402
 from lightning_moe.lit import MoELanguageModel  # noqa: E402
-from lightning_moe.strategies import FoldedMoEStrategy  # noqa: E402
 from lightning_moe.strategies.checkpoint_io import W13_FORMAT_KEY  # noqa: E402
 
 
 def _trainer(out: Path, steps: int) -> pl.Trainer:
-    strategy = FoldedMoEStrategy(save_distributed_checkpoint=False, timeout=timedelta(seconds=60))
-    ckpt = ModelCheckpoint(dirpath=out, every_n_train_steps=2, save_top_k=-1, save_last=True)
-    return pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, limit_val_batches=0, num_sanity_val_steps=0,
-        logger=False, callbacks=[ckpt], enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
-
-
-def _model() -> MoELanguageModel:
-    torch.manual_seed(0)
-    return MoELanguageModel(model_config(), warmup_steps=1, log_layer_load=False)
-
-
-def _data() -> MoEDataModule:
-    return MoEDataModule(seq_len=16, batch_size=4, max_bytes=520, val_fraction=0.05, seed=7)
+    """The checkpoint Trainer with ``folded_moe`` writing one file per checkpoint."""
+    return checkpoint_trainer(out, steps, folded(save_distributed_checkpoint=False))
 
 
 def test_one_device_resumes_its_own_file_bitwise(tmp_path: Path) -> None:
-    straight = _model()
-    _trainer(tmp_path / "a", 4).fit(straight, datamodule=_data())
+    straight = tiny_model()
+    _trainer(tmp_path / "a", 4).fit(straight, datamodule=tiny_data())
     step2 = next((tmp_path / "a").glob("*step=2.ckpt"))
     assert step2.is_file(), "save_distributed_checkpoint=False writes one file"
-    resumed = _model()
-    _trainer(tmp_path / "b", 4).fit(resumed, datamodule=_data(), ckpt_path=step2)
+    resumed = tiny_model()
+    _trainer(tmp_path / "b", 4).fit(resumed, datamodule=tiny_data(), ckpt_path=step2)
     assert resumed.trainer.global_step == 4
     for (name, want), got in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(want, got), name
 
 
 def test_the_file_is_marked_and_loads_into_a_plain_model(tmp_path: Path) -> None:
-    trained = _model()
-    _trainer(tmp_path, 2).fit(trained, datamodule=_data())
+    trained = tiny_model()
+    _trainer(tmp_path, 2).fit(trained, datamodule=tiny_data())
     ckpt = torch.load(tmp_path / "last.ckpt", weights_only=True)
     assert ckpt[W13_FORMAT_KEY] == "gate_up"
     back = MoELanguageModel.load_from_checkpoint(tmp_path / "last.ckpt", weights_only=True)
@@ -72,7 +54,7 @@ def test_export_refuses_etp_for_a_marked_file(tmp_path: Path) -> None:
 
     from lightning_moe.export import _stores_w13_layout_free
 
-    _trainer(tmp_path, 2).fit(_model(), datamodule=_data())
+    _trainer(tmp_path, 2).fit(tiny_model(), datamodule=tiny_data())
     assert _stores_w13_layout_free(tmp_path / "last.ckpt")
     unmarked = torch.load(tmp_path / "last.ckpt", weights_only=True)
     del unmarked[W13_FORMAT_KEY]

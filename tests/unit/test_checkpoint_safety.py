@@ -12,51 +12,27 @@
 from __future__ import annotations
 
 import sys
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _resume_run import model_config  # noqa: E402
+from _checkpoint_trainer import checkpoint_trainer, model_config, tiny_data, tiny_model  # noqa: E402
 
-import lightning_moe  # noqa: F401, E402
 from lightning_moe.checkpoint import MANIFEST_NAME, CheckpointError, newest_complete_checkpoint  # noqa: E402
-from lightning_moe.data import MoEDataModule  # noqa: E402
 from lightning_moe.lit import MoELanguageModel  # noqa: E402
-from lightning_moe.strategies import FoldedMoEStrategy  # noqa: E402
 
 
 class _Killed(RuntimeError):
     """A save stopped after its shards were written (a kill at the worst moment)."""
 
 
-def _trainer(out: Path, steps: int, strategy: Any = "folded") -> pl.Trainer:
-    strat = FoldedMoEStrategy(timeout=timedelta(seconds=60)) if strategy == "folded" else strategy
-    ckpt = ModelCheckpoint(dirpath=out, every_n_train_steps=2, save_top_k=-1, save_last=True)
-    return pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strat, max_steps=steps, limit_val_batches=0, num_sanity_val_steps=0,
-        logger=False, callbacks=[ckpt], enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
-
-
-def _model() -> MoELanguageModel:
-    torch.manual_seed(0)
-    return MoELanguageModel(model_config(), warmup_steps=1, log_layer_load=False)
-
-
-def _data() -> MoEDataModule:
-    return MoEDataModule(seq_len=16, batch_size=4, max_bytes=520, val_fraction=0.05, seed=7)
-
-
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ckpt")
-    _trainer(out, 4).fit(_model(), datamodule=_data())
+    checkpoint_trainer(out, 4).fit(tiny_model(), datamodule=tiny_data())
     return out
 
 
@@ -90,22 +66,22 @@ def test_a_save_that_dies_half_way_keeps_the_previous_last(run_dir: Path, tmp_pa
         real(state, checkpoint_id=checkpoint_id, **kw)
         raise _Killed("killed while saving")
 
-    trainer = _trainer(out, 6)
+    trainer = checkpoint_trainer(out, 6)
     monkeypatch.setattr(dcp, "save", dies)
     with pytest.raises(_Killed):
-        trainer.fit(_model(), datamodule=_data(), ckpt_path=out / "last.ckpt")
+        trainer.fit(tiny_model(), datamodule=tiny_data(), ckpt_path=out / "last.ckpt")
     monkeypatch.setattr(dcp, "save", real)
     assert torch.load(out / "last.ckpt" / "meta.pt", weights_only=True)["global_step"] == 4
     published = [p.name for p in out.iterdir() if not p.name.startswith(".")]
     assert not [n for n in published if "step=6" in n], f"a half-written checkpoint was published: {published}"
     assert newest_complete_checkpoint(out) is not None
-    resumed = _model()
-    _trainer(out, 6).fit(resumed, datamodule=_data(), ckpt_path="last")  # the old last is whole and loads
+    resumed = tiny_model()
+    checkpoint_trainer(out, 6).fit(resumed, datamodule=tiny_data(), ckpt_path="last")  # the old last is whole and loads
     assert resumed.trainer.global_step == 6
 
 
 def _zeroed() -> MoELanguageModel:
-    model = _model()
+    model = tiny_model()
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
@@ -135,21 +111,22 @@ def test_a_damaged_folder_is_refused_naming_the_file_before_any_weight_changes(
         name, why = ".metadata", "missing"
     model = _zeroed()
     with pytest.raises(CheckpointError, match=rf"{folder.name}.*{name}.*{why}"):
-        _trainer(tmp_path / "other", 6).fit(model, datamodule=_data(), ckpt_path=folder)
+        checkpoint_trainer(tmp_path / "other", 6).fit(model, datamodule=tiny_data(), ckpt_path=folder)
     assert all(not p.any() for p in model.parameters()), "weights changed before the refusal"
 
 
 def test_one_device_resumes_its_own_folder_bitwise(run_dir: Path, tmp_path: Path) -> None:
-    straight = _model()
-    _trainer(tmp_path / "a", 4).fit(straight, datamodule=_data())
+    straight = tiny_model()
+    checkpoint_trainer(tmp_path / "a", 4).fit(straight, datamodule=tiny_data())
     zero = _zeroed()
-    _trainer(tmp_path / "b", 4).validate(zero, datamodule=_data(), ckpt_path=run_dir / "last.ckpt", verbose=False)
+    last = run_dir / "last.ckpt"
+    checkpoint_trainer(tmp_path / "b", 4).validate(zero, datamodule=tiny_data(), ckpt_path=last, verbose=False)
     for (name, want), got in zip(straight.state_dict().items(), zero.state_dict().values()):
         assert torch.equal(want, got), name
 
 
 def test_one_process_ckpt_loads_weights_only(tmp_path: Path) -> None:
-    _trainer(tmp_path, 2, strategy="auto").fit(_model(), datamodule=_data())
+    checkpoint_trainer(tmp_path, 2, strategy="auto").fit(tiny_model(), datamodule=tiny_data())
     ckpt = torch.load(tmp_path / "last.ckpt", weights_only=True)
     assert ckpt["hyper_parameters"]["model"]["moe"]["__config__"] == "MoEConfig"
     back = MoELanguageModel.load_from_checkpoint(tmp_path / "last.ckpt", weights_only=True)
