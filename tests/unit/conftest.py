@@ -1,10 +1,12 @@
 """Unit tests run in one process: a process group one test module leaves open (Lightning's
 strategies make one and keep it) is destroyed after that module, so the fake-world tests of a
-later module start from none instead of skipping."""
+later module start from none instead of skipping. ``tok_dir`` is the tiny BPE tokenizer the data
+tests load (one per module)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -33,3 +35,11 @@ def fake_world() -> Iterator[Callable[[int, int], None]]:
     yield init
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding the tiny BPE tokenizer of ``_tiny_tokenizer.py`` (chat template without generation marks)."""
+    from _tiny_tokenizer import make_tiny_tokenizer
+
+    return make_tiny_tokenizer(tmp_path_factory.mktemp("tok"))

@@ -4,7 +4,6 @@ saved-datasets reader and the constant-memory shuffle."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from _corpus import WORDS, random_docs, write_jsonl
 from _tiny_tokenizer import make_tiny_tokenizer
 from lightning_moe.data.byte_codec import ByteCodec, byte_codec, encode_byte_batch, encode_bytes
 from lightning_moe.data.permutation import feistel_permutation
@@ -29,13 +29,7 @@ from lightning_moe.data.text import read_records
 from lightning_moe.data.text_datamodule import TextDataModule
 from lightning_moe.data.tokenizer import load_tokenizer
 
-WORDS = "the quick brown fox jumps over the lazy dog and each token goes to a few experts".split()
 CHAT = [{"role": "user", "content": "Hello, how are you?"}, {"role": "assistant", "content": "Fine, thank you."}]
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(scope="module")
@@ -45,20 +39,6 @@ def byte_tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("byt5")
     ByT5Tokenizer().save_pretrained(folder)
     return folder
-
-
-def _docs(n: int, seed: int = 0, lo: int = 1, hi: int = 12) -> list[str]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        k = int(torch.randint(lo, hi, (1,), generator=g))
-        out.append(" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (k,), generator=g)))
-    return out
-
-
-def _jsonl(path: Path, values: list, field: str = "text") -> Path:
-    path.write_text("".join(json.dumps({field: v}) + "\n" for v in values))
-    return path
 
 
 def _source(path: Path, task: str = "lm", field: str = "text") -> ShardSource:
@@ -80,8 +60,8 @@ def _assert_same_items(a: TextDataModule, b: TextDataModule) -> None:
 
 
 def test_shards_hold_the_tokenizers_ids_document_by_document(tok_dir: Path, tmp_path: Path) -> None:
-    docs = _docs(40) + [""] + _docs(5, seed=1)
-    data = _jsonl(tmp_path / "d.jsonl", docs)
+    docs = random_docs(40) + [""] + random_docs(5, seed=1)
+    data = write_jsonl(tmp_path / "d.jsonl", docs)
     tok = load_tokenizer(tok_dir)
     folder = ensure_token_shards(tmp_path / "cache", _source(data), tok, tok_dir, shard_tokens=50)
     shards = TokenShards(folder)
@@ -96,7 +76,7 @@ def test_shards_hold_the_tokenizers_ids_document_by_document(tok_dir: Path, tmp_
 def test_chat_shards_keep_the_assistant_masks(tok_dir: Path, tmp_path: Path) -> None:
     brief = [{"role": "system", "content": "Be brief."}, *CHAT]
     chats = [CHAT, brief, CHAT[:1] + [{"role": "assistant", "content": "Ok."}]]
-    data = _jsonl(tmp_path / "c.jsonl", chats, field="messages")
+    data = write_jsonl(tmp_path / "c.jsonl", chats, field="messages")
     tok = load_tokenizer(tok_dir)
     shards = TokenShards(ensure_token_shards(tmp_path / "cache", _source(data, "sft", "messages"), tok, tok_dir))
     for i, chat in enumerate(chats):
@@ -105,7 +85,7 @@ def test_chat_shards_keep_the_assistant_masks(tok_dir: Path, tmp_path: Path) -> 
 
 
 def test_shards_are_reused_and_rebuilt_when_the_source_changes(tok_dir: Path, tmp_path: Path) -> None:
-    data = _jsonl(tmp_path / "d.jsonl", _docs(10))
+    data = write_jsonl(tmp_path / "d.jsonl", random_docs(10))
     tok = load_tokenizer(tok_dir)
     folder = ensure_token_shards(tmp_path / "cache", _source(data), tok, tok_dir)
     written = (folder / HEADER_NAME).stat().st_mtime_ns
@@ -113,7 +93,7 @@ def test_shards_are_reused_and_rebuilt_when_the_source_changes(tok_dir: Path, tm
         warnings.simplefilter("error")
         assert ensure_token_shards(tmp_path / "cache", _source(data), tok, tok_dir) == folder
     assert (folder / HEADER_NAME).stat().st_mtime_ns == written
-    _jsonl(data, _docs(12, seed=5))
+    write_jsonl(data, random_docs(12, seed=5))
     with pytest.warns(UserWarning, match="rebuilding the token shards .*the source changed"):
         ensure_token_shards(tmp_path / "cache", _source(data), tok, tok_dir)
     assert TokenShards(folder).documents == 12
@@ -121,19 +101,19 @@ def test_shards_are_reused_and_rebuilt_when_the_source_changes(tok_dir: Path, tm
 
 def test_a_new_tokenizer_in_the_same_folder_rebuilds(tmp_path: Path) -> None:
     tok_dir = make_tiny_tokenizer(tmp_path / "tok", vocab_size=400)
-    data = _jsonl(tmp_path / "d.jsonl", _docs(10))
+    data = write_jsonl(tmp_path / "d.jsonl", random_docs(10))
     folder = ensure_token_shards(tmp_path / "cache", _source(data), load_tokenizer(tok_dir), tok_dir)
     make_tiny_tokenizer(tmp_path / "tok", vocab_size=300)
     tok = load_tokenizer(tok_dir)
     with pytest.warns(UserWarning, match="the tokenizer changed"):
         ensure_token_shards(tmp_path / "cache", _source(data), tok, tok_dir)
-    assert TokenShards(folder).document(0).tolist() == tok(_docs(10)[0])["input_ids"]
+    assert TokenShards(folder).document(0).tolist() == tok(random_docs(10)[0])["input_ids"]
 
 
 def test_an_exception_mid_write_leaves_no_set_and_the_next_run_builds(
     tok_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    data = _jsonl(tmp_path / "d.jsonl", _docs(30))
+    data = write_jsonl(tmp_path / "d.jsonl", random_docs(30))
     tok = load_tokenizer(tok_dir)
     add = ShardWriter.add
 
@@ -152,7 +132,7 @@ def test_an_exception_mid_write_leaves_no_set_and_the_next_run_builds(
 
 
 def test_a_killed_writer_leaves_nothing_that_looks_complete(tok_dir: Path, tmp_path: Path) -> None:
-    data = _jsonl(tmp_path / "d.jsonl", _docs(30))
+    data = write_jsonl(tmp_path / "d.jsonl", random_docs(30))
     cache = tmp_path / "cache"
     child = textwrap.dedent(f"""
         import os, signal
@@ -179,7 +159,7 @@ def test_a_killed_writer_leaves_nothing_that_looks_complete(tok_dir: Path, tmp_p
 
 
 def test_a_truncated_shard_is_detected_and_rebuilt(tok_dir: Path, tmp_path: Path) -> None:
-    data = _jsonl(tmp_path / "d.jsonl", _docs(30))
+    data = write_jsonl(tmp_path / "d.jsonl", random_docs(30))
     tok = load_tokenizer(tok_dir)
     folder = ensure_token_shards(tmp_path / "cache", _source(data), tok, tok_dir, shard_tokens=16)
     path = folder / shard_file("tokens", 1)
@@ -187,7 +167,7 @@ def test_a_truncated_shard_is_detected_and_rebuilt(tok_dir: Path, tmp_path: Path
     with pytest.warns(UserWarning, match=r"tokens-00001\.bin is \d+ bytes, the header says"):
         ensure_token_shards(tmp_path / "cache", _source(data), tok, tok_dir, shard_tokens=16)
     assert check_shard_set(folder, {}) is None
-    assert TokenShards(folder).document(29).tolist() == tok(_docs(30)[29])["input_ids"]
+    assert TokenShards(folder).document(29).tolist() == tok(random_docs(30)[29])["input_ids"]
 
 
 # --- TextDataModule(cache_dir=...) ---------------------------------------------------------------
@@ -199,7 +179,7 @@ def test_a_truncated_shard_is_detected_and_rebuilt(tok_dir: Path, tmp_path: Path
      {"val_fraction": 0.3, "seed": 4}, {"max_documents": 90}],
 )  # fmt: skip
 def test_rows_from_shards_equal_the_in_memory_rows(tok_dir: Path, tmp_path: Path, kwargs: dict) -> None:
-    data = _jsonl(tmp_path / "d.jsonl", _docs(200, hi=20) + [""] + _docs(40, seed=2))
+    data = write_jsonl(tmp_path / "d.jsonl", random_docs(200, hi=20) + [""] + random_docs(40, seed=2))
     common = {"seq_len": 16, "batch_size": 4, **kwargs}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the truncate warning
@@ -212,7 +192,7 @@ def test_rows_from_shards_equal_the_in_memory_rows(tok_dir: Path, tmp_path: Path
 
 def test_sft_rows_and_validation_files_from_shards(tok_dir: Path, tmp_path: Path) -> None:
     chats = [CHAT, [{"role": "system", "content": "Be brief."}, *CHAT]] * 6
-    data = _jsonl(tmp_path / "c.jsonl", chats, field="messages")
+    data = write_jsonl(tmp_path / "c.jsonl", chats, field="messages")
     for packing in ("pack", "none"):
         common = {"val_files": str(data), "task": "sft", "seq_len": 24, "batch_size": 2, "packing": packing}
         memory = TextDataModule(str(tok_dir), str(data), **common)
@@ -226,7 +206,7 @@ def test_packing_in_chunks_matches_in_memory(tok_dir: Path, tmp_path: Path, monk
     import lightning_moe.data.text_datamodule as tdm
 
     monkeypatch.setattr(tdm, "PACK_CHUNK_TOKENS", 40)
-    data = _jsonl(tmp_path / "d.jsonl", _docs(100))
+    data = write_jsonl(tmp_path / "d.jsonl", random_docs(100))
     memory = TextDataModule(str(tok_dir), str(data), seq_len=16, batch_size=2)
     memory.setup()
     sharded = TextDataModule(str(tok_dir), str(data), seq_len=16, batch_size=2, cache_dir=str(tmp_path / "c"))
@@ -235,7 +215,7 @@ def test_packing_in_chunks_matches_in_memory(tok_dir: Path, tmp_path: Path, monk
 
 
 def test_long_documents_and_empty_splits_are_refused_naming_the_record(tok_dir: Path, tmp_path: Path) -> None:
-    data = _jsonl(tmp_path / "d.jsonl", _docs(5, hi=3) + [" ".join(WORDS * 3)])
+    data = write_jsonl(tmp_path / "d.jsonl", random_docs(5, hi=3) + [" ".join(WORDS * 3)])
     dm = TextDataModule(str(tok_dir), str(data), val_files=str(data), seq_len=16, batch_size=1,
                         long_documents="error", cache_dir=str(tmp_path / "cache"))  # fmt: skip
     with pytest.raises(ValueError, match=r"d\.jsonl:6 has more tokens than seq_len=16 \(1 such"):
@@ -243,7 +223,7 @@ def test_long_documents_and_empty_splits_are_refused_naming_the_record(tok_dir: 
     with pytest.warns(UserWarning, match=r"1 document\(s\) longer than seq_len=16.*d\.jsonl:6"):
         TextDataModule(str(tok_dir), str(data), val_files=str(data), seq_len=16, batch_size=1,
                        long_documents="truncate", cache_dir=str(tmp_path / "cache")).setup()  # fmt: skip
-    one = _jsonl(tmp_path / "one.jsonl", ["a b c"])
+    one = write_jsonl(tmp_path / "one.jsonl", ["a b c"])
     dm = TextDataModule(str(tok_dir), str(one), seq_len=8, batch_size=1, val_fraction=0.01,
                         cache_dir=str(tmp_path / "cache"))  # fmt: skip
     with pytest.raises(ValueError, match="the validation split holds no document"):
@@ -251,7 +231,7 @@ def test_long_documents_and_empty_splits_are_refused_naming_the_record(tok_dir: 
 
 
 def test_resume_mid_epoch_gives_the_same_next_batches(tok_dir: Path, tmp_path: Path) -> None:
-    data = _jsonl(tmp_path / "d.jsonl", _docs(300))
+    data = write_jsonl(tmp_path / "d.jsonl", random_docs(300))
 
     def loader(cache: bool):  # noqa: ANN202
         dm = TextDataModule(str(tok_dir), str(data), seq_len=16, batch_size=3, seed=7,
@@ -275,7 +255,7 @@ def test_resume_mid_epoch_gives_the_same_next_batches(tok_dir: Path, tmp_path: P
 
 
 def test_workers_read_the_shards_themselves(tok_dir: Path, tmp_path: Path) -> None:
-    data = _jsonl(tmp_path / "d.jsonl", _docs(120))
+    data = write_jsonl(tmp_path / "d.jsonl", random_docs(120))
     kwargs = {"seq_len": 16, "batch_size": 4, "cache_dir": str(tmp_path / "cache")}
     dm = TextDataModule(str(tok_dir), str(data), **kwargs)
     dm.setup()
@@ -306,7 +286,7 @@ def test_a_trainer_fits_from_the_shards(tok_dir: Path, tmp_path: Path) -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    data = _jsonl(tmp_path / "d.jsonl", _docs(200))
+    data = write_jsonl(tmp_path / "d.jsonl", random_docs(200))
     dm = TextDataModule(str(tok_dir), str(data), seq_len=16, batch_size=4, cache_dir=str(tmp_path / "cache"))
     trainer = pl.Trainer(accelerator="cpu", max_steps=3, limit_val_batches=2, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
@@ -327,7 +307,7 @@ def test_bad_inputs_are_refused_clearly(tok_dir: Path, tmp_path: Path) -> None:
         TextDataModule(str(tok_dir), str(tmp_path / "data.csv"), cache_dir=str(tmp_path / "cache"))
     assert [r.value for r in read_records(tmp_path / "data.csv", format="text")] == ["a,b\n"]
     with pytest.raises(ValueError, match="cache_dir=''"):
-        TextDataModule(str(tok_dir), str(_jsonl(tmp_path / "d.jsonl", ["a"])), cache_dir="")
+        TextDataModule(str(tok_dir), str(write_jsonl(tmp_path / "d.jsonl", ["a"])), cache_dir="")
     assert token_dtype(65535) == np.uint16 and token_dtype(65536) == np.uint32
     with pytest.raises(ValueError, match=r"vocab_size=4294967296 has ids beyond uint32"):
         token_dtype(1 << 32)
@@ -348,11 +328,11 @@ def test_byte_fast_path_equals_the_tokenizer(byte_tok_dir: Path, tok_dir: Path, 
     for text in texts:
         fast = encode_bytes(codec, text)
         assert fast is None if "<" in text else fast.tolist() == tok(text)["input_ids"], text
-    data = _jsonl(tmp_path / "d.jsonl", texts[1:] + _docs(50))
+    data = write_jsonl(tmp_path / "d.jsonl", texts[1:] + random_docs(50))
     shards = TokenShards(ensure_token_shards(tmp_path / "cache", _source(data), tok, byte_tok_dir, shard_tokens=64))
     assert shards.header["fast_path"] == "bytes" and len(shards.header["shards"]) > 5
     assert [shards.document(i).tolist() for i in range(shards.documents)] == [
-        tok(t)["input_ids"] for t in texts[1:] + _docs(50)
+        tok(t)["input_ids"] for t in texts[1:] + random_docs(50)
     ]
 
 
@@ -378,8 +358,8 @@ def test_a_fast_path_that_disagrees_with_the_tokenizer_is_dropped(
     good = byte_codec(tok)
     wrong = good._replace(table=np.where(good.table >= 0, good.table + 1, -1))  # every id one too high
     monkeypatch.setattr(shard_cache, "byte_codec", lambda tokenizer: wrong)
-    docs = _docs(20)
-    data = _jsonl(tmp_path / "d.jsonl", docs)
+    docs = random_docs(20)
+    data = write_jsonl(tmp_path / "d.jsonl", docs)
     with pytest.warns(UserWarning, match=r"fast path disagrees with the tokenizer at .*d\.jsonl:1"):
         folder = ensure_token_shards(tmp_path / "cache", _source(data), tok, byte_tok_dir)
     shards = TokenShards(folder)
@@ -391,7 +371,7 @@ def test_parquet_rows_from_shards(tok_dir: Path, tmp_path: Path) -> None:
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({"text": _docs(60)}), tmp_path / "d.parquet")
+    pq.write_table(pa.table({"text": random_docs(60)}), tmp_path / "d.parquet")
     common = {"val_files": str(tmp_path / "d.parquet"), "seq_len": 16, "batch_size": 2}
     memory = TextDataModule(str(tok_dir), str(tmp_path / "d.parquet"), **common)
     memory.setup()
@@ -407,7 +387,7 @@ def test_saved_dataset_folder_is_read_by_rows(tok_dir: Path, tmp_path: Path) -> 
     datasets = pytest.importorskip("datasets")
     import pyarrow as pa
 
-    docs = _docs(20)
+    docs = random_docs(20)
     table = datasets.table.InMemoryTable(pa.table({"text": docs, "n": list(range(20))}))
     datasets.Dataset(table, fingerprint="fixed").save_to_disk(str(tmp_path / "ds"))
     got = list(read_records(tmp_path / "ds"))

@@ -3,7 +3,6 @@ truncation and resumable order against plain references built from the tokenizer
 
 from __future__ import annotations
 
-import json
 import sys
 import warnings
 from pathlib import Path
@@ -11,32 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from _tiny_tokenizer import SPECIAL_TOKENS, make_tiny_tokenizer
+from _corpus import WORDS, random_docs, write_jsonl
+from _tiny_tokenizer import SPECIAL_TOKENS
 from lightning_moe.data.packing import IGNORE_INDEX, check_packed_batch, pack_documents
 from lightning_moe.data.text import read_records
 from lightning_moe.data.text_datamodule import TextDataModule, build_rows
 from lightning_moe.data.tokenizer import eos_token_id, load_tokenizer
-
-WORDS = "the quick brown fox jumps over the lazy dog and each token goes to a few experts".split()
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-def _docs(n: int, seed: int = 0, lo: int = 2, hi: int = 9) -> list[str]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        k = int(torch.randint(lo, hi, (1,), generator=g))
-        out.append(" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (k,), generator=g)))
-    return out
-
-
-def _jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
-    path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)))
-    return path
 
 
 # --- readers -------------------------------------------------------------------------------------
@@ -128,15 +107,15 @@ def test_tokenizer_from_a_local_folder(tok_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="is not a directory"):
         load_tokenizer(tmp_path / "missing")
     with pytest.raises(ValueError, match="holds no tokenizer"):
-        TextDataModule(str(tmp_path), str(_jsonl(tmp_path / "d.jsonl", ["a b"]))).setup()
+        TextDataModule(str(tmp_path), str(write_jsonl(tmp_path / "d.jsonl", ["a b"], ids=True))).setup()
 
 
 # --- TextDataModule ------------------------------------------------------------------------------
 
 
 def test_packed_rows_equal_pack_documents_of_the_tokenized_texts(tok_dir: Path, tmp_path: Path) -> None:
-    docs = _docs(30)
-    data = _jsonl(tmp_path / "d.jsonl", docs)
+    docs = random_docs(30, lo=2, hi=9)
+    data = write_jsonl(tmp_path / "d.jsonl", docs, ids=True)
     dm = TextDataModule(str(tok_dir), str(data), val_files=str(data), seq_len=16, batch_size=4)
     dm.setup()
     tok = load_tokenizer(tok_dir)
@@ -151,8 +130,8 @@ def test_packed_rows_equal_pack_documents_of_the_tokenized_texts(tok_dir: Path, 
 
 
 def test_unpacked_rows_hold_one_document_each(tok_dir: Path, tmp_path: Path) -> None:
-    docs = _docs(12)
-    data = _jsonl(tmp_path / "d.jsonl", docs)
+    docs = random_docs(12, lo=2, hi=9)
+    data = write_jsonl(tmp_path / "d.jsonl", docs, ids=True)
     dm = TextDataModule(str(tok_dir), str(data), val_files=str(data), seq_len=16, batch_size=2, packing="none")
     dm.setup()
     tok = load_tokenizer(tok_dir)
@@ -167,7 +146,7 @@ def test_unpacked_rows_hold_one_document_each(tok_dir: Path, tmp_path: Path) -> 
 
 def test_held_out_split_is_fixed_by_the_seed(tok_dir: Path, tmp_path: Path) -> None:
     docs = [f"{WORDS[i % 16]} {i}" for i in range(60)]  # each document different
-    data = _jsonl(tmp_path / "d.jsonl", docs)
+    data = write_jsonl(tmp_path / "d.jsonl", docs, ids=True)
 
     def split(seed: int) -> tuple[set, set]:
         dm = TextDataModule(str(tok_dir), str(data), seq_len=16, batch_size=2, packing="none", val_fraction=0.25,
@@ -183,15 +162,15 @@ def test_held_out_split_is_fixed_by_the_seed(tok_dir: Path, tmp_path: Path) -> N
 
 
 def test_empty_validation_split_is_refused(tok_dir: Path, tmp_path: Path) -> None:
-    data = _jsonl(tmp_path / "d.jsonl", ["a b c"])
+    data = write_jsonl(tmp_path / "d.jsonl", ["a b c"], ids=True)
     dm = TextDataModule(str(tok_dir), str(data), seq_len=8, batch_size=1, val_fraction=0.01)
     with pytest.raises(ValueError, match="the validation split holds no document"):
         dm.setup()
 
 
 def test_long_documents_truncate_with_a_warning_split_or_error(tok_dir: Path, tmp_path: Path) -> None:
-    docs = _docs(10, lo=2, hi=4) + [" ".join(WORDS * 3)]
-    data = _jsonl(tmp_path / "d.jsonl", docs)
+    docs = random_docs(10, lo=2, hi=4) + [" ".join(WORDS * 3)]
+    data = write_jsonl(tmp_path / "d.jsonl", docs, ids=True)
     tok = load_tokenizer(tok_dir)
     ids = [tok(d)["input_ids"] for d in docs]
     assert len(ids[-1]) > 16 and all(len(i) <= 16 for i in ids[:-1])
@@ -214,7 +193,7 @@ def test_long_documents_truncate_with_a_warning_split_or_error(tok_dir: Path, tm
 
 
 def test_resumed_loader_continues_with_the_next_batch(tok_dir: Path, tmp_path: Path) -> None:
-    data = _jsonl(tmp_path / "d.jsonl", _docs(60))
+    data = write_jsonl(tmp_path / "d.jsonl", random_docs(60, lo=2, hi=9), ids=True)
 
     def loader():  # noqa: ANN202
         dm = TextDataModule(str(tok_dir), str(data), seq_len=16, batch_size=2, seed=3)
@@ -235,7 +214,7 @@ def test_resumed_loader_continues_with_the_next_batch(tok_dir: Path, tmp_path: P
 
 def test_text_files_as_documents(tok_dir: Path, tmp_path: Path) -> None:
     f = tmp_path / "corpus.txt"
-    paras = _docs(20)
+    paras = random_docs(20, lo=2, hi=9)
     f.write_text("\n\n".join(paras) + "\n")
     dm = TextDataModule(str(tok_dir), str(f), val_files=str(f), text_unit="paragraph", seq_len=32, batch_size=2)
     dm.setup()
@@ -245,8 +224,8 @@ def test_text_files_as_documents(tok_dir: Path, tmp_path: Path) -> None:
 
 
 def test_max_documents_caps_the_records(tok_dir: Path, tmp_path: Path) -> None:
-    docs = _docs(20)
-    data = _jsonl(tmp_path / "d.jsonl", docs)
+    docs = random_docs(20, lo=2, hi=9)
+    data = write_jsonl(tmp_path / "d.jsonl", docs, ids=True)
     dm = TextDataModule(str(tok_dir), str(data), val_files=str(data), seq_len=16, batch_size=1, packing="none",
                         max_documents=5)  # fmt: skip
     dm.setup()
@@ -254,7 +233,7 @@ def test_max_documents_caps_the_records(tok_dir: Path, tmp_path: Path) -> None:
 
 
 def test_bad_arguments_are_refused_early(tok_dir: Path, tmp_path: Path) -> None:
-    data = str(_jsonl(tmp_path / "d.jsonl", ["a b"]))
+    data = str(write_jsonl(tmp_path / "d.jsonl", ["a b"], ids=True))
     for kwargs, match in (
         ({"task": "chat"}, "task='chat' is unknown"),
         ({"packing": "tight"}, "packing='tight' is unknown"),
@@ -278,8 +257,8 @@ def test_build_rows_with_no_documents_is_empty() -> None:
 def test_packing_in_chunks_keeps_every_label(tok_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import lightning_moe.data.text_datamodule as tdm
 
-    docs = _docs(40)
-    data = _jsonl(tmp_path / "d.jsonl", docs)
+    docs = random_docs(40, lo=2, hi=9)
+    data = write_jsonl(tmp_path / "d.jsonl", docs, ids=True)
     whole = TextDataModule(str(tok_dir), str(data), val_files=str(data), seq_len=16, batch_size=1)
     whole.setup()
     monkeypatch.setattr(tdm, "PACK_CHUNK_TOKENS", 1)  # every document a chunk: a row (or more) each
