@@ -11,7 +11,11 @@ Batches are ``{"input_ids", "labels"}`` with labels already shifted (``MoEDataMo
 loss is computed here from the logits and HF's own label shifting is not used. Packed batches
 (``packing="pack"``) add ``position_ids`` and ``document_ids``; ``forward`` then gives the model
 a 4-D mask that keeps attention within each document
-(:func:`~lightning_moe.models.hf.packed_forward_kwargs`).
+(:func:`~lightning_moe.models.hf.packed_forward_kwargs`). Under ``folded_moe`` with ``cp > 1`` the
+model's attention runs across the context-parallel group (``models/hf_context_parallel.py``: this
+rank's load-balanced chunks with their global ``position_ids``, documents masked by their ids) and
+with ``sequence_parallel`` its residual stream is sharded over TP (``parallel/parallelize.py``);
+``docs/hf_models.md`` lists the families that take each.
 
 With ``load_sharded=True`` a ``pretrained`` model is built on the ``meta`` device and read in
 ``configure_model``: under ``folded_moe`` after ``parallelize_moe_model`` has laid it out, each
@@ -172,7 +176,14 @@ class HFMoELanguageModel(MoELanguageModelBase):
     ) -> torch.Tensor:
         """Logits ``[B, S, V]``. With ``document_ids`` ``[B, S]`` (packed rows) attention stays within each
         document and ``position_ids`` default to the position within it; ``position_ids`` alone are
-        passed on as they are."""
+        passed on as they are. Under context parallelism (``models/hf_context_parallel.py``) the ids are
+        this rank's shard: ``position_ids`` (global) and ``document_ids`` go to the model's
+        context-parallel attention, which masks by them instead of a 4-D mask."""
+        from lightning_moe.models.hf_context_parallel import uses_hf_context_parallel
+
+        if uses_hf_context_parallel(self.model):
+            ids = {"position_ids": position_ids, "document_ids": document_ids}
+            return self.model(input_ids=input_ids, use_cache=False, **{k: v for k, v in ids.items() if v is not None}).logits
         if document_ids is not None:
             from lightning_moe.models.hf import packed_forward_kwargs
 

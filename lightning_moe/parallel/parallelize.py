@@ -61,9 +61,10 @@ from lightning_moe.moe.layer import MoELayer
 from lightning_moe.parallel.grad import expert_grad_scale, install_expert_grad_scaling
 from lightning_moe.parallel.layout import FoldedLayout
 from lightning_moe.parallel.mesh import FoldedMesh
+from lightning_moe.parallel.pipeline_stage import LocalStages, TransformerStage
 from lightning_moe.parallel.sequence import gather_from_sequence, scatter_to_sequence, sum_grads_over_tp
 from lightning_moe.parallel.tp_apply import apply_attention_plan, apply_mlp_plan, check_tp_plans, tp_targets
-from lightning_moe.parallel.tp_plans import ATTENTION_PLANS, AttentionPlan, MLPPlan
+from lightning_moe.parallel.tp_plans import AttentionPlan, MLPPlan, sequence_parallel_refusal
 from lightning_moe.parallel.vocab import VocabParallelEmbedding, mark_vocab_parallel_head
 
 __all__ = [
@@ -163,11 +164,13 @@ def _check_sequence_vocab(
     if not (sequence_parallel or vocab_parallel):
         return
     root = _transformer_parts(module)
-    if root is None:
+    if root is None and not (sequence_parallel and not vocab_parallel and _hf_decoder_parts(module) is not None):
         raise ValueError(
-            f"parallelize_moe_model: sequence_parallel/vocab_parallel need an MoETransformer-shaped model (embed, "
-            f"layers of blocks with attn_norm/attn/ffn_norm/ffn, norm, lm_head); {type(module).__name__} has none. "
-            "Turn both off for this model."
+            f"parallelize_moe_model: sequence_parallel needs an MoETransformer-shaped model (embed, layers of blocks "
+            "with attn_norm/attn/ffn_norm/ffn, norm, lm_head) or a Hugging Face causal LM (model.embed_tokens, "
+            "model.layers, model.norm, lm_head), and vocab_parallel an MoETransformer-shaped one; "
+            f"{type(module).__name__} has neither. Turn "
+            f"{'vocab_parallel' if vocab_parallel else 'sequence_parallel'} off for this model."
         )
     if sequence_parallel:
         for m in module.modules():
@@ -177,7 +180,7 @@ def _check_sequence_vocab(
                     f"({m.layer_name}) is not supported (its counts would cover one sequence shard); use "
                     "aux_loss='switch' or 'none', or sequence_parallel=False."
                 )
-    if vocab_parallel:
+    if vocab_parallel and root is not None:
         V = root.embed.weight.shape[0]
         if root.lm_head.weight is root.embed.weight:
             raise ValueError(
@@ -208,10 +211,11 @@ def check_model_for_layout(
         check_tp_plans(module, layout.tp)
         if sequence_parallel:
             for name, m, plan in tp_targets(module):
-                if isinstance(plan, AttentionPlan) and plan != ATTENTION_PLANS["Attention"]:
+                reason = sequence_parallel_refusal(plan) if isinstance(plan, AttentionPlan) else None
+                if reason is not None:
                     raise ValueError(
                         f"FoldedMoEStrategy: sequence_parallel=True is not supported with {name} "
-                        f"({type(m).__name__}); set sequence_parallel=False."
+                        f"({type(m).__name__}): {reason}. Set sequence_parallel=False for this model."
                     )
     if layout.etp > 1 and not sequence_parallel:  # with it, every rank routes its own tokens
         for group in layout.groups("etp"):
@@ -241,18 +245,85 @@ def _apply_tp(module: nn.Module, mesh: FoldedMesh, *, sequence_parallel: bool = 
         else:
             continue
         if sequence_parallel:  # one all-gather(TP) of the input for all the column-parallel projections
-            m.register_forward_pre_hook(functools.partial(_gather_first_input, tp_mesh))
+            m.register_forward_pre_hook(functools.partial(_gather_first_input, tp_mesh), with_kwargs=True)
     if sequence_parallel or vocab_parallel:
         root = _transformer_parts(module)
-        assert root is not None  # checked by check_model_for_layout
-        _apply_sequence_and_vocab(root, mesh, sequence_parallel, vocab_parallel)
+        if root is not None:
+            _apply_sequence_and_vocab(root, mesh, sequence_parallel, vocab_parallel)
+            return
+        hf_parts = _hf_decoder_parts(module)
+        assert hf_parts is not None  # checked by check_model_for_layout
+        _apply_hf_sequence(*hf_parts, mesh)
 
 
-def _gather_first_input(tp_mesh: Any, module: nn.Module, args: tuple) -> tuple:
+def _gather_first_input(tp_mesh: Any, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
     """``[B, s, H]`` local -> a ``Replicate`` DTensor ``[B, S, H]``: all-gather(TP) in forward; the
-    projections' partial input gradients are summed and reduce-scattered(TP) in backward."""
-    x_BSH = DTensor.from_local(args[0], tp_mesh, [Shard(1)], run_check=False).redistribute(tp_mesh, [Replicate()])
-    return (x_BSH, *args[1:])
+    projections' partial input gradients are summed and reduce-scattered(TP) in backward. The input is
+    the first positional argument, or ``hidden_states=`` (how HF decoder layers call attention)."""
+    def gather(x_BsH: torch.Tensor) -> DTensor:
+        return DTensor.from_local(x_BsH, tp_mesh, [Shard(1)], run_check=False).redistribute(tp_mesh, [Replicate()])
+
+    if args:
+        return (gather(args[0]), *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
+
+
+def _hf_decoder_parts(module: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """``(decoder, lm_head)`` of a Hugging Face causal LM under ``module`` (the decoder holding
+    ``embed_tokens``, ``layers`` and ``norm``; the head its sibling), or ``None``."""
+    for m in module.modules():
+        lm_head = getattr(m, "lm_head", None)
+        if not isinstance(lm_head, nn.Linear):
+            continue
+        for d in m.children():
+            if (
+                isinstance(getattr(d, "embed_tokens", None), nn.Embedding)
+                and isinstance(getattr(d, "layers", None), nn.ModuleList)
+                and isinstance(getattr(d, "norm", None), nn.Module)
+            ):
+                return d, lm_head
+    return None
+
+
+def _scatter_first_input(group: Any, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    if args:
+        return (scatter_to_sequence(args[0], group), *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": scatter_to_sequence(kwargs["hidden_states"], group)}
+
+
+def _apply_hf_sequence(decoder: nn.Module, lm_head: nn.Module, mesh: FoldedMesh) -> None:
+    """Sequence parallel for an HF causal LM: the embedding, the rotary tables and the mask are made for
+    the whole sequence as usual; the first decoder layer's input is scattered along the sequence over
+    TP and the head's input all-gathered, so the residual stream between them, the norms and the MoE
+    layers hold ``S/tp`` positions. Modules of a decoder layer outside the TP-cut attention and MLPs
+    (the norms; an MoE layer's router and shared expert) get their gradients summed over TP."""
+    tp_mesh, tp_group = mesh.mesh("tp"), mesh.group("tp")
+    sequence_group = mesh.group("tp_cp") if mesh.size("cp") > 1 else tp_group
+    decoder.layers[0].register_forward_pre_hook(functools.partial(_scatter_first_input, tp_group), with_kwargs=True)
+    lm_head.register_forward_pre_hook(functools.partial(_gather_input, tp_group))
+    sum_grads_over_tp(decoder.norm, tp_mesh)
+    cut = {id(m) for _, m, _ in tp_targets(decoder)}
+    for block in decoder.layers:
+        _sum_sequence_grads(block, cut, tp_mesh, sequence_group)
+
+
+def _sum_sequence_grads(module: nn.Module, cut: set[int], tp_mesh: Any, sequence_group: Any) -> None:
+    """Below ``module``: every child outside the TP-cut modules (``cut``) and the experts sees this
+    rank's positions only, so its gradients are summed over TP; MoE layers count their switch
+    aux loss over ``sequence_group``."""
+    for child in module.children():
+        if id(child) in cut:
+            continue
+        if isinstance(child, MoELayer):
+            for part in child.children():
+                if part is not child.experts:
+                    sum_grads_over_tp(part, tp_mesh)  # router, shared expert: they see this rank's tokens
+            child.aux_loss_sequence_group = sequence_group
+            child.aux_loss_shards = tp_mesh.size()
+        elif any(id(m) in cut or isinstance(m, MoELayer) for m in child.modules()):
+            _sum_sequence_grads(child, cut, tp_mesh, sequence_group)
+        else:
+            sum_grads_over_tp(child, tp_mesh)  # the norms: they see this rank's positions
 
 
 def _scatter_output(group: Any, module: nn.Module, args: tuple, out_BSH: torch.Tensor) -> torch.Tensor:
@@ -268,7 +339,7 @@ def _apply_sequence_and_vocab(root: nn.Module, mesh: FoldedMesh, sequence_parall
     tp_mesh, tp_group, tp = mesh.mesh("tp"), mesh.group("tp"), mesh.size("tp")
     # the ranks holding the other positions of this rank's sequences: TP (and CP) ranks
     sequence_group = mesh.group("tp_cp") if mesh.size("cp") > 1 else tp_group
-    if vocab_parallel:
+    if vocab_parallel and root is not None:
         V = root.embed.weight.shape[0]
         root.embed = VocabParallelEmbedding(root.embed, tp_mesh, sequence_parallel=sequence_parallel)
         head = ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(), use_local_output=True)
@@ -329,7 +400,8 @@ def init_experts_by_id(module: nn.Module, mesh: FoldedMesh, seed: int) -> None:
     the global count there, and this rank's experts are ``num_experts // ep`` of them.
     """
     lay = mesh.layout
-    for index, (_, layer) in enumerate((n, m) for n, m in module.named_modules() if isinstance(m, MoELayer)):
+    for ordinal, (_, layer) in enumerate((n, m) for n, m in module.named_modules() if isinstance(m, MoELayer)):
+        index = getattr(layer, "global_moe_index", ordinal)  # a pipeline stage's layers keep the model's count
         ex = layer.experts
         e = ex.num_experts // lay.ep
         w13_parts, w2_parts = [], []
@@ -439,13 +511,23 @@ def _shard_experts_fsdp(
 
 def _shard_dense_fsdp(module: nn.Module, dense_mesh: Any, shard_root: bool, reshard_after_forward: bool) -> None:
     """FSDP2 over DP×CP for every block of a ``ModuleList`` and then the root (``shard_root``) or
-    each of its children, wherever parameters are not managed yet."""
+    each of its children, wherever parameters are not managed yet.
+
+    A pipeline stage (``TransformerStage``, ``LocalStages``) first has each block of its
+    ``ModuleDict`` and each of its other children (embedding, norm, head) sharded on its own: the
+    schedule calls them from stage views, never through the module that holds them, so no FSDP
+    hook may sit on that module (nor on a root that is one)."""
+    stages = [m for m in module.modules() if isinstance(m, (TransformerStage, LocalStages))]
+    for stage in stages:
+        for child in [*stage.layers.values(), *stage.children()]:
+            if _has_unmanaged_params(child):
+                fully_shard(child, mesh=dense_mesh, reshard_after_forward=reshard_after_forward)
     for m in list(module.modules()):
         if isinstance(m, nn.ModuleList):
             for block in m:
                 if _has_unmanaged_params(block):
                     fully_shard(block, mesh=dense_mesh, reshard_after_forward=reshard_after_forward)
-    if shard_root:
+    if shard_root and not stages:
         fully_shard(module, mesh=dense_mesh, reshard_after_forward=reshard_after_forward)
         return
     for child in module.children():

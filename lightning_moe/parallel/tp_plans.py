@@ -55,6 +55,7 @@ __all__ = [
     "is_attention_like",
     "mlp_plan_of",
     "resolve_linear",
+    "sequence_parallel_refusal",
 ]
 
 
@@ -202,3 +203,18 @@ def mlp_plan_of(module: nn.Module) -> MLPPlan | None:
         return found
     names = (*_SWIGLU.colwise, *_SWIGLU.rowwise)
     return _SWIGLU if all(resolve_linear(module, n) for n in names) else None
+
+
+def sequence_parallel_refusal(plan: AttentionPlan) -> str | None:
+    """Why ``sequence_parallel`` cannot take an attention class of ``plan`` (``None``: it can).
+
+    With sequence parallel the attention's input is one ``Replicate`` DTensor of the gathered
+    sequence, read by the column-parallel projections only."""
+    if plan.refused is not None:
+        return plan.refused
+    if plan.replicated:
+        return (
+            f"its {' and '.join(plan.replicated)} stay whole on every TP rank (multi-head latent attention) and would "
+            "read that DTensor with plain weights"
+        )
+    return None
