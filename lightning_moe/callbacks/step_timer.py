@@ -8,7 +8,9 @@ are left out. At the end of fit rank zero prints one line::
 
     step time: 41.3 ms median (p90 44.0) over 95 steps; peak memory: 12.41 GiB allocated, 13.00 GiB reserved
 
-and the figures are kept in ``summary`` (a dict) for programs that read them.
+and the figures are kept in ``summary`` (a dict) for programs that read them. The device is the
+module's at the start of fit: by the end of fit Lightning's single-device and DDP strategies have
+moved the module back to the CPU (their ``teardown`` runs before ``on_fit_end``).
 """
 
 from __future__ import annotations
@@ -40,17 +42,19 @@ class StepTimer(L.Callback):
         self.summary: dict[str, float] = {}
         self._started: float | None = None
         self._step_at_start = -1
+        self._device = torch.device("cpu")
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.step_ms, self.summary, self._started = [], {}, None
-        if pl_module.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(pl_module.device)
+        self._device = pl_module.device  # where the strategy put the module; on_fit_end may find it on the CPU
+        if self._device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self._device)
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._started is None:
-            _sync(pl_module.device)
+            _sync(self._device)
             self._started, self._step_at_start = time.perf_counter(), trainer.global_step
 
     @override
@@ -59,7 +63,7 @@ class StepTimer(L.Callback):
     ) -> None:
         if self._started is None or trainer.global_step == self._step_at_start:
             return  # a micro-batch of gradient accumulation: the step goes on
-        _sync(pl_module.device)
+        _sync(self._device)
         if self._step_at_start >= self.skip_steps:
             self.step_ms.append(1000.0 * (time.perf_counter() - self._started))
         self._started = None
@@ -71,9 +75,9 @@ class StepTimer(L.Callback):
             ordered = sorted(self.step_ms)
             self.summary["median_ms"] = statistics.median(ordered)
             self.summary["p90_ms"] = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
-        if pl_module.device.type == "cuda":
-            self.summary["peak_allocated_gib"] = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
-            self.summary["peak_reserved_gib"] = torch.cuda.max_memory_reserved(pl_module.device) / 2**30
+        if self._device.type == "cuda":
+            self.summary["peak_allocated_gib"] = torch.cuda.max_memory_allocated(self._device) / 2**30
+            self.summary["peak_reserved_gib"] = torch.cuda.max_memory_reserved(self._device) / 2**30
         if trainer.global_rank == 0:
             print(self.describe(), flush=True)
 
