@@ -14,7 +14,7 @@ kernels then build from the wheel's own sources. What it does:
    and the validation loss at the end is finite and lower than before the first step.
 2. **Full-size slices.** Each ``*_sft`` recipe on a random checkpoint of its family at its real
    hidden size, expert count and expert width, two layers, saved with ``save_pretrained`` (sharded
-   safetensors), a byte-level BPE tokenizer trained here with ``tokenizers`` and a chat ``.jsonl``:
+   safetensors), a byte-level BPE tokenizer trained here (``train_bpe_tokenizer``) and a chat ``.jsonl``:
    sharded load -> ``--slice-steps`` SFT steps -> DCP checkpoint -> the process killed (SIGKILL)
    -> resumed from ``last`` -> as many steps again -> ``lightning-moe-export`` -> transformers loads
    the export and its logits match ours (read from the DCP checkpoint) -> ``lightning-moe
@@ -238,24 +238,12 @@ def make_checkpoint(folder: Path, family: str, dims: dict[str, Any], device: str
     """A random two-layer ``family`` model at ``dims``, its tokenizer and config, as a downloaded
     checkpoint directory holds them (bf16 sharded safetensors with an index)."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    specials = ["<|pad|>", "<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
+    from lightning_moe.data.tokenizer import train_bpe_tokenizer
+
     text = " ".join(q + " " + a for q, a in QUESTIONS) * 20
-    bpe.train_from_iterator([text], trainers.BpeTrainer(
-        vocab_size=512, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))  # fmt: skip
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<|pad|>", eos_token="<|endoftext|>",
-                                  additional_special_tokens=specials[2:])  # fmt: skip
-    tok.chat_template = (
-        "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|assistant|>' }}{% generation %}"
-        "{{ m['content'] + '<|end|>' }}{% endgeneration %}{% else %}{{ '<|' + m['role'] + '|>' + m['content'] "
-        "+ '<|end|>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
-    )
+    tok = train_bpe_tokenizer([text], vocab_size=512, generation=True)
     tok.save_pretrained(folder)
     config = AutoConfig.for_model(
         family, vocab_size=len(tok), num_hidden_layers=2, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,

@@ -4,15 +4,18 @@
 checking that ``folder`` holds tokenizer files, so a wrong path fails with one line naming it
 instead of a hub lookup error. :func:`eos_token_id` is the id that ends each document in packed
 rows; :func:`encode_text` tokenizes one plain-text document the tokenizer's own way (with the
-special tokens it adds, e.g. a BOS).
+special tokens it adds, e.g. a BOS). :func:`train_bpe_tokenizer` trains a small byte-level BPE
+tokenizer with a chat template on given texts, for trials and tests without a downloaded checkpoint.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TOKENIZER_FILES", "encode_text", "eos_token_id", "load_tokenizer"]
+__all__ = ["CHAT_SPECIAL_TOKENS", "TOKENIZER_FILES", "encode_text", "eos_token_id", "load_tokenizer"]
+__all__ += ["train_bpe_tokenizer"]
 
 # Any one of these marks a folder save_pretrained wrote a tokenizer to.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -62,3 +65,53 @@ def encode_text(tokenizer: Any, text: str, where: str = "") -> list[int]:
         raise ValueError(f"encode_text: {at}the document is a {type(text).__name__}, not a str; "
                          "point the field name at a text field.")  # fmt: skip
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+# The special tokens of train_bpe_tokenizer, ids 0 to 5 in this order: padding, end of document,
+# one tag per chat role, end of turn.
+CHAT_SPECIAL_TOKENS = ("<|pad|>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|assistant|>' }}{GEN_OPEN}{{ message['content'] + '<|end|>' }}{GEN_CLOSE}"
+    "{% else %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 512, generation: bool = True) -> Any:
+    """A byte-level BPE tokenizer trained on ``texts``, as a transformers ``PreTrainedTokenizerFast``.
+
+    Its first ids are :data:`CHAT_SPECIAL_TOKENS` (``<|pad|>`` pads, ``<|endoftext|>`` is the EOS),
+    then the 256 byte symbols, then merges up to ``vocab_size`` entries, so any text encodes. Its
+    chat template writes each turn as ``<|role|>content<|end|>`` and, with
+    ``add_generation_prompt``, ends on ``<|assistant|>``; ``generation=True`` wraps the assistant
+    turns in ``{% generation %}`` so ``return_assistant_tokens_mask`` (SFT's assistant-only loss)
+    works. Needs ``tokenizers`` and ``transformers`` (``pip install 'lightning-moe[hf]'``). Save it
+    with ``save_pretrained(folder)``; :func:`load_tokenizer` reads it back.
+    """
+    smallest = len(CHAT_SPECIAL_TOKENS) + 256
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < smallest:
+        raise ValueError(f"train_bpe_tokenizer: vocab_size={vocab_size!r} must be an int >= {smallest} "
+                         "(the special tokens and the 256 byte symbols).")  # fmt: skip
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from transformers import PreTrainedTokenizerFast
+    except ImportError as exc:
+        raise ImportError("train_bpe_tokenizer needs the tokenizers and transformers packages: "
+                          f"pip install 'lightning-moe[hf]' ({exc}).") from exc  # fmt: skip
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(CHAT_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
+    bpe.train_from_iterator(texts, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token=CHAT_SPECIAL_TOKENS[0],
+                                        eos_token=CHAT_SPECIAL_TOKENS[1],
+                                        additional_special_tokens=list(CHAT_SPECIAL_TOKENS[2:]))  # fmt: skip
+    template = _CHAT_TEMPLATE.replace("{GEN_OPEN}", "{% generation %}" if generation else "")
+    tokenizer.chat_template = template.replace("{GEN_CLOSE}", "{% endgeneration %}" if generation else "")
+    return tokenizer

@@ -15,7 +15,7 @@ from _tiny_tokenizer import SPECIAL_TOKENS
 from lightning_moe.data.packing import IGNORE_INDEX, check_packed_batch, pack_documents
 from lightning_moe.data.text import read_records
 from lightning_moe.data.text_datamodule import TextDataModule, build_rows
-from lightning_moe.data.tokenizer import eos_token_id, load_tokenizer
+from lightning_moe.data.tokenizer import CHAT_SPECIAL_TOKENS, eos_token_id, load_tokenizer, train_bpe_tokenizer
 
 
 # --- readers -------------------------------------------------------------------------------------
@@ -109,6 +109,38 @@ def test_tokenizer_from_a_local_folder(tok_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="holds no tokenizer"):
         TextDataModule(str(tmp_path), str(write_jsonl(tmp_path / "d.jsonl", ["a b"], ids=True))).setup()
 
+
+
+def test_train_bpe_tokenizer_encodes_any_text_and_marks_assistant_turns(tmp_path: Path) -> None:
+    texts = ["Experts route tokens. Routers pick the experts. " * 20, "Hello, how are you? Fine, thank you. " * 20]
+    tok = train_bpe_tokenizer(texts, vocab_size=320)
+    assert tok.convert_ids_to_tokens(list(range(6))) == list(CHAT_SPECIAL_TOKENS)
+    assert (tok.pad_token_id, eos_token_id(tok)) == (0, 1) and 262 < len(tok) <= 320
+    odd = "naïve façade — 日本語 \t tabs 0123"
+    assert tok.decode(tok(odd)["input_ids"]) == odd  # byte-level: nothing is unknown
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello there"}]  # fmt: skip
+    text = tok.apply_chat_template(chat, tokenize=False)
+    assert text == "<|system|>Be brief.<|end|><|user|>Hi<|end|><|assistant|>Hello there<|end|>"
+    prompt = tok.apply_chat_template(chat[:2], tokenize=False, add_generation_prompt=True)
+    assert prompt == "<|system|>Be brief.<|end|><|user|>Hi<|end|><|assistant|>"
+    out = tok.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    marked = [i for i, m in zip(out["input_ids"], out["assistant_masks"]) if m]
+    assert tok.decode(marked) == "Hello there<|end|>"
+    tok.save_pretrained(tmp_path / "tok")
+    back = load_tokenizer(tmp_path / "tok")
+    assert back.chat_template == tok.chat_template and back(odd)["input_ids"] == tok(odd)["input_ids"]
+    plain = train_bpe_tokenizer(texts, vocab_size=320, generation=False)
+    assert "{% generation %}" not in plain.chat_template and plain.apply_chat_template(chat, tokenize=False) == text
+
+
+def test_train_bpe_tokenizer_refuses_bad_sizes_and_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    for bad in (100, 261, 300.0, True):
+        with pytest.raises(ValueError, match=r"vocab_size=.* must be an int >= 262"):
+            train_bpe_tokenizer(["a b c"], vocab_size=bad)
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    with pytest.raises(ImportError, match=r"needs the tokenizers and transformers .* 'lightning-moe\[hf\]'"):
+        train_bpe_tokenizer(["a b c"])
 
 # --- TextDataModule ------------------------------------------------------------------------------
 
