@@ -17,11 +17,18 @@ from pathlib import Path
 import pytest
 
 __all__ = [
-    "Launch", "Suite", "ValidationLoss", "free_port", "launch_torchrun", "lost_port_race", "run_cli_fit",
-    "run_torchrun", "run_torchrun_module", "validation_loss",
+    "SELECTED_TESTS", "Launch", "Suite", "ValidationLoss", "free_port", "launch_torchrun", "lost_port_race",
+    "run_cli_fit", "run_torchrun", "run_torchrun_module", "selected_tests", "validation_loss",
 ]
 
 HERE = Path(__file__).resolve().parent
+# The tests this pytest run will run, stored in ``config.stash`` by conftest.py at collection.
+SELECTED_TESTS = pytest.StashKey[list[pytest.Item]]()
+
+
+def selected_tests(config: pytest.Config) -> list[pytest.Item]:
+    """The tests selected to run (after ``-k``, ``-m`` and ``--deselect``); empty before collection."""
+    return config.stash.get(SELECTED_TESTS, [])
 
 
 def free_port() -> int:

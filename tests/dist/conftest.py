@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from _harness import Suite, launch_torchrun
+from _harness import SELECTED_TESTS, Suite, launch_torchrun, selected_tests
 
 # parts run cheapest and most basic first: a dispatcher bug shows before the Trainer tests
 _KIND_ORDER = ("dispatch", "fit", "fabric", "ckpt", "echo", "replay", "resume")
@@ -28,10 +28,16 @@ def pytest_configure(config: pytest.Config) -> None:
         )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep the list of collected tests: ``-k``, ``-m`` and ``--deselect`` remove tests from this
+    same list in place, so after collection it holds exactly the tests that run."""
+    config.stash[SELECTED_TESTS] = items
+
+
 def _run_suite(request: pytest.FixtureRequest, factory: pytest.TempPathFactory, world: int) -> Suite:
     marker = f"suite{world}"
     parts: list[str] = []
-    for item in request.session.items:
+    for item in selected_tests(request.config):
         for mark in item.iter_markers(marker):
             parts += [p for p in mark.args if p not in parts]
     parts.sort(key=lambda p: _KIND_ORDER.index(p.split(":")[0]) if p.split(":")[0] in _KIND_ORDER else 99)

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
-from _harness import Launch, launch_torchrun
+from _harness import Launch, launch_torchrun, selected_tests
 from _tiny_hf_checkpoint import FULL_SIZE_RECIPES, save_tiny_checkpoint, write_chats
 
 from lightning_moe.optimizer import OPTIMIZER_IMPLS
@@ -101,7 +101,7 @@ class _Matrix:
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> _Matrix:
     """Trim every selected cell's recipe into its own folder, then one job per world size."""
-    selected = {item.callspec.params["cell"] for item in request.session.items if hasattr(item, "callspec")
+    selected = {item.callspec.params["cell"] for item in selected_tests(request.config) if hasattr(item, "callspec")
                 and "cell" in item.callspec.params and item.module is request.module}  # fmt: skip
     root = tmp_path_factory.mktemp("matrix")
     hf: dict[str, Path] = {"chats": write_chats(root / "chats.jsonl", 128)}
