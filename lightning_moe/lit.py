@@ -21,7 +21,12 @@ over ``dp x cp`` is then the gradient of the mean over every labelled token, as 
 computes it, whatever ``ignore_index`` labels or packing leave on each rank. ``train/ppl`` and the aux losses are logged unsynchronised
 (rank 0's value reaches the logger). It also keeps the MoE layers' bookkeeping in step with the
 optimizer: aux-loss gradient scale (``1/accumulate_grad_batches``, times the fp16 loss scale),
-expert-bias updates and global-aux-loss counts, once per optimizer step. ``self.device_mesh`` is the
+expert-bias updates and global-aux-loss counts, once per optimizer step.
+
+Pipeline parallel (``FoldedMoEStrategy(pp=2, ...)``): ``training_step`` hands the batch to the
+strategy's ``pipeline``, whose schedule runs the forward and backward of every micro-batch
+(the strategy then skips its own backward) and returns the loss one process would log: the
+batch's token mean, broadcast to every stage; validation runs the stages forward only. ``self.device_mesh`` is the
 strategy's device mesh (``strategy="folded_moe"``: the dense mesh) from ``configure_model`` on.
 """
 
@@ -181,8 +186,12 @@ class MoELanguageModelBase(L.LightningModule):
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        set_aux_loss_scale(self.model, self._aux_loss_scale())
-        loss = self._lm_loss(batch)
+        pipeline = self._pipeline()
+        if pipeline is not None:  # forward and backward of every micro-batch; the loss is detached
+            loss = pipeline.train_step(batch, self.trainer.accumulate_grad_batches)
+        else:
+            set_aux_loss_scale(self.model, self._aux_loss_scale())
+            loss = self._lm_loss(batch)
         # One all-reduce and no barrier: sync_dist=True would add a barrier, which on NCCL waits for the
         # device to drain the forward and leaves it idle until the host has launched the backward.
         self.log("train/loss", mean_over_ranks(loss.detach()), prog_bar=True)
@@ -257,7 +266,15 @@ class MoELanguageModelBase(L.LightningModule):
 
     # --- helpers -----------------------------------------------------------------------------
 
+    def _pipeline(self) -> Any:
+        """The strategy's pipeline at ``pp > 1`` (``strategies/pipeline_step.py``), else ``None``."""
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        return getattr(strategy, "pipeline", None)
+
     def _lm_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        pipeline = self._pipeline()
+        if pipeline is not None:  # validation: forward only through the stages
+            return pipeline.eval_step(batch)
         strategy = self.trainer.strategy if self._trainer is not None else None
         shard = getattr(strategy, "shard_batch", None)
         if shard is not None:

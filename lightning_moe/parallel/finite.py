@@ -180,12 +180,14 @@ def find_nonfinite(
     """
     rank = dist.get_rank(group) if group is not None else 0
     world = dist.get_world_size(group) if group is not None else 1
-    # indices into named_parameters(), the same list on every rank (shards, not subsets); a rank
-    # whose FSDP2 shard of a parameter is empty, or that holds no gradient for it, skips it
+    # indices into this rank's named_parameters(): the same list on every rank (shards, not
+    # subsets) except under pipeline parallel, where each stage holds its own (the bad rank then
+    # names its parameter); a rank whose FSDP2 shard of a parameter is empty, or that holds no
+    # gradient for it, skips it
     named = list(module.named_parameters())
     checked = [(i, _local(p.grad)) for i, (_, p) in enumerate(named) if p.grad is not None] if check_gradients else []
     checked = [(i, g) for i, g in checked if g.numel() > 0]
-    none_code = (len(named) + 1) * world * 2  # larger than any real code
+    none_code = _NONE_CODE  # larger than any real code, the same on every rank
     code_tensors: list[torch.Tensor] = []
     if loss is not None:
         loss_f = loss.detach().float().reshape(-1)[:1].to(device)
@@ -210,14 +212,30 @@ def find_nonfinite(
         return NonFiniteFinding("loss", rank=codes[0] // 2, value="nan" if codes[0] % 2 else "inf")
     if codes[1] < none_code:
         index, bad_rank, is_nan = codes[1] // 2 // world, codes[1] // 2 % world, codes[1] % 2
-        name = _clean_name(named[index][0])
+        raw, module_type = _named_on(bad_rank, index, module, named, group)
+        name = _clean_name(raw)
         module_name = name.rpartition(".")[0]
-        module_type = _module_type(module, named[index][0].rpartition(".")[0])
         return NonFiniteFinding(
             "gradient", rank=bad_rank, value="nan" if is_nan else "inf", parameter=name,
             module=module_name, module_type=module_type,
         )  # fmt: skip
     return None
+
+
+_NONE_CODE = 2**62
+
+
+def _named_on(rank: int, index: int, module: nn.Module, named: list, group: ProcessGroup | None) -> tuple[str, str]:
+    """Name and module type of parameter ``index`` of ``rank``'s list. Ranks may hold different
+    lists (pipeline stages), so the names go round (one object all-gather, on this error path only)."""
+    mine = ("", "")
+    if index < len(named):
+        mine = (named[index][0], _module_type(module, named[index][0].rpartition(".")[0]))
+    if group is None:
+        return mine
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return everyone[rank]
 
 
 class NonFiniteGuard:

@@ -17,15 +17,19 @@ and it only runs on the synchronising micro-batch).
 fails when DTensors live on different meshes (dense ``dp_cp x tp``, experts ``edp x ep x etp``).
 :func:`grad_norm` groups gradients by (mesh, placements), reduces each group over its own mesh
 (the DTensor ``full_tensor`` of a norm: all-reduce over the mesh axes the gradient is sharded on),
-and combines the group norms locally: every rank ends with the same global norm.
+and combines the group norms locally: every rank ends with the same global norm. With pipeline
+parallel each stage holds other parameters: the stage's norm is combined over the ``pp`` group
+as well (``pp_group``: one all-reduce of one number).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -77,12 +81,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+def grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0, pp_group: Any = None) -> torch.Tensor:
     """The global ``norm_type``-norm of all gradients, DTensors on any number of meshes.
 
     Collectives: per (mesh, placements) group, an all-reduce over the mesh axes on which the
-    gradients are sharded (``full_tensor`` of a partial norm). Returns a plain fp32 0-d tensor,
-    equal on every rank.
+    gradients are sharded (``full_tensor`` of a partial norm); with ``pp_group`` (the pipeline
+    group: every rank holds other stages) one more all-reduce combines the stages. Returns a
+    plain fp32 0-d tensor, equal on every rank.
     """
     norm_type = float(norm_type)
     groups: dict[object, list[torch.Tensor]] = {}
@@ -95,17 +100,34 @@ def grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> tor
         if isinstance(group_norm, DTensor):
             group_norm = group_norm.full_tensor()
         norms.append(group_norm.float().reshape(()))
-    if not norms:
-        return torch.zeros(())
-    return torch.nn.utils.get_total_norm(norms, norm_type)
+    total = torch.nn.utils.get_total_norm(norms, norm_type) if norms else torch.zeros(())
+    if pp_group is None or dist.get_world_size(pp_group) == 1:
+        return total
+    return _combine_over(total, norm_type, pp_group)
+
+
+def _combine_over(norm: torch.Tensor, norm_type: float, group: Any) -> torch.Tensor:
+    """The ``norm_type``-norm of the norms the ranks of ``group`` hold (one all-reduce)."""
+    if math.isinf(norm_type):
+        value = norm.detach().float().clone()
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        return value
+    value = norm.detach().double() ** norm_type
+    dist.all_reduce(value, group=group)
+    return (value ** (1.0 / norm_type)).float()
 
 
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    pp_group: Any = None,
 ) -> torch.Tensor:
-    """Scale all gradients by ``min(1, max_norm / (total_norm + 1e-6))``; returns the total norm."""
+    """Scale all gradients by ``min(1, max_norm / (total_norm + 1e-6))``; returns the total norm
+    (over every pipeline stage with ``pp_group``)."""
     params = list(parameters)
-    total = grad_norm(params, norm_type)
+    total = grad_norm(params, norm_type, pp_group)
     if error_if_nonfinite and not math.isfinite(float(total)):  # SYNC: opt-in check
         raise RuntimeError(
             f"clip_grad_norm_: the total gradient norm is {float(total)}; lower the learning rate "

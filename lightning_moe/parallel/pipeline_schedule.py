@@ -2,10 +2,13 @@
 
 ``build_schedule(name, stages, n_microbatches, loss_fn)`` checks the name, the number of local
 stages and the micro-batch count (``parallel/pipeline.py``) before torch sees them, then returns
-torch's schedule. Gradients are averaged over the micro-batches (``scale_grads=True``): with a
-``loss_fn`` that returns a micro-batch's mean loss, the gradients are those of the mean over the
-step's micro-batches, and an MoE layer's aux losses (attached to its output by
-``AuxLossScaler``) enter them with ``aux_loss_scale = 1``.
+torch's schedule. By default gradients are averaged over the micro-batches (``scale_grads=True``):
+with a ``loss_fn`` that returns a micro-batch's mean loss, the gradients are those of the mean over
+the step's micro-batches, and an MoE layer's aux losses (attached to its output by
+``AuxLossScaler``) enter them with ``aux_loss_scale = 1``. With ``scale_grads=False`` the
+gradients are the sum over the micro-batches: ``loss_fn`` carries the normalisation itself (the
+strategies divide by the step's labelled tokens), and the aux losses need
+``aux_loss_scale = 1 / n_microbatches``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,11 @@ __all__ = ["build_schedule"]
 
 
 def build_schedule(
-    name: str, stages: list[Any], n_microbatches: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    name: str,
+    stages: list[Any],
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    scale_grads: bool = True,
 ) -> Any:
     """torch's schedule ``name`` over this rank's ``PipelineStage`` objects (one, or ``virtual_stages``)."""
     import torch.distributed.pipelining as pipelining
@@ -33,5 +40,5 @@ def build_schedule(
     check_microbatches(name, n_microbatches, pp, len(stages))
     cls = getattr(pipelining, SCHEDULES[name].torch_class)
     if SCHEDULES[name].placement == "single":
-        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
-    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)

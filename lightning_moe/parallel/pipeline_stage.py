@@ -14,6 +14,12 @@ and each rank allocates only its stages (:func:`materialize_stage`).
 of the stage before; the last returns logits ``[B, S, V]``, the others hidden states. Every stage
 builds the RoPE tables for positions ``0..S-1`` with the ``rope_tables(S, device)`` it was given.
 Packed documents, explicit positions and context parallel are not carried between stages.
+
+A pipeline rank may hold several stages (interleaved and "V" schedules): :func:`cut_rank_stages`
+returns a :class:`LocalStages`, the one module that owns this rank's embedding, blocks (a
+``ModuleDict`` keyed by the global block index), norm and head under the model's parameter names,
+and the :class:`TransformerStage` view of each of its stages (sharing those modules), which the
+schedule runs. The optimizer, FSDP, checkpoints and clipping see ``LocalStages``.
 """
 
 from __future__ import annotations
@@ -24,7 +30,16 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["RopeTables", "TransformerStage", "build_transformer_stage", "materialize_stage"]
+from lightning_moe.moe.layer import MoELayer
+
+__all__ = [
+    "LocalStages",
+    "RopeTables",
+    "TransformerStage",
+    "build_transformer_stage",
+    "cut_rank_stages",
+    "materialize_stage",
+]
 
 RopeTables = Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]]
 
@@ -98,6 +113,49 @@ def build_transformer_stage(model: Any, layers: range, num_layers: int, rope_tab
         norm=model.norm if last else None,
         lm_head=model.lm_head if last else None,
     )
+
+
+class LocalStages(nn.Module):
+    """This pipeline rank's part of a transformer: the embedding (if it holds the first stage), its
+    blocks under their global indices, the norm and head (if it holds the last stage).
+
+    ``stages`` lists ``(stage_index, TransformerStage)`` views sharing these modules, in increasing
+    stage order; they are kept out of the module tree, so each parameter has one name, the model's.
+    """
+
+    def __init__(self, stages: list[tuple[int, TransformerStage]]) -> None:
+        super().__init__()
+        firsts = [v for _, v in stages if v.is_first]
+        lasts = [v for _, v in stages if v.is_last]
+        self.embed = firsts[0].embed if firsts else None
+        blocks = {int(k): b for _, v in stages for k, b in v.layers.items()}
+        self.layers = nn.ModuleDict({str(i): blocks[i] for i in sorted(blocks)})
+        self.norm = lasts[0].norm if lasts else None
+        self.lm_head = lasts[0].lm_head if lasts else None
+        self.stages = list(stages)
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        raise RuntimeError(
+            "LocalStages: a pipeline rank's stages run through the pipeline schedule, not as one module; "
+            "call the strategy's pipeline (training_step of MoELanguageModel does)."
+        )
+
+
+def cut_rank_stages(
+    model: Any, ranges: tuple[range, ...], mine: tuple[int, ...], rope_tables: RopeTables
+) -> LocalStages:
+    """The stages ``mine`` (indices into ``ranges``, from ``stage_indices``) of ``model`` as one
+    :class:`LocalStages`. Each MoE layer is told its index among the whole model's MoE layers
+    (``global_moe_index``), so per-expert seeding does not depend on the cut."""
+    ordinal = 0
+    for block in model.layers:
+        for m in block.modules():
+            if isinstance(m, MoELayer):
+                m.global_moe_index = ordinal
+                ordinal += 1
+    num_layers = len(model.layers)
+    views = [(s, build_transformer_stage(model, ranges[s], num_layers, rope_tables)) for s in mine]
+    return LocalStages(views)
 
 
 def materialize_stage(stage: nn.Module, device: torch.device | str, init_std: float) -> nn.Module:

@@ -54,6 +54,15 @@ from lightning_moe.strategies.layout import (
     sampler_kwargs_of,
 )
 from lightning_moe.strategies.module_setup import prepare_module
+from lightning_moe.strategies.pipeline_setup import (
+    check_pipeline_batch,
+    check_pipeline_combination,
+    check_pipeline_model,
+    cut_for_pipeline,
+    find_transformer,
+    pipeline_options,
+)
+from lightning_moe.strategies.pipeline_step import PipelineRunner
 from lightning_moe.strategies.sharding import ModulePlan, check_model_for_context_parallel, parallel_options
 
 if TYPE_CHECKING:
@@ -76,7 +85,17 @@ class FoldedMoECore:
             of ``2*cp``.
         ep: expert-parallel degree (must divide ``num_experts``).
         etp: expert tensor-parallel degree (must divide the expert FFN size and ``tp``).
-        pp: pipeline-parallel degree; only 1 (pipeline parallel comes later).
+        pp: pipeline-parallel degree: the transformer's blocks are cut into ``pp * pp_virtual_stages``
+            stages over the ``pp`` groups (``strategies/pipeline_setup.py``); each batch runs as
+            ``pp_microbatches`` micro-batches through ``pp_schedule`` (``strategies/pipeline_step.py``).
+            Needs an ``MoETransformer``-shaped model without tied embeddings, ``cp=1`` and neither
+            sequence nor vocab parallel.
+        pp_schedule: ``"gpipe"``, ``"1f1b"`` (default), ``"interleaved_1f1b"``, ``"zbv"`` or
+            ``"dualpipev"`` (``parallel/pipeline.py``); checked against this torch at construction.
+        pp_microbatches: micro-batches per batch (the batch size must be a multiple); ``None`` is
+            the schedule's minimum, ``pp * pp_virtual_stages``.
+        pp_virtual_stages: stages per rank; ``None`` is the schedule's count (1; 2 for the
+            interleaved and "V" schedules).
         dp: data-parallel degree of the dense layers, ``"auto"`` = ``W/(tp*cp*pp)``.
         edp: data-parallel degree of the experts, ``"auto"`` = ``W/(etp*ep*pp)``.
         order: rank order, fastest first (Megatron-Core's ``RankGenerator``), e.g. ``"tp-cp-ep-dp-pp"``.
@@ -121,6 +140,9 @@ class FoldedMoECore:
         ep: int = 1,
         etp: int = 1,
         pp: int = 1,
+        pp_schedule: str = "1f1b",
+        pp_microbatches: int | None = None,
+        pp_virtual_stages: int | None = None,
         dp: Degree = "auto",
         edp: Degree = "auto",
         order: str = "tp-cp-ep-dp-pp",
@@ -137,6 +159,8 @@ class FoldedMoECore:
     ) -> None:
         check_args(type(self).__name__, tp, cp, ep, etp, pp, dp, edp, order, dispatcher)
         check_parallel_options(type(self).__name__, tp, sequence_parallel, vocab_parallel)
+        self.pipeline_options = pipeline_options(type(self).__name__, pp, pp_schedule, pp_microbatches, pp_virtual_stages)
+        check_pipeline_combination(type(self).__name__, self.pipeline_options, cp, sequence_parallel, vocab_parallel)
         self.rank_liveness_timeout_s = check_liveness_timeout(type(self).__name__, rank_liveness_timeout_s)
         check_nonfinite_options(type(self).__name__, guard_nonfinite, skip_nonfinite)
         super().__init__(  # type: ignore[call-arg] # the Lightning strategy after this class in the MRO
@@ -153,6 +177,7 @@ class FoldedMoECore:
         self.guard_nonfinite, self.skip_nonfinite = guard_nonfinite, skip_nonfinite
         self.sequence_parallel, self.vocab_parallel = sequence_parallel, vocab_parallel
         self._folded_mesh: FoldedMesh | None = None
+        self._pipeline: PipelineRunner | None = None
 
     def _lightning_init_args(self) -> tuple[Any, ...]:
         """Positional arguments of the Lightning strategy's constructor before its keywords."""
@@ -232,6 +257,8 @@ class FoldedMoECore:
         if module is not None:
             check_model_for_layout(module, layout, **parallel_options(self.sequence_parallel, self.vocab_parallel))
             check_model_for_context_parallel(owner, module, layout.cp)
+            self.check_pipeline_model(module)
+            self.check_pipeline_batch(self._batch_size_to_check())  # type: ignore[arg-type] # None: not known
         if strategy.accelerator is not None:
             strategy.accelerator.setup_device(strategy.root_device)
         strategy._setup_distributed()
@@ -249,6 +276,10 @@ class FoldedMoECore:
         """The module known before the processes start (the Trainer's LightningModule), if any."""
         return None
 
+    def _batch_size_to_check(self) -> int | None:
+        """The training batch size known before the processes start (a data module's), if any."""
+        return None
+
     # ---- model ----------------------------------------------------------------------------------
 
     @property
@@ -260,9 +291,40 @@ class FoldedMoECore:
             self.expert_init_seed,
         )  # fmt: skip
 
+    def check_pipeline_model(self, module: nn.Module) -> None:
+        """``module`` can be cut into this strategy's stages (``pipeline_setup.check_pipeline_model``);
+        the Trainer's strategy runs it in ``setup_environment``, before any process group."""
+        check_pipeline_model(type(self).__name__, self.pipeline_options, module)
+
+    def check_pipeline_batch(self, batch_size: int) -> None:
+        """A batch of ``batch_size`` rows divides into ``pp_microbatches`` (nothing at ``pp=1``)."""
+        check_pipeline_batch(type(self).__name__, self.pipeline_options, batch_size)
+
+    @property
+    def pipeline(self) -> PipelineRunner | None:
+        """This rank's stages and schedule at ``pp > 1`` once the module is set up, else ``None``.
+
+        ``pipeline.train_step(batch, accumulate)`` runs forward and backward of every micro-batch
+        and returns the loss to log; ``pipeline.eval_step(batch)`` runs forward only."""
+        return self._pipeline
+
     def shard_module(self, module: nn.Module, root: nn.Module | None = None, shard_root: bool = False) -> nn.Module:
         """Shard ``module`` for the folded mesh, materialise it, seed its experts; returns it
         (:func:`~lightning_moe.strategies.module_setup.prepare_module`). A module sharded already
-        (``configure_model`` did it) keeps its layout."""
+        (``configure_model`` did it) keeps its layout. At ``pp > 1`` the transformer is first cut
+        into this rank's stages (the returned module is then the stages when ``module`` was the
+        transformer) and :attr:`pipeline` is built."""
         strategy: Any = self
-        return prepare_module(module, self.module_plan, strategy.root_device, root=root, shard_root=shard_root)
+        options, mesh = self.pipeline_options, self.folded_mesh
+        stages = None
+        if options.pp > 1:
+            _, model = find_transformer(module)
+            hidden = int(model.config.hidden_size) if model is not None else 0
+            module, stages = cut_for_pipeline(type(self).__name__, options, module, mesh.rank("pp"))
+        module = prepare_module(module, self.module_plan, strategy.root_device, root=root, shard_root=shard_root)
+        if stages is not None:
+            self._pipeline = PipelineRunner(
+                type(self).__name__, options, stages, mesh.group("pp"), mesh.rank("pp"), self.loss_group,
+                strategy.root_device, hidden,
+            )  # fmt: skip
+        return module

@@ -21,10 +21,11 @@ __all__ = ["install_mesh_aware_clipping", "mesh_aware_clip_norm", "mesh_aware_cl
 
 
 def mesh_aware_clip_norm(
-    module: nn.Module, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    module: nn.Module, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, pp_group: Any = None
 ) -> torch.Tensor:
-    """Clip ``module``'s gradients to a total norm over both meshes; returns the norm before clipping."""
-    return clip_grad_norm_(module.parameters(), float(max_norm), float(norm_type), error_if_nonfinite)
+    """Clip ``module``'s gradients to a total norm over both meshes (and over the pipeline stages
+    with ``pp_group``); returns the norm before clipping."""
+    return clip_grad_norm_(module.parameters(), float(max_norm), float(norm_type), error_if_nonfinite, pp_group)
 
 
 def mesh_aware_clip_value(module: nn.Module, clip_val: float) -> None:
@@ -32,11 +33,12 @@ def mesh_aware_clip_value(module: nn.Module, clip_val: float) -> None:
     clip_grad_value_(module.parameters(), float(clip_val))
 
 
-def install_mesh_aware_clipping(plugin: Any, model: nn.Module) -> None:
-    """Give the Trainer precision ``plugin`` mesh-aware ``clip_grad_by_norm``/``clip_grad_by_value`` for ``model``."""
+def install_mesh_aware_clipping(plugin: Any, model: nn.Module, pp_group: Any = None) -> None:
+    """Give the Trainer precision ``plugin`` mesh-aware ``clip_grad_by_norm``/``clip_grad_by_value`` for
+    ``model`` (the norm combined over the pipeline stages with ``pp_group``)."""
 
     def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
-        mesh_aware_clip_norm(model, clip_val)
+        mesh_aware_clip_norm(model, clip_val, pp_group=pp_group)
 
     def clip_grad_by_value(optimizer: Optimizer, clip_val: float) -> None:
         mesh_aware_clip_value(model, clip_val)

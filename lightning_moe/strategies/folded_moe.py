@@ -72,6 +72,7 @@ from lightning_moe.strategies.clipping import install_mesh_aware_clipping
 from lightning_moe.strategies.guards import guarded_closure, nonfinite_guard_for
 from lightning_moe.strategies.launcher import trainer_launcher_for
 from lightning_moe.strategies.layout import check_namespace
+from lightning_moe.strategies.pipeline_setup import check_pipeline_trainer
 
 __all__ = ["FoldedMoEStrategy", "release_callback_logging"]
 
@@ -126,6 +127,7 @@ class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
         if self.model is None or self.accelerator is None or self.lightning_module is None:
             raise RuntimeError(f"{type(self).__name__}: setup needs a connected model and accelerator; use a Trainer.")
         self._trainer_ref = weakref.ref(trainer)
+        check_pipeline_trainer(type(self).__name__, self.pipeline_options, trainer)
         self.accelerator.setup(trainer)
         self.shard_module(self.lightning_module, root=self.model)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -137,7 +139,8 @@ class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
                 unscale_before_step(optimizer)  # fused optimizers clip under every precision plugin
         self.setup_precision_plugin()
         if isinstance(self.model, nn.Module):
-            install_mesh_aware_clipping(self.precision_plugin, self.model)
+            pp_group = self.folded_mesh.group("pp") if self.pipeline_options.pp > 1 else None
+            install_mesh_aware_clipping(self.precision_plugin, self.model, pp_group)
         options = (self.guard_nonfinite, self.skip_nonfinite)
         self._nonfinite_guard = nonfinite_guard_for(type(self).__name__, options, self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -152,6 +155,28 @@ class FoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
         if guard is not None and module is not None:
             closure = guarded_closure(guard, closure, module, self.root_device, module.global_step, self.precision_plugin)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's backward, except at ``pp > 1``: there the training step's pipeline schedule
+        has run every micro-batch's backward already (``strategies/pipeline_step.py``), so only
+        the hooks around a backward run (``on_before_backward``, ``on_after_backward``)."""
+        if self.pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def _batch_size_to_check(self) -> int | None:
+        """The data module's ``batch_size`` (an int), checked against the micro-batches before any group."""
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        size = getattr(getattr(trainer, "datamodule", None), "batch_size", None)
+        return size if isinstance(size, int) and not isinstance(size, bool) else None
 
     @override
     def teardown(self) -> None:

@@ -1,7 +1,7 @@
 """Layout and meshes of a folded strategy, as plain functions.
 
 1. constructor-time checks that need no world size (:func:`check_args`, :func:`check_parallel_options`,
-   :func:`check_namespace`);
+   :func:`check_namespace`; the pipeline options: ``strategies/pipeline_setup.py``);
 2. :func:`folded_layout`: the :class:`FoldedLayout` for a world size, ``dp``/``edp`` checked, before
    any collective;
 3. views of a built :class:`FoldedMesh` that a training loop reads: :func:`context_parallel_of`
@@ -52,8 +52,6 @@ def check_args(
 ) -> None:
     """Checks that need no world size (constructor time)."""
     check_dispatcher(dispatcher, owner)
-    if pp != 1 and isinstance(pp, int) and pp > 1:
-        raise ValueError(f"{owner}: pp={pp} is not supported; pipeline parallel comes later; set pp=1.")
     for name, value in (("dp", dp), ("edp", edp)):
         if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{owner}: {name}={value!r} must be 'auto' or a positive int.")

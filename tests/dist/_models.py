@@ -32,7 +32,7 @@ VOCAB, SEQ, BATCH, NUM_SAMPLES = 64, 8, 2, 48
 ACCUM, STEPS, CLIP, LR = 2, 3, 0.05, 0.5
 
 
-def model_config(fuse_wgrad_accumulation: bool = False) -> TransformerConfig:
+def model_config(fuse_wgrad_accumulation: bool = False, num_layers: int = 3) -> TransformerConfig:
     moe = MoEConfig(
         fuse_wgrad_accumulation=fuse_wgrad_accumulation,
         hidden_size=32,
@@ -45,7 +45,7 @@ def model_config(fuse_wgrad_accumulation: bool = False) -> TransformerConfig:
         shared_expert_ffn_size=16,
     )
     return TransformerConfig(
-        vocab_size=VOCAB, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, moe=moe,
+        vocab_size=VOCAB, hidden_size=32, num_layers=num_layers, num_heads=4, num_kv_heads=2, moe=moe,
         num_dense_layers=1, dense_ffn_hidden_size=32, max_seq_len=SEQ,
     )  # fmt: skip
 

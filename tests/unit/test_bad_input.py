@@ -174,7 +174,18 @@ STRATEGY_CASES: dict[str, Case] = {
     "tp=True": (lambda: FoldedMoEStrategy(tp=True), ValueError, "tp=True"),
     "ep=-1": (lambda: FoldedMoEStrategy(ep=-1), ValueError, "ep=-1"),
     "etp=1.5": (lambda: FoldedMoEStrategy(etp=1.5), ValueError, "etp=1.5"),
-    "pp=2": (lambda: FoldedMoEStrategy(pp=2), ValueError, "pp=2"),
+    "pp=0": (lambda: FoldedMoEStrategy(pp=0), ValueError, "pp=0"),
+    "pp_schedule unknown": (lambda: FoldedMoEStrategy(pp=2, pp_schedule="zero_bubble"), ValueError, "pp_schedule='zero_bubble' is unknown"),
+    "pp_schedule torch lacks": (lambda: _without_schedule("ScheduleDualPipeV", lambda: FoldedMoEStrategy(pp=2, pp_schedule="dualpipev")), ValueError, "schedule='dualpipev' needs torch.distributed.pipelining.ScheduleDualPipeV"),
+    "pp_microbatches too few": (lambda: FoldedMoEStrategy(pp=4, pp_microbatches=2), ValueError, "n_microbatches=2 is fewer than the 4"),
+    "pp_microbatches=0": (lambda: FoldedMoEStrategy(pp=2, pp_microbatches=0), ValueError, "pp_microbatches=0"),
+    "pp_virtual_stages 1f1b": (lambda: FoldedMoEStrategy(pp=2, pp_virtual_stages=2), ValueError, "virtual_stages=2; set virtual_stages=1"),
+    "pp batch not divisible": (lambda: FoldedMoEStrategy(pp=2, pp_microbatches=4).check_pipeline_batch(6), ValueError, "batch_size=6 does not divide into n_microbatches=4"),
+    "pp layers not divisible": (lambda: FoldedMoEStrategy(pp=2).check_pipeline_model(MoELanguageModel(_tc(num_layers=3))), ValueError, "num_layers=3 does not split evenly into 2 stages"),
+    "pp tied embeddings": (lambda: FoldedMoEStrategy(pp=2).check_pipeline_model(MoELanguageModel(_tc(num_layers=2, tie_embeddings=True))), ValueError, "tie_embeddings=True shares the embedding with the head"),
+    "pp with cp": (lambda: FoldedMoEStrategy(pp=2, cp=2), ValueError, "cp=2 with pp=2 is not supported"),
+    "pp with sequence_parallel": (lambda: FoldedMoEStrategy(pp=2, tp=2, sequence_parallel=True), ValueError, "sequence_parallel=True with pp=2"),
+    "Fabric pp_microbatches too few": (lambda: FabricFoldedMoEStrategy(pp=2, pp_schedule="zbv", pp_microbatches=3), ValueError, "n_microbatches=3 is fewer than the 4"),
     "cp=0": (lambda: FoldedMoEStrategy(cp=0), ValueError, "cp=0"),
     "sequence_parallel tp=1": (lambda: FoldedMoEStrategy(sequence_parallel=True), ValueError, "needs tensor parallel"),
     "vocab_parallel str": (lambda: FoldedMoEStrategy(tp=2, vocab_parallel="yes"), TypeError, "vocab_parallel='yes'"),
@@ -190,6 +201,18 @@ STRATEGY_CASES: dict[str, Case] = {
     "Fabric tp=0": (lambda: FabricFoldedMoEStrategy(tp=0), ValueError, "tp=0"),
     "Fabric dispatcher": (lambda: FabricFoldedMoEStrategy(dispatcher="x"), ValueError, "dispatcher='x'"),
 }
+
+
+def _without_schedule(name: str, make: Callable[[], Any]) -> Any:
+    """``make()`` while ``torch.distributed.pipelining`` lacks the class ``name`` (an older torch)."""
+    import torch.distributed.pipelining as pipelining
+
+    saved = getattr(pipelining, name)
+    delattr(pipelining, name)
+    try:
+        return make()
+    finally:
+        setattr(pipelining, name, saved)
 
 
 @pytest.mark.parametrize("case", sorted(STRATEGY_CASES))

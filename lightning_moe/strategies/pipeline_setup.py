@@ -1,0 +1,213 @@
+"""Pipeline parallel in a folded strategy: the options, the checks, and the cut of a module into stages.
+
+Legend: ``pp`` ranks in a pipeline group, ``v`` virtual stages per rank, ``n`` micro-batches per batch.
+
+Stages, in the order a strategy runs them:
+
+1. :func:`pipeline_options` (constructor, no world size): ``pp_schedule`` known and offered by this
+   torch with ``pp_virtual_stages`` per rank, ``pp_microbatches`` enough for it
+   (``parallel/pipeline.py``); :func:`check_pipeline_combination`: at ``pp > 1`` context parallel,
+   sequence parallel and vocab parallel are refused (the stages carry only the hidden states);
+2. :func:`check_pipeline_model` and :func:`check_pipeline_batch` (``setup_environment``, before any
+   process group): the module holds an ``MoETransformer``-shaped model whose blocks split evenly
+   into ``pp * v`` stages, without tied embeddings; the data module's batch divides into ``n``;
+3. :func:`check_pipeline_callbacks` (Trainer ``setup``): callbacks that act on the whole model in
+   one forward (``supports_pipeline_parallel = False``) are refused;
+4. :func:`cut_for_pipeline` (module setup, before ``parallelize``): the transformer is replaced by
+   this rank's :class:`~lightning_moe.parallel.pipeline_stage.LocalStages` (the module's ``model``
+   attribute, or the module itself for Fabric); TP, EP and FSDP then apply to it as to a model,
+   on the meshes of this rank's pp coordinate.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from lightning_moe.models.transformer import rope_tables
+from lightning_moe.parallel.pipeline import (
+    SCHEDULES,
+    check_batch_split,
+    check_microbatches,
+    check_schedule,
+    split_layers,
+    stage_indices,
+)
+from lightning_moe.parallel.pipeline_stage import LocalStages, cut_rank_stages
+
+__all__ = [
+    "PipelineOptions",
+    "check_pipeline_batch",
+    "check_pipeline_callbacks",
+    "check_pipeline_combination",
+    "check_pipeline_model",
+    "check_pipeline_trainer",
+    "cut_for_pipeline",
+    "find_transformer",
+    "pipeline_options",
+]
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """A checked pipeline plan: degree, schedule name, micro-batches per batch, stages per rank."""
+
+    pp: int
+    schedule: str
+    microbatches: int
+    virtual_stages: int
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def describe(self) -> str:
+        return (
+            f"pp={self.pp}, pp_schedule={self.schedule!r}, pp_microbatches={self.microbatches}, "
+            f"pp_virtual_stages={self.virtual_stages}"
+        )
+
+
+def pipeline_options(
+    owner: str, pp: int, schedule: str, microbatches: int | None, virtual_stages: int | None
+) -> PipelineOptions:
+    """The checked options; ``None`` micro-batches is ``pp * v`` and ``None`` virtual stages is the
+    schedule's own count (2 for ``interleaved_1f1b``). Raises ``ValueError`` naming the fix."""
+    if not isinstance(schedule, str) or schedule not in SCHEDULES:
+        raise ValueError(f"{owner}: pp_schedule={schedule!r} is unknown; choose one of {sorted(SCHEDULES)}.")
+    for name, value in (("pp_microbatches", microbatches), ("pp_virtual_stages", virtual_stages)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{owner}: {name}={value!r} must be a positive int or None (the schedule's minimum).")
+    v = virtual_stages if virtual_stages is not None else (SCHEDULES[schedule].virtual_stages or 2)
+    if not isinstance(pp, int) or pp < 1:
+        return PipelineOptions(1, schedule, microbatches or 1, v)  # the degree's own check names it
+    n = microbatches if microbatches is not None else pp * v
+    if pp > 1:
+        try:
+            check_schedule(schedule, v)
+            check_microbatches(schedule, n, pp, v)
+        except ValueError as error:
+            raise _reworded(owner, f"pp_schedule={schedule!r}, pp_microbatches={n}", error) from None
+    return PipelineOptions(pp, schedule, n, v)
+
+
+def _reworded(owner: str, options: str, error: ValueError) -> ValueError:
+    """A plan check's message under ``owner``'s name, with the strategy options that led to it."""
+    message = str(error).split(": ", 1)[-1]
+    return ValueError(f"{owner}: {message} (from {options})")
+
+
+def check_pipeline_combination(
+    owner: str, options: PipelineOptions, cp: int, sequence_parallel: bool, vocab_parallel: bool
+) -> None:
+    """At ``pp > 1`` the stages pass only the hidden states: no CP positions, no sequence or vocab shards."""
+    if options.pp == 1:
+        return
+    for name, on in (("cp", cp != 1), ("sequence_parallel", sequence_parallel), ("vocab_parallel", vocab_parallel)):
+        if on:
+            value = cp if name == "cp" else True
+            fix = "cp=1" if name == "cp" else f"{name}=False"
+            raise ValueError(
+                f"{owner}: {name}={value} with pp={options.pp} is not supported (pipeline stages pass only the "
+                f"hidden states); set {fix} or pp=1."
+            )
+
+
+def find_transformer(module: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    """``(holder, transformer)``: the ``MoETransformer``-shaped model (``embed``, a ``ModuleList`` of
+    ``layers``, ``norm``, ``lm_head``, ``config``) that is ``module`` (holder ``None``) or its
+    ``model`` attribute (holder ``module``); ``(None, None)`` when there is none."""
+
+    def shaped(m: Any) -> bool:
+        parts = ("embed", "norm", "lm_head", "config")
+        return isinstance(getattr(m, "layers", None), nn.ModuleList) and all(hasattr(m, p) for p in parts)
+
+    if shaped(module):
+        return None, module
+    inner = getattr(module, "model", None)
+    if isinstance(inner, nn.Module) and shaped(inner):
+        return module, inner
+    return None, None
+
+
+def check_pipeline_model(owner: str, options: PipelineOptions, module: nn.Module) -> None:
+    """The module can be cut into ``pp * v`` stages: an MoETransformer-shaped model whose blocks
+    split evenly, embeddings not tied. ``ValueError`` naming the fix; nothing at ``pp = 1``."""
+    if options.pp == 1:
+        return
+    _, model = find_transformer(module)
+    if model is None:
+        raise ValueError(
+            f"{owner}: pp={options.pp} cuts an MoETransformer-shaped model (embed, layers, norm, lm_head, config) "
+            f"into stages, but {type(module).__name__} is not one and has none as its `model`; use "
+            "MoELanguageModel (or pass an MoETransformer to fabric.setup), or set pp=1."
+        )
+    if getattr(model.config, "tie_embeddings", False):
+        raise ValueError(
+            f"{owner}: tie_embeddings=True shares the embedding with the head, which sit on different pipeline "
+            f"stages at pp={options.pp}; set tie_embeddings=False in the model config, or pp=1."
+        )
+    try:
+        split_layers(len(model.layers), options.pp, options.virtual_stages)
+    except ValueError as error:
+        raise _reworded(owner, options.describe(), error) from None
+
+
+def check_pipeline_batch(owner: str, options: PipelineOptions, batch_size: Any) -> None:
+    """A batch of ``batch_size`` rows divides into the micro-batches (``None``: not known, no check)."""
+    if options.pp == 1 or batch_size is None:
+        return
+    try:
+        check_batch_split(batch_size, options.microbatches)
+    except ValueError as error:
+        raise _reworded(owner, options.describe(), error) from None
+
+
+def check_pipeline_callbacks(owner: str, options: PipelineOptions, callbacks: list[Any]) -> None:
+    """Refuse callbacks marked ``supports_pipeline_parallel = False`` at ``pp > 1``."""
+    if options.pp == 1:
+        return
+    for callback in callbacks:
+        if getattr(callback, "supports_pipeline_parallel", True) is False:
+            raise ValueError(
+                f"{owner}: the {type(callback).__name__} callback works on the whole model in one forward and "
+                f"backward, which pp={options.pp} splits over stages and micro-batches; remove it or set pp=1."
+            )
+
+
+def check_pipeline_trainer(owner: str, options: PipelineOptions, trainer: Any) -> None:
+    """At ``pp > 1``: the Trainer's callbacks (:func:`check_pipeline_callbacks`), and no fp16 loss
+    scaling (the schedule runs the backward, so a ``GradScaler`` never scales it)."""
+    if options.pp == 1:
+        return
+    check_pipeline_callbacks(owner, options, list(getattr(trainer, "callbacks", [])))
+    if getattr(getattr(trainer, "precision_plugin", None), "scaler", None) is not None:
+        raise ValueError(
+            f"{owner}: precision={trainer.precision!r} scales the loss for fp16, but at pp={options.pp} the pipeline "
+            "schedule runs the backward without the scaler; use precision='bf16-mixed' or '32-true', or pp=1."
+        )
+
+
+def _rope(head_dim: int, theta: float, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        return rope_tables(seq_len, head_dim, theta, device)
+
+
+def cut_for_pipeline(owner: str, options: PipelineOptions, module: nn.Module, pp_rank: int) -> tuple[nn.Module, LocalStages]:
+    """Replace the transformer of ``module`` by this rank's stages; returns ``(module, stages)``
+    (``module`` is the stages themselves when it was the transformer)."""
+    check_pipeline_model(owner, options, module)
+    holder, model = find_transformer(module)
+    cfg = model.config  # type: ignore[union-attr] # found by check_pipeline_model
+    ranges = split_layers(len(model.layers), options.pp, options.virtual_stages)
+    mine = stage_indices(pp_rank, options.pp, options.schedule, options.virtual_stages)
+    tables = functools.partial(_rope, cfg.head_dim, cfg.rope_theta)
+    stages = cut_rank_stages(model, ranges, mine, tables)
+    if holder is None:
+        return stages, stages
+    holder.model = stages
+    return holder, stages

@@ -1,0 +1,206 @@
+"""One batch through the pipeline: forward and backward (training) or forward only (validation).
+
+Legend: B rows of a batch, S sequence, H hidden, n micro-batches, b = B/n rows of one.
+
+A :class:`PipelineRunner` belongs to a strategy at ``pp > 1``; the training step calls
+:meth:`PipelineRunner.train_step` with the step's batch instead of a forward, and the schedule of
+``parallel/pipeline_schedule.py`` runs every micro-batch's forward *and backward* (torch's
+``schedule.step``). The strategies therefore skip their own backward for that loss (the Trainer's
+``FoldedMoEStrategy.backward`` calls the backward hooks only; Fabric's loop calls no
+``fabric.backward``). Stages of one call:
+
+1. checks: ``input_ids``/``labels`` of ``B`` rows, ``B`` a multiple of ``n``, no packed-document
+   keys (``ValueError`` on every rank alike: they all hold the same batch);
+2. the loss normalisation: the labelled tokens of the whole batch, summed over the loss group
+   (``dp_cp``, one all-reduce); each micro-batch's loss is its token sum times
+   ``ranks / tokens / accumulate``, so the sum of the micro-batch gradients, averaged by FSDP over
+   ``dp_cp`` and accumulated over ``accumulate`` batches, is the gradient of the mean over every
+   labelled token, as one process computes it. The MoE layers' aux losses are scaled by
+   ``1 / (accumulate * n)`` (each micro-batch routes on its own, as one process running the same
+   micro-batches);
+3. training: torch's schedule for this batch shape (built once per shape, with the stage shapes
+   given up front, so torch runs no shape-inference forward through the MoE layers);
+   validation: each micro-batch forward through the stages in order (:meth:`_forward_only`);
+4. the loss to log: the sum of the micro-batch losses times ``accumulate`` (the batch's
+   token-mean share of this data rank), broadcast over the pp group from the rank holding the
+   last stage, so every rank returns the number one process would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_moe.moe.utils import set_aux_loss_scale
+from lightning_moe.parallel.fold_batch import IGNORE_INDEX
+from lightning_moe.parallel.pipeline import stage_indices
+from lightning_moe.parallel.pipeline_schedule import build_schedule
+from lightning_moe.parallel.pipeline_stage import LocalStages
+from lightning_moe.parallel.vocab import lm_cross_entropy
+from lightning_moe.strategies.pipeline_setup import PipelineOptions, check_pipeline_batch
+
+__all__ = ["PipelineRunner"]
+
+_PACKED_KEYS = ("position_ids", "document_ids")
+
+
+class PipelineRunner:
+    """This rank's stages under the strategy's schedule (module docstring).
+
+    Args:
+        owner: the strategy's name, for messages.
+        options: the checked pipeline options.
+        stages: this rank's :class:`LocalStages` (after parallelize and materialisation).
+        pp_group, pp_rank: the pipeline group and this rank's coordinate in it.
+        loss_group: ``(group, ranks)`` whose labelled tokens make up one batch (``dp_cp``).
+        device: where the stages run.
+        hidden_size: ``H`` of the activations sent between stages.
+    """
+
+    def __init__(
+        self,
+        owner: str,
+        options: PipelineOptions,
+        stages: LocalStages,
+        pp_group: Any,
+        pp_rank: int,
+        loss_group: tuple[Any, int],
+        device: torch.device,
+        hidden_size: int,
+    ) -> None:
+        self.owner, self.options, self.stages = owner, options, stages
+        self.pp_group, self.pp_rank, self.device, self.hidden_size = pp_group, pp_rank, device, hidden_size
+        self.loss_group = loss_group
+        last = options.stages - 1
+        self.last_stage_rank = next(
+            r for r in range(options.pp) if last in stage_indices(r, options.pp, options.schedule, options.virtual_stages)
+        )
+        self._schedules: dict[tuple[int, ...], Any] = {}
+        self._scale = 1.0
+
+    @property
+    def holds_first(self) -> bool:
+        return any(view.is_first for _, view in self.stages.stages)
+
+    @property
+    def holds_last(self) -> bool:
+        return any(view.is_last for _, view in self.stages.stages)
+
+    def train_step(self, batch: dict[str, torch.Tensor], accumulate: int = 1) -> torch.Tensor:
+        """Forward and backward of every micro-batch of ``batch``; returns the detached loss to log."""
+        set_aux_loss_scale(self.stages, 1.0 / (max(accumulate, 1) * self.options.microbatches))
+        return self._run(batch, train=True, accumulate=max(accumulate, 1))
+
+    def eval_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward only (validation); returns the loss of ``batch`` as :meth:`train_step` would."""
+        with torch.no_grad():
+            return self._run(batch, train=False, accumulate=1)
+
+    def _run(self, batch: dict[str, torch.Tensor], train: bool, accumulate: int) -> torch.Tensor:
+        ids_BS, labels_BS = self._check_batch(batch)
+        group, ranks = self.loss_group
+        tokens = (labels_BS != IGNORE_INDEX).sum().to(torch.float32).reshape(())
+        if group is not None and ranks > 1:
+            dist.all_reduce(tokens, group=group)
+        else:
+            ranks = 1
+        self._scale = ranks / float(tokens.clamp(min=1.0)) / accumulate  # SYNC: one number per batch
+        ids_BS, labels_BS = ids_BS.to(self.device), labels_BS.to(self.device)
+        if not train:
+            return self._loss_to_log(self._forward_only(ids_BS, labels_BS), accumulate)
+        schedule = self._schedule(tuple(ids_BS.shape))
+        losses: list[torch.Tensor] = []
+        args = (ids_BS,) if self.holds_first else ()
+        schedule.step(*args, target=labels_BS if self.holds_last else None, losses=losses if self.holds_last else None)
+        return self._loss_to_log(losses, accumulate)
+
+    def _forward_only(self, ids_BS: torch.Tensor, labels_BS: torch.Tensor) -> list[torch.Tensor]:
+        """Validation: each micro-batch through the stages in order, the hidden states sent to the
+        rank of the next stage (plain send/recv over the pp group; any placement, "V" included,
+        whose torch schedules have no forward-only mode). The losses on the last stage's rank."""
+        opts = self.options
+        owner = {s: r for r in range(opts.pp) for s in stage_indices(r, opts.pp, opts.schedule, opts.virtual_stages)}
+        local = dict(self.stages.stages)
+        losses = []
+        for ids_bS, labels_bS in zip(ids_BS.chunk(opts.microbatches), labels_BS.chunk(opts.microbatches)):
+            x = ids_bS
+            for s in range(opts.stages):
+                if owner[s] != self.pp_rank:
+                    continue
+                if s > 0 and owner[s - 1] != self.pp_rank:
+                    x = self._example(False, ids_bS.shape[0], ids_bS.shape[1], False, device=self.device)
+                    dist.recv(x, group=self.pp_group, group_src=owner[s - 1])
+                x = local[s](x)
+                if s < opts.stages - 1 and owner[s + 1] != self.pp_rank:
+                    dist.send(x.contiguous(), group=self.pp_group, group_dst=owner[s + 1])
+            if self.holds_last:
+                losses.append(self._loss(x, labels_bS))
+        return losses
+
+    def _check_batch(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        packed = [k for k in _PACKED_KEYS if batch.get(k) is not None]
+        if packed:
+            raise ValueError(
+                f"{self.owner}: the batch holds {packed[0]!r} (packed documents), which pipeline stages do not "
+                f"carry at pp={self.options.pp}; pack without document ids or set pp=1."
+            )
+        ids_BS, labels_BS = batch["input_ids"], batch["labels"]
+        check_pipeline_batch(self.owner, self.options, int(ids_BS.shape[0]))
+        return ids_BS, labels_BS
+
+    def _loss(self, logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's token sum, times ``ranks / tokens / accumulate`` of the whole batch."""
+        count = (labels_BS != IGNORE_INDEX).sum()
+        if bool(count > 0):  # SYNC: one count per micro-batch
+            total = lm_cross_entropy(self.stages, logits_BSV, labels_BS) * count
+        else:  # no labelled token: 0, kept in the graph (the mean of nothing is NaN)
+            total = logits_BSV.sum() * 0.0
+        return total * self._scale
+
+    def _schedule(self, shape: tuple[int, ...]) -> Any:
+        """The training schedule for batches of ``shape`` (built once per shape)."""
+        key = shape
+        if key not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage
+
+            b, S = shape[0] // self.options.microbatches, shape[1]
+            stages = []
+            for index, view in self.stages.stages:
+                stages.append(
+                    PipelineStage(
+                        view, index, self.options.stages, self.device,
+                        input_args=self._example(view.is_first, b, S, True),
+                        output_args=self._example(False, b, S, True, logits=view.is_last),
+                        group=self.pp_group,
+                    )
+                )  # fmt: skip
+            self._schedules[key] = build_schedule(
+                self.options.schedule, stages, self.options.microbatches, self._loss, scale_grads=False
+            )
+        return self._schedules[key]
+
+    def _example(
+        self, ids: bool, b: int, S: int, grad: bool, logits: bool = False, device: Any = "meta"
+    ) -> torch.Tensor:
+        """A stage's input or output (a meta tensor by default): ids ``[b, S]``, hidden ``[b, S, H]``,
+        logits ``[b, S, V]``."""
+        if ids:
+            return torch.empty(b, S, dtype=torch.long, device=device)
+        dtype = next(p.dtype for p in self.stages.parameters() if p.is_floating_point())
+        if logits and self.stages.lm_head is not None:
+            width = self.stages.lm_head.out_features
+        else:
+            width = self.hidden_size
+        return torch.empty(b, S, width, dtype=dtype, device=device, requires_grad=grad)
+
+    def _loss_to_log(self, losses: list[torch.Tensor], accumulate: int) -> torch.Tensor:
+        if self.holds_last:
+            value = torch.stack([loss.detach().float() for loss in losses]).sum() * accumulate
+        else:
+            value = torch.zeros((), dtype=torch.float32, device=self.device)
+        value = value.to(self.device)
+        if self.options.pp > 1:
+            dist.broadcast(value, group=self.pp_group, group_src=self.last_stage_rank)
+        return value

@@ -1,0 +1,95 @@
+"""The pipeline-parallel Trainer and Fabric tests' model, data and one-process reference.
+
+The model is ``_models``'s with 4 blocks (1 dense, 3 MoE), so it splits into 2 or 4 stages. A
+batch of ``BATCH`` rows runs as ``MICRO`` micro-batches; the reference is one process that runs
+the same micro-batches of each data-parallel shard one after the other, each loss scaled by
+``1 / (dp * ACCUM * MICRO)`` and the aux losses likewise: the arithmetic a pipeline must equal.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from _models import ACCUM, CLIP, LR, RecordingLM, TokenData, model_config
+from lightning_moe.moe.utils import set_aux_loss_scale
+
+NUM_LAYERS, BATCH, MICRO = 4, 4, 4
+
+
+class PipelineLM(RecordingLM):
+    """``RecordingLM`` with 4 blocks and batches of ``BATCH`` rows."""
+
+    def __init__(self) -> None:
+        super().__init__(model_config(num_layers=NUM_LAYERS))
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_data(), batch_size=BATCH, shuffle=False)
+
+
+def parse(spec: str) -> dict[str, Any]:
+    """``pp=2,ep=2,schedule=1f1b,v=1,n=4`` -> strategy keyword arguments."""
+    names = {"schedule": "pp_schedule", "v": "pp_virtual_stages", "n": "pp_microbatches"}
+    out: dict[str, Any] = {}
+    for item in spec.split(","):
+        key, value = item.split("=")
+        out[names.get(key, key)] = value if key == "schedule" else int(value)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def pipeline_reference(dp: int, steps: int) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """``losses[batch][dp_rank]`` (each the mean of its micro-batches' losses) and the final parameters."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        lm = PipelineLM()
+        model = lm.model
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        data = TokenData()
+        orders = [list(DistributedSampler(data, num_replicas=dp, rank=d, shuffle=True, seed=0)) for d in range(dp)]
+        scale = 1.0 / (dp * ACCUM * MICRO)
+        set_aux_loss_scale(model, scale)
+        losses: list[list[float]] = []
+        for step in range(steps):
+            for micro in range(ACCUM):
+                row = []
+                for d in range(dp):
+                    b = step * ACCUM + micro
+                    idx = orders[d][b * BATCH : (b + 1) * BATCH]
+                    batch = torch.utils.data.default_collate([data[i] for i in idx])
+                    total = 0.0
+                    for ids, labels in zip(batch["input_ids"].chunk(MICRO), batch["labels"].chunk(MICRO)):
+                        loss = lm._lm_loss({"input_ids": ids, "labels": labels})
+                        (loss * scale).backward()
+                        total += float(loss.detach())
+                    row.append(total / MICRO)
+                losses.append(row)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+            opt.zero_grad()
+        return losses, {f"model.{k}": v.detach().clone() for k, v in model.named_parameters()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def compare(result: dict, label: str, dp: int, steps: int, rtol: float = 1e-5) -> None:
+    """Every rank's batch losses, the logged loss and the final parameters equal the reference."""
+    atol = rtol / 10
+    ref_losses, ref_state = pipeline_reference(dp, steps)
+    for rank, (dp_rank, losses) in enumerate(result["losses"]):
+        want = [row[dp_rank] for row in ref_losses]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{label} rank {rank} losses: {m}")  # fmt: skip
+    if "logged_loss" in result:
+        last = torch.tensor(ref_losses[-1]).mean()
+        torch.testing.assert_close(torch.tensor(result["logged_loss"]), last, rtol=rtol, atol=atol)
+    assert set(result["state"]) == set(ref_state), (label, sorted(set(result["state"]) ^ set(ref_state)))
+    for name, want in ref_state.items():
+        torch.testing.assert_close(result["state"][name], want, rtol=rtol, atol=atol,
+                                   msg=lambda m, n=name: f"{label} {n}: {m}")  # fmt: skip

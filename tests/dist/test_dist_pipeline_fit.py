@@ -1,0 +1,60 @@
+"""Trainer.fit with FoldedMoEStrategy at pp > 1 equals one process: every logged loss, the final parameters.
+
+``worker_pipeline_fit.py`` trains a 4-block model (1 dense, 3 MoE; switch aux loss and z-loss)
+for 3 optimizer steps with gradient accumulation 2 and gradient clipping, fp32, batches of 4 rows
+as 4 micro-batches, then validates through the pipeline. The reference (``_pipeline_models``) is
+one process running the same micro-batches. W=2: PP2 with 1f1b; W=4: PP2 x EP2 (dp 2) with 1f1b,
+interleaved 1f1b over 4 stages (2 per rank) and the zero-bubble "V" schedule. Every rank's logged
+batch losses, the logged ``train/loss`` and every parameter must match to rtol 1e-5. One torchrun
+job per world size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from _harness import Launch, launch_torchrun
+from _pipeline_models import compare, parse
+
+pytestmark = pytest.mark.dist
+
+SPECS = {
+    2: ["pp=2,schedule=1f1b,n=4"],
+    4: ["pp=2,ep=2,schedule=1f1b,n=4", "pp=2,ep=2,schedule=interleaved_1f1b,v=2,n=4", "pp=2,ep=2,schedule=zbv,v=2,n=4"],
+}
+_CASES = [(world, spec) for world, specs in SPECS.items() for spec in specs]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, Launch]]:
+    return {"root": tmp_path_factory.mktemp("pipeline_fit")}  # type: ignore[dict-item]
+
+
+def _job(jobs: dict, world: int, selected: list[str]) -> tuple[Path, Launch]:
+    if world not in jobs:
+        out = jobs["root"] / f"w{world}"
+        out.mkdir()
+        jobs[world] = (out, launch_torchrun("worker_pipeline_fit.py", world, [str(out), *selected], timeout=570))
+    return jobs[world]
+
+
+@pytest.mark.parametrize(("world", "spec"), _CASES, ids=[f"W{w}-{s}" for w, s in _CASES])
+def test_trainer_pipeline_equals_one_process(jobs: dict, request: pytest.FixtureRequest, world: int, spec: str) -> None:
+    selected = [s for w, s in _CASES if w == world and _selected(request, w, s)]
+    out, job = _job(jobs, world, selected)
+    if f"DONE {spec}" not in job.output:
+        pytest.fail(f"worker_pipeline_fit {spec!r} did not finish:\n{job.failure() or job.output[-6000:]}", pytrace=False)
+    result = torch.load(out / f"{spec}.pt")
+    layout = parse(spec)
+    dp = world // layout["pp"]
+    compare(result, spec, dp, steps=3)
+    assert result["val_loss"] is not None and result["val_loss"] > 0, result["val_loss"]
+
+
+def _selected(request: pytest.FixtureRequest, world: int, spec: str) -> bool:
+    """Whether the test of ``spec`` is in this run (a job runs only the selected layouts)."""
+    wanted = f"W{world}-{spec}"
+    return any(wanted in item.nodeid for item in request.session.items)
