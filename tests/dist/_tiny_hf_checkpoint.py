@@ -6,7 +6,8 @@ index) and the tokenizer of ``tests/unit/_tiny_tokenizer.py`` (trained here, wit
 ``write_chats(path, n)`` writes a jsonl file of ``{"messages": [...]}`` chats whose assistant replies
 follow from the question, so a fine-tune lowers the validation loss within 100 steps.
 ``tiny_run_overrides`` are the command-line overrides that run a full-size SFT recipe of
-:data:`FULL_SIZE_RECIPES` on such a checkpoint on 2 CPU ranks (its callbacks kept). Nothing is downloaded.
+:data:`FULL_SIZE_RECIPES` on such a checkpoint on 2 CPU ranks (its callbacks kept; a recipe's own overrides
+in :data:`FULL_SIZE_RECIPES` may ask for more ranks). Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -82,12 +83,14 @@ def write_chats(path: Path, n: int, seed: int = 0) -> Path:
     return path
 
 
-# full-size recipe -> (family of its tiny checkpoint, overrides that cut its layout to 2 ranks)
+# full-size recipe -> (family of its tiny checkpoint, overrides that cut its layout to 2 ranks, or 4)
 FULL_SIZE_RECIPES: dict[str, tuple[str, list[str]]] = {
     "qwen3_30b_a3b_sft.yaml": ("qwen3_moe", ["--trainer.strategy.init_args.ep=2"]),
     "deepseek_v2_lite_sft.yaml": ("deepseek_v2", ["--trainer.strategy.init_args.ep=2"]),
     "mixtral_8x7b_sft.yaml": ("mixtral", ["--trainer.strategy.init_args.ep=2"]),
     "gpt_oss_20b_sft.yaml": ("gpt_oss", ["--trainer.strategy.init_args.ep=2"]),
+    # TP2 x CP2 with sequence parallel keeps its attention layout: 4 ranks, experts EP2 x EDP2
+    "hf_qwen3_moe_long_context.yaml": ("qwen3_moe", ["--trainer.devices=4", "--trainer.strategy.init_args.ep=2"]),
 }
 
 

@@ -3,7 +3,8 @@
 Per recipe (``FULL_SIZE_RECIPES``): a random 2-layer checkpoint of its family built with
 transformers' own classes (sharded safetensors, the tiny tokenizer, ``_tiny_hf_checkpoint.py``) and a
 jsonl chat file; ``lightning-moe fit --config configs/<recipe>`` with ``tiny_run_overrides`` and the
-layout cut to 2 CPU ranks (EP2), fp32, 100 steps. The recipe's own loading (``load_sharded``), data
+layout cut to 2 CPU ranks (EP2; the long-context recipe keeps TP2 x CP2 with sequence parallel
+on 4 ranks, EP2), fp32, 100 steps. The recipe's own loading (``load_sharded``), data
 (``TextDataModule`` SFT with packing) and callbacks (checkpointing, the LR and MoE monitors,
 ``CPUOffload``, which does nothing without CUDA) stay; the run must reach ``max_steps`` with the
 validation loss falling and leave its DCP checkpoint. The full-size settings are checked from the
@@ -31,7 +32,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 STEPS = 100
 _IDS = [r.removesuffix(".yaml") for r in FULL_SIZE_RECIPES]
 _UNSHARDED: set[str] = set()  # every recipe reads its checkpoint sharded
-SHARDED_FAMILIES = [family for recipe, (family, _) in FULL_SIZE_RECIPES.items() if recipe not in _UNSHARDED]
+SHARDED_FAMILIES = list(dict.fromkeys(family for recipe, (family, _) in FULL_SIZE_RECIPES.items() if recipe not in _UNSHARDED))
 
 
 @pytest.mark.parametrize("recipe", list(FULL_SIZE_RECIPES), ids=_IDS)

@@ -9,7 +9,8 @@ recipe crashed there at the first step (Lightning refused to clip a fused optimi
 
 The cells of one world size run in one job (``worker_recipe_matrix.py``): starting processes that
 import torch and Lightning costs more on 2 cores than the few steps themselves. The full-size SFT
-recipes run on a tiny checkpoint of their family on 2 ranks (EP2), as in ``test_hf_recipes_tiny.py``.
+recipes run on a tiny checkpoint of their family on 2 ranks (EP2; the long-context one on 4, its
+TP2 x CP2 kept), as in ``test_hf_recipes_tiny.py``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ _SMALL_DATA = {"seq_len": 32, "batch_size": 4, "max_bytes": 100_000}
 WORLD = {
     "tiny_moe": 1, "tiny_moe_callbacks": 1, "tiny_moe_fp8": 1, "hf_qwen3_moe_tiny": 2, "tiny_moe_folded": 4,
     "tiny_moe_long_context": 4, **{r.removesuffix(".yaml"): 2 for r in FULL_SIZE_RECIPES},
+    "hf_qwen3_moe_long_context": 4,  # full size, cut to EP2 but keeping its TP2 x CP2 attention
 }  # fmt: skip
 _JOB_TIMEOUT_S = 560.0
 
@@ -76,7 +78,7 @@ def _trimmed(recipe: str, precision: str, impl: str, hf: dict[str, Path]) -> dic
     _set_optimizer_impl(model, impl)
     if f"{recipe}.yaml" in FULL_SIZE_RECIPES:
         family, _ = FULL_SIZE_RECIPES[f"{recipe}.yaml"]
-        trainer.update(accelerator="cpu", devices=2)
+        trainer.update(accelerator="cpu", devices=WORLD[recipe])
         trainer["strategy"]["init_args"]["ep"] = 2
         model.update(pretrained=str(hf[family]))
         data.update(tokenizer_dir=str(hf[family]), train_files=str(hf["chats"]), val_fraction=0.1, seq_len=32,
