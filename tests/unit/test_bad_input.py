@@ -406,3 +406,68 @@ def test_pipeline_schedule_this_torch_lacks_is_refused(monkeypatch: pytest.Monke
     pipelining = pytest.importorskip("torch.distributed.pipelining")
     monkeypatch.delattr(pipelining, "ScheduleDualPipeV")
     _check((lambda: check_schedule("dualpipev", 2), ValueError, "schedule='dualpipev' needs torch.distributed.pipelining.ScheduleDualPipeV"))
+
+
+# --- sequence and context parallel of HF models ------------------------------------------------------
+
+_MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4,
+            n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1)  # fmt: skip
+
+
+def _hf(model_type: str = "qwen3_moe", **changes: Any) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in HF_TINY.items() if k != "model_type"}
+    config = AutoConfig.for_model(model_type, **{**fields, "num_local_experts": 4, **changes})
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _enable_cp(model: torch.nn.Module) -> None:
+    from lightning_moe.models.context_parallel import enable_context_parallel
+
+    enable_context_parallel(model, None)
+
+
+def _layout_check(model: torch.nn.Module, **options: bool) -> None:
+    from lightning_moe.parallel.layout import FoldedLayout
+    from lightning_moe.parallel.parallelize import check_model_for_layout
+
+    check_model_for_layout(model, FoldedLayout(2, tp=2), **options)
+
+
+HF_PARALLEL_CASES: dict[str, Case] = {
+    "cp gpt-oss sinks": (lambda: _enable_cp(_hf("gpt_oss", layer_types=["full_attention"])), TypeError,
+                         "(GptOssAttention) is attention that context parallelism cannot wrap: its attention adds per-head sinks"),
+    "cp sliding window": (lambda: _enable_cp(_hf(use_sliding_window=True, sliding_window=8)), ValueError,
+                          "has sliding_window=8; context parallelism computes causal attention over all keys"),
+    "cp attention dropout": (lambda: _enable_cp(_hf(attention_dropout=0.1)), ValueError,
+                             "has attention_dropout=0.1; context-parallel attention has no dropout"),
+    "sp deepseek mla": (lambda: _layout_check(_hf("deepseek_v3", **_MLA), sequence_parallel=True), ValueError,
+                        "sequence_parallel=True is not supported with model.layers.0.self_attn (DeepseekV3Attention)"),
+    "vp hf model": (lambda: _layout_check(_hf(), vocab_parallel=True), ValueError,
+                    "has neither. Turn vocab_parallel off for this model."),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(HF_PARALLEL_CASES))
+def test_bad_hf_parallel_model(case: str) -> None:
+    pytest.importorskip("transformers")
+    _check(HF_PARALLEL_CASES[case])
+
+
+def test_hf_model_under_context_parallel_refuses_a_call_without_positions_or_with_a_mask(fake_world: Any) -> None:
+    pytest.importorskip("transformers")
+    import torch.distributed as dist
+
+    from lightning_moe.models.context_parallel import enable_context_parallel
+
+    fake_world(0, 1)
+    model = _hf()
+    enable_context_parallel(model, dist.group.WORLD)
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    _check((lambda: model(input_ids=ids), ValueError, "under context parallelism pass position_ids"))
+    positions, mask = torch.arange(8)[None], torch.ones(1, 8, dtype=torch.long)
+    _check((lambda: model(input_ids=ids, position_ids=positions, attention_mask=mask), ValueError,
+            "attention_mask of shape (1, 8) is not supported under context parallelism"))  # fmt: skip
+    enable_context_parallel(model, None)  # turned back: the model's own attention again
+    assert model.config._attn_implementation == "sdpa" and model(input_ids=ids).logits.shape == (1, 8, 64)
