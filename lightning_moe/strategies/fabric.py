@@ -17,7 +17,12 @@ Degrees, layout, meshes, sampler arguments, sharding, meta-device init and exper
    ``fabric.backward`` since the last step and the gradients of the set-up module are checked
    before the optimizer reads them, with the Trainer's semantics (``FloatingPointError`` naming the
    first bad parameter, or the step skipped with a warning up to ``skip_nonfinite`` in a row);
-6. context parallel (``cp > 1``): the loop cuts each batch with ``fabric.strategy.shard_batch``
+6. pipeline parallel (``pp > 1``): ``fabric.setup(transformer)`` returns this rank's stages
+   (``LocalStages``, the transformer's parameter names), and the loop calls
+   ``loss = fabric.strategy.pipeline_step(batch, accumulate)`` in place of the forward and
+   ``fabric.backward`` (the schedule runs both); ``fabric.no_backward_sync``,
+   ``fabric.clip_gradients`` (the norm over every stage) and the guard work as at ``pp = 1``;
+7. context parallel (``cp > 1``): the loop cuts each batch with ``fabric.strategy.shard_batch``
    and takes the loss from ``parallel.fold_batch.lm_token_mean_loss`` over
    ``fabric.strategy.loss_group``, as the Trainer's LightningModule does::
 
@@ -132,6 +137,22 @@ class FabricFoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
             self.step_guard.record_loss(tensor)
         super().backward(tensor, module, *args, **kwargs)
 
+    def pipeline_step(self, batch: dict[str, torch.Tensor], accumulate: int = 1) -> torch.Tensor:
+        """At ``pp > 1``, in place of the forward and ``fabric.backward``: every micro-batch of
+        ``batch`` forward and backward through the pipeline schedule (``strategies/pipeline_step.py``),
+        gradients scaled for ``accumulate`` batches per optimizer step; returns the detached loss
+        one process would compute (the token mean, the same on every stage). The loss is kept for
+        the non-finite guard of the next step, as ``fabric.backward`` keeps it."""
+        if self.pipeline is None:
+            raise ValueError(
+                f"{type(self).__name__}: pipeline_step needs pp > 1 and a module set up with fabric.setup (pp="
+                f"{self.pipeline_options.pp}); at pp=1 run the forward and fabric.backward(loss) instead."
+            )
+        loss = self.pipeline.train_step(batch, accumulate)
+        if self.step_guard is not None:
+            self.step_guard.record_loss(loss)
+        return loss
+
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """The non-finite guard (before the optimizer reads a gradient), then Lightning's step."""
@@ -173,7 +194,8 @@ class FabricFoldedMoEStrategy(FoldedMoECore, ModelParallelStrategy):
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
         self.precision.unscale_gradients(optimizer)
-        return mesh_aware_clip_norm(module, float(max_norm), float(norm_type), error_if_nonfinite)
+        pp_group = self.folded_mesh.group("pp") if self.pipeline_options.pp > 1 else None
+        return mesh_aware_clip_norm(module, float(max_norm), float(norm_type), error_if_nonfinite, pp_group)
 
     @override
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:

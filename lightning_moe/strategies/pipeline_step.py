@@ -19,7 +19,8 @@ A :class:`PipelineRunner` belongs to a strategy at ``pp > 1``; the training step
    ``1 / (accumulate * n)`` (each micro-batch routes on its own, as one process running the same
    micro-batches);
 3. training: torch's schedule for this batch shape (built once per shape, with the stage shapes
-   given up front, so torch runs no shape-inference forward through the MoE layers);
+   given up front, so torch runs no shape-inference forward through the MoE layers; the
+   zero-bubble schedules compute weight gradients with the input gradients, see ``_SPLIT``);
    validation: each micro-batch forward through the stages in order (:meth:`_forward_only`);
 4. the loss to log: the sum of the micro-batch losses times ``accumulate`` (the batch's
    token-mean share of this data rank), broadcast over the pp group from the rank holding the
@@ -44,6 +45,19 @@ from lightning_moe.strategies.pipeline_setup import PipelineOptions, check_pipel
 __all__ = ["PipelineRunner"]
 
 _PACKED_KEYS = ("position_ids", "document_ids")
+# Zero-bubble schedules split each backward into input (I) and weight (W) gradients; torch computes
+# W outside autograd's ordinary backward, where FSDP2's hooks never see those gradients. With a
+# ``dw_builder`` the I step runs the full backward and W is empty: the schedule's order and
+# messages stay, its weight-gradient deferral does not.
+_SPLIT = ("zbv", "dualpipev")
+
+
+def _no_weight_pass() -> None:
+    return None
+
+
+def _full_backward() -> Any:
+    return _no_weight_pass
 
 
 class PipelineRunner:
@@ -173,7 +187,7 @@ class PipelineRunner:
                         view, index, self.options.stages, self.device,
                         input_args=self._example(view.is_first, b, S, True),
                         output_args=self._example(False, b, S, True, logits=view.is_last),
-                        group=self.pp_group,
+                        group=self.pp_group, dw_builder=_full_backward if self.options.schedule in _SPLIT else None,
                     )
                 )  # fmt: skip
             self._schedules[key] = build_schedule(
