@@ -1,0 +1,47 @@
+"""Fabric with FabricFoldedMoEStrategy at pp > 1 equals one process: every batch loss, the final parameters.
+
+``worker_pipeline_fabric.py`` runs the Trainer test's model, data and arithmetic
+(``_pipeline_models``: 3 optimizer steps, accumulation 2 through ``fabric.no_backward_sync``,
+``fabric.clip_gradients``, fp32, 4 micro-batches of one row) with ``fabric.strategy.pipeline_step``
+in place of the forward and ``fabric.backward``. W=2: PP2 with 1f1b; W=4: PP2 x EP2 with 1f1b
+and zbv. rtol 1e-5 against the one-process reference. One torchrun job per world size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from _harness import Launch, launch_torchrun
+from _pipeline_models import compare, parse
+
+pytestmark = pytest.mark.dist
+
+SPECS = {2: ["pp=2,schedule=1f1b,n=4"], 4: ["pp=2,ep=2,schedule=1f1b,n=4", "pp=2,ep=2,schedule=zbv,v=2,n=4"]}
+_CASES = [(world, spec) for world, specs in SPECS.items() for spec in specs]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return {"root": tmp_path_factory.mktemp("pipeline_fabric")}
+
+
+def _job(jobs: dict, world: int, specs: list[str]) -> tuple[Path, Launch]:
+    if world not in jobs:
+        out = jobs["root"] / f"w{world}"
+        out.mkdir()
+        jobs[world] = (out, launch_torchrun("worker_pipeline_fabric.py", world, [str(out), *specs], timeout=570))
+    return jobs[world]
+
+
+@pytest.mark.parametrize(("world", "spec"), _CASES, ids=[f"W{w}-{s}" for w, s in _CASES])
+def test_fabric_pipeline_equals_one_process(jobs: dict, request: pytest.FixtureRequest, world: int, spec: str) -> None:
+    items = [item.nodeid for item in request.session.items]
+    selected = [s for w, s in _CASES if w == world and any(f"W{w}-{s}" in node for node in items)]
+    out, job = _job(jobs, world, selected)
+    if f"DONE {spec}" not in job.output:
+        pytest.fail(f"worker_pipeline_fabric {spec!r} did not finish:\n{job.failure() or job.output[-6000:]}", pytrace=False)
+    result = torch.load(out / f"fabric_{spec}.pt")
+    compare(result, f"fabric {spec}", world // parse(spec)["pp"], steps=3)
