@@ -18,7 +18,8 @@ Degrees, layout, meshes, sampler arguments, sharding, meta-device init and exper
    before the optimizer reads them, with the Trainer's semantics (``FloatingPointError`` naming the
    first bad parameter, or the step skipped with a warning up to ``skip_nonfinite`` in a row);
 6. pipeline parallel (``pp > 1``): ``fabric.setup(transformer)`` returns this rank's stages
-   (``LocalStages``, the transformer's parameter names), and the loop calls
+   (``LocalStages``, the transformer's parameter names; also ``fabric.strategy.pipeline.stages``,
+   while the wrapper's ``.module`` stays the uncut transformer), and the loop calls
    ``loss = fabric.strategy.pipeline_step(batch, accumulate)`` in place of the forward and
    ``fabric.backward`` (the schedule runs both); ``fabric.no_backward_sync``,
    ``fabric.clip_gradients`` (the norm over every stage) and the guard work as at ``pp = 1``;
