@@ -20,10 +20,14 @@ kernels then build from the wheel's own sources. What it does:
    the export and its logits match ours (read from the DCP checkpoint) -> ``lightning-moe
    generate`` prints text.
 
-Every run prints the step time and peak memory (``lightning_moe.callbacks.StepTimer``); the table
-goes to stdout and, with ``--out``, to a JSON file. Exit status 1 when any row failed.
-``--accelerator cpu --tiny`` runs the same journey on the CPU with small dimensions (a check of
-the script itself).
+Every run prints the step time and peak memory (``lightning_moe.callbacks.StepTimer``). The loss
+column is the validation loss at the first and last validation of the fit (``val``: a recipe run
+validates in its sanity check and every ``--steps // 2`` steps) or, where the fit validated once or
+never, the training loss of the first and last logged steps from the CSV metrics (``train``: a
+slice's resumed fit validates only at its end, since Lightning skips the sanity check on resume; that
+one validation loss goes to the notes). The table goes to stdout and, with ``--out``, to a JSON file.
+Exit status 1 when any row failed. ``--accelerator cpu --tiny`` runs the same journey on the CPU
+with small dimensions (a check of the script itself).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ _STEP_LINE = re.compile(r"^step time: ([\d.]+) ms median", re.M)
 _PEAK_LINE = re.compile(r"^step time: .*peak memory: ([\d.]+) GiB allocated", re.M)
 _VAL_LINE = re.compile(r"validation loss: (\S+) at step (\d+) -> (\S+) at step (\d+)")
 _TIMER = {"class_path": "lightning_moe.callbacks.StepTimer", "init_args": {"skip_steps": 5}}
+_VAL_BATCHES = 4  # validation batches of every run
 
 # recipe -> (HF model_type, the released model's dimensions that a two-layer slice keeps)
 SLICES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -94,8 +99,10 @@ class Row:
     precision: str
     ok: bool = False
     steps: int = 0
-    val_first: float | None = None
-    val_last: float | None = None
+    loss_kind: str = ""  # "val" or "train": which loss loss_first and loss_last are
+    loss_first: float | None = None
+    loss_last: float | None = None
+    loss_steps: tuple[int, int] | None = None  # the steps of loss_first and loss_last
     ms_per_step: float | None = None
     peak_gib: float | None = None
     seconds: float = 0.0
@@ -118,14 +125,38 @@ def run(cmd: list[str], cwd: Path, timeout: float, log: Path) -> tuple[int, str]
     return rc, log.read_text(errors="replace")
 
 
-def read_fit(out: str, row: Row) -> None:
-    """The validation loss and StepTimer lines of a fit's output, into ``row``."""
-    val = _VAL_LINE.search(out)
+def read_fit(out: str, row: Row, work: Path) -> None:
+    """A fit's loss and StepTimer lines into ``row``: the validation loss first -> last when the fit
+    validated at two steps, else the training loss first -> last of the CSV metrics under ``work``."""
+    val, train = _VAL_LINE.search(out), train_losses(work)
     if val:
-        row.val_first, row.val_last, row.steps = float(val.group(1)), float(val.group(3)), int(val.group(4))
+        row.steps = int(val.group(4))
+    if val and val.group(2) != val.group(4):
+        row.loss_kind, row.loss_first, row.loss_last = "val", float(val.group(1)), float(val.group(3))
+        row.loss_steps = (int(val.group(2)), int(val.group(4)))
+    elif len(train) >= 2:
+        (first_step, first), (last_step, last) = train[0], train[-1]
+        row.loss_kind, row.loss_first, row.loss_last, row.loss_steps = "train", first, last, (first_step, last_step)
+        row.steps = row.steps or last_step
+    if val and row.loss_kind != "val":
+        row.notes.append(f"one validation: loss {float(val.group(3)):.4g} at step {val.group(4)}")
     timed, peak = _STEP_LINE.findall(out), _PEAK_LINE.findall(out)
     row.ms_per_step = float(timed[-1]) if timed else None
     row.peak_gib = float(peak[-1]) if peak else None
+
+
+def train_losses(work: Path) -> list[tuple[int, float]]:
+    """``(step, train/loss)`` of every CSVLogger ``metrics.csv`` under ``work`` (a killed fit's and the
+    fit resumed from it), by step; ``step`` counts optimizer steps, the logged batch's included."""
+    import csv
+
+    losses: dict[int, float] = {}
+    for path in sorted(work.rglob("metrics.csv")):
+        with path.open(newline="") as f:
+            for record in csv.DictReader(f):
+                if record.get("train/loss") and record.get("step"):
+                    losses[int(record["step"]) + 1] = float(record["train/loss"])
+    return sorted(losses.items())
 
 
 def tail(out: str, lines: int = 25) -> str:
@@ -146,7 +177,8 @@ def one_device(config: dict[str, Any], accelerator: str, precision: str, steps: 
     """A copy of ``config`` as a user edits it for one device, ``steps`` steps at ``precision``."""
     trainer = config["trainer"]
     trainer.update(accelerator=accelerator, devices=1, precision=precision, max_steps=steps,
-                   val_check_interval=steps // 2, limit_val_batches=4, enable_progress_bar=False)  # fmt: skip
+                   val_check_interval=steps // 2, limit_val_batches=_VAL_BATCHES,
+                   enable_progress_bar=False)  # fmt: skip
     trainer.pop("num_nodes", None)
     strategy = trainer.get("strategy")
     if isinstance(strategy, dict):
@@ -221,9 +253,10 @@ def recipe_row(args: argparse.Namespace, name: str, path: Path, precision: str, 
     row, start = Row(name, precision), time.time()
     rc, out = run(["lightning-moe", "fit", "--config", "recipe.yaml"], work, args.timeout, work / "fit.log")
     row.seconds = time.time() - start
-    read_fit(out, row)
+    read_fit(out, row, work)
     reached = f"`max_steps={args.steps}` reached" in out
-    lower = row.val_first is not None and row.val_last is not None and row.val_last < row.val_first
+    first, last = (row.loss_first, row.loss_last) if row.loss_kind == "val" else (None, None)
+    lower = first is not None and last is not None and last < first
     row.ok = rc == 0 and reached and lower
     if not row.ok:
         row.notes.append(f"exit {rc}, reached={reached}, loss lower={lower}: {work / 'fit.log'}")
@@ -334,7 +367,7 @@ def _slice_steps(args: argparse.Namespace, work: Path, row: Row) -> None:
                   work / "resume.log")  # fmt: skip
     _check(rc == 0 and f"`max_steps={2 * args.slice_steps}` reached" in out, f"resume failed (exit {rc})", out)
     _check("Restored all states from the checkpoint" in out, "the second fit did not resume from the checkpoint", out)
-    read_fit(out, row)
+    read_fit(out, row, work)
     export = work / "export"
     rc, out = run(["lightning-moe-export", str(last), str(export)], work, args.timeout, work / "export.log")
     _check(rc == 0 and (export / "config.json").is_file(), f"export failed (exit {rc})", out)
@@ -398,12 +431,16 @@ def format_row(row: Row) -> str:
     def num(x: float | None, fmt: str) -> str:
         return "—" if x is None else format(x, fmt)
 
-    loss = f"{num(row.val_first, '.3f')} → {num(row.val_last, '.3f')}"
+    loss = "—"
+    if row.loss_kind:  # 4 significant digits: a loss near zero is not rounded to 0.000
+        first_step, last_step = row.loss_steps or (0, 0)
+        loss = (f"{row.loss_kind} {num(row.loss_first, '.4g')} (step {first_step}) → "
+                f"{num(row.loss_last, '.4g')} (step {last_step})")  # fmt: skip
     return (f"| {row.what} | {row.precision} | {'pass' if row.ok else 'FAIL'} | {row.steps} | {loss} | "
             f"{num(row.ms_per_step, '.1f')} | {num(row.peak_gib, '.2f')} | {row.seconds:.0f} | {'; '.join(row.notes)} |")  # fmt: skip
 
 
-HEADER = ("| run | precision | result | steps | validation loss first → last | ms/step | peak GiB | wall s | notes |\n"
+HEADER = ("| run | precision | result | steps | loss first → last (val or train) | ms/step | peak GiB | wall s | notes |\n"
           "|---|---|---|---|---|---|---|---|---|")  # fmt: skip
 
 
