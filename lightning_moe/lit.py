@@ -188,7 +188,11 @@ class MoELanguageModelBase(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         pipeline = self._pipeline()
         if pipeline is not None:  # forward and backward of every micro-batch; the loss is detached
-            loss = pipeline.train_step(batch, self.trainer.accumulate_grad_batches)
+            accumulate = self.trainer.accumulate_grad_batches
+            if batch_idx % accumulate == 0:  # Lightning zeroes after the step: see optimizer_zero_grad
+                for optimizer in self.trainer.optimizers:
+                    optimizer.zero_grad()
+            loss = pipeline.train_step(batch, accumulate)
         else:
             set_aux_loss_scale(self.model, self._aux_loss_scale())
             loss = self._lm_loss(batch)
@@ -249,6 +253,14 @@ class MoELanguageModelBase(L.LightningModule):
         group = getattr(self.trainer.strategy, "expert_bias_group", None) if self._trainer is not None else None
         update_expert_biases(self.model, group)
         reset_global_aux_counts(self.model)
+
+    @override
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        """Lightning's, except at ``pp > 1``: Lightning zeroes the gradients between the training
+        step and the backward, but the pipeline's training step has run the backward already, so
+        ``training_step`` zeroes them itself before the schedule (first batch of an accumulation)."""
+        if self._pipeline() is None:
+            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     @override
     def configure_optimizers(self) -> Any:

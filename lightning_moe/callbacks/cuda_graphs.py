@@ -221,6 +221,8 @@ class CUDAGraphCapture(Callback):
     ``detach()`` at the end.
     """
 
+    supports_pipeline_parallel = False  # acts on one forward and backward of the whole model
+
     def __init__(self, modules: list[str] | None = None, warmup_steps: int = 3) -> None:
         super().__init__()
         if isinstance(modules, str):

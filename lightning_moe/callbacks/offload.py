@@ -387,6 +387,8 @@ class CPUOffload(Callback):
     Plain loops: ``CPUOffload(...).attach(model, device, optimizers=[opt])`` and ``detach()``.
     """
 
+    supports_pipeline_parallel = False  # acts on one forward and backward of the whole model
+
     def __init__(
         self,
         activations: list[str] | None = None,

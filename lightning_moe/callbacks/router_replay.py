@@ -112,6 +112,8 @@ class RouterReplay(Callback):
         steps_per_file: optimizer steps per shard file (``record``); bounds host memory.
     """
 
+    supports_pipeline_parallel = False  # acts on one forward and backward of the whole model
+
     def __init__(self, mode: Literal["record", "replay"], path: str, steps_per_file: int = 100) -> None:
         if mode not in ("record", "replay"):
             raise ValueError(f"RouterReplay: mode={mode!r} is unknown; choose 'record' or 'replay'.")

@@ -37,7 +37,7 @@ _SMALL_DATA = {"seq_len": 32, "batch_size": 4, "max_bytes": 100_000}
 # recipe -> ranks it runs on here (its own layout; the full-size ones cut to EP2 as in test_hf_recipes_tiny.py)
 WORLD = {
     "tiny_moe": 1, "tiny_moe_callbacks": 1, "tiny_moe_fp8": 1, "hf_qwen3_moe_tiny": 2, "tiny_moe_folded": 4,
-    "tiny_moe_long_context": 4, **{r.removesuffix(".yaml"): 2 for r in FULL_SIZE_RECIPES},
+    "tiny_moe_long_context": 4, "tiny_moe_pipeline": 4, **{r.removesuffix(".yaml"): 2 for r in FULL_SIZE_RECIPES},
     "hf_qwen3_moe_long_context": 4,  # full size, cut to EP2 but keeping its TP2 x CP2 attention
 }  # fmt: skip
 _JOB_TIMEOUT_S = 560.0

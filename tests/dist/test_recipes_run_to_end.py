@@ -31,6 +31,7 @@ RECIPES = [
     ("hf_qwen3_moe_tiny.yaml", [], 400),
     ("tiny_moe_long_context.yaml", [], 400),
     ("tiny_moe_fp8.yaml", [], 400),
+    ("tiny_moe_pipeline.yaml", [], 400),
 ]
 
 
