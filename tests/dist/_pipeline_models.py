@@ -32,17 +32,27 @@ class PipelineLM(RecordingLM):
 
 
 def parse(spec: str) -> dict[str, Any]:
-    """``pp=2,ep=2,schedule=1f1b,v=1,n=4`` -> strategy keyword arguments."""
+    """``pp=2,ep=2,schedule=1f1b,v=1,n=4`` -> strategy keyword arguments (``accum=1``, the
+    Trainer's gradient accumulation, is left out: see :func:`accumulation`)."""
     names = {"schedule": "pp_schedule", "v": "pp_virtual_stages", "n": "pp_microbatches"}
     out: dict[str, Any] = {}
     for item in spec.split(","):
         key, value = item.split("=")
-        out[names.get(key, key)] = value if key == "schedule" else int(value)
+        if key != "accum":
+            out[names.get(key, key)] = value if key == "schedule" else int(value)
     return out
 
 
+def accumulation(spec: str) -> int:
+    """``accum=N`` of a spec, else ``ACCUM``."""
+    found = [int(item.split("=")[1]) for item in spec.split(",") if item.startswith("accum=")]
+    return found[0] if found else ACCUM
+
+
 @functools.lru_cache(maxsize=None)
-def pipeline_reference(dp: int, steps: int) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+def pipeline_reference(
+    dp: int, steps: int, accum: int = ACCUM, micro: int = MICRO
+) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
     """``losses[batch][dp_rank]`` (each the mean of its micro-batches' losses) and the final parameters."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -53,22 +63,22 @@ def pipeline_reference(dp: int, steps: int) -> tuple[list[list[float]], dict[str
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
         data = TokenData()
         orders = [list(DistributedSampler(data, num_replicas=dp, rank=d, shuffle=True, seed=0)) for d in range(dp)]
-        scale = 1.0 / (dp * ACCUM * MICRO)
+        scale = 1.0 / (dp * accum * micro)
         set_aux_loss_scale(model, scale)
         losses: list[list[float]] = []
         for step in range(steps):
-            for micro in range(ACCUM):
+            for part in range(accum):
                 row = []
                 for d in range(dp):
-                    b = step * ACCUM + micro
+                    b = step * accum + part
                     idx = orders[d][b * BATCH : (b + 1) * BATCH]
                     batch = torch.utils.data.default_collate([data[i] for i in idx])
                     total = 0.0
-                    for ids, labels in zip(batch["input_ids"].chunk(MICRO), batch["labels"].chunk(MICRO)):
+                    for ids, labels in zip(batch["input_ids"].chunk(micro), batch["labels"].chunk(micro)):
                         loss = lm._lm_loss({"input_ids": ids, "labels": labels})
                         (loss * scale).backward()
                         total += float(loss.detach())
-                    row.append(total / MICRO)
+                    row.append(total / micro)
                 losses.append(row)
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             opt.step()
@@ -78,10 +88,11 @@ def pipeline_reference(dp: int, steps: int) -> tuple[list[list[float]], dict[str
         torch.set_num_threads(threads)
 
 
-def compare(result: dict, label: str, dp: int, steps: int, rtol: float = 1e-5) -> None:
+def compare(result: dict, spec: str, dp: int, steps: int, rtol: float = 1e-5, label: str = "") -> None:
     """Every rank's batch losses, the logged loss and the final parameters equal the reference."""
     atol = rtol / 10
-    ref_losses, ref_state = pipeline_reference(dp, steps)
+    label = label or spec
+    ref_losses, ref_state = pipeline_reference(dp, steps, accumulation(spec), parse(spec)["pp_microbatches"])
     for rank, (dp_rank, losses) in enumerate(result["losses"]):
         want = [row[dp_rank] for row in ref_losses]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=rtol, atol=atol,

@@ -44,4 +44,4 @@ def test_fabric_pipeline_equals_one_process(jobs: dict, request: pytest.FixtureR
     if f"DONE {spec}" not in job.output:
         pytest.fail(f"worker_pipeline_fabric {spec!r} did not finish:\n{job.failure() or job.output[-6000:]}", pytrace=False)
     result = torch.load(out / f"fabric_{spec}.pt")
-    compare(result, f"fabric {spec}", world // parse(spec)["pp"], steps=3)
+    compare(result, spec, world // parse(spec)["pp"], steps=3, label=f"fabric {spec}")

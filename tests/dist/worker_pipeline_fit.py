@@ -2,8 +2,8 @@
 
 ``python worker_pipeline_fit.py OUT_DIR SPEC...``; a spec is ``pp=2,ep=2,schedule=1f1b,v=1,n=4``
 (``_pipeline_models.parse``). Each trains ``STEPS`` optimizer steps with gradient accumulation 2
-and clipping, fp32, and a validation pass through the pipeline at the end. Rank 0 writes
-``OUT_DIR/<spec>.pt``: every rank's (dp coordinate, logged batch losses), the logged
+(``accum=N`` in the spec: N) and clipping, fp32, and a validation pass through the pipeline at the
+end. Rank 0 writes ``OUT_DIR/<spec>.pt``: every rank's (dp coordinate, logged batch losses), the logged
 ``train/loss``, the validation loss and the final full parameters gathered from every stage.
 """
 
@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 import lightning_moe  # noqa: F401 - registers "folded_moe"
-from _models import ACCUM, CLIP, TokenData, leave_together
-from _pipeline_models import PipelineLM, parse
+from _models import CLIP, TokenData, leave_together
+from _pipeline_models import PipelineLM, accumulation, parse
 from lightning_moe.parallel.checkpoint import gather_full_state
 from lightning_moe.strategies import FoldedMoEStrategy
 
@@ -36,10 +36,11 @@ def fit_one(spec: str, out_dir: Path, world: int) -> None:
     torch.manual_seed(0)
     model = ValidatedLM()
     strategy = FoldedMoEStrategy(**parse(spec), timeout=timedelta(seconds=90))
+    accum = accumulation(spec)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=ACCUM,
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=accum,
         gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=1.0, val_check_interval=STEPS * ACCUM,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=1.0, val_check_interval=STEPS * accum,
     )  # fmt: skip
     trainer.fit(model)
     state = {f"model.{k}": v for k, v in gather_full_state(model.model).items()}
