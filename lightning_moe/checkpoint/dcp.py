@@ -163,12 +163,29 @@ def load_distributed(
     for idx, optimizer in enumerate(optimizers):
         key = f"optimizer_{idx}"
         current = get_optimizer_state_dict(module, optimizer)
-        optim_target = {key: split_optimizer_state(current, names, shapes)}
+        optim_target = {key: _without_group_params(split_optimizer_state(current, names, shapes))}
         load(optim_target, checkpoint_id=path)
-        joined = join_optimizer_state(optim_target[key], current, names)
+        joined = _with_group_params(join_optimizer_state(optim_target[key], current, names), current)
         set_optimizer_state_dict(module, optimizer, optim_state_dict=joined,
                                  options=StateDictOptions(cpu_offload=True))  # fmt: skip
     return meta
+
+
+def _without_group_params(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with its param groups' ``params`` (lists of parameter names) left out: a load
+    reads the groups' hyper-parameters and keeps each group's parameters as the loading optimizer
+    has them (:func:`_with_group_params`), since the names a rank holds depend on the layout (a
+    pipeline stage holds other parameters than the next)."""
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in state.get("param_groups", [])]
+    return {**state, "param_groups": groups} if "param_groups" in state else state
+
+
+def _with_group_params(loaded: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    """``loaded`` with each param group's ``params`` from ``current``'s group of the same index."""
+    if "param_groups" not in loaded:
+        return loaded
+    groups = [{**group, "params": mine["params"]} for group, mine in zip(loaded["param_groups"], current["param_groups"])]
+    return {**loaded, "param_groups": groups}
 
 
 def _fresh_staging(path: Path, rank: int, barrier: Callable[[], None]) -> Path:

@@ -63,7 +63,9 @@ def save_trainer_checkpoint(
     the new one is complete."""
     if distributed:
         lay = mesh.layout
-        layout = {"tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "dp": lay.dp, "edp": lay.edp}
+        layout = {"tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "dp": lay.dp, "edp": lay.edp, "pp": lay.pp}
+        if lay.pp > 1:
+            _group_params_of_every_stage(checkpoint, mesh.group("pp"))
         save_distributed(checkpoint, path, model, rank=rank, barrier=barrier, layout=layout)
         return
     if rank == 0:
@@ -72,6 +74,21 @@ def save_trainer_checkpoint(
         _relayout_file_state(checkpoint, model, to_blocked=False)
         torch.save(config_to_plain({**checkpoint, W13_FORMAT_KEY: W13_FORMAT}), staged)
         publish(staged, path)
+
+
+def _group_params_of_every_stage(checkpoint: dict[str, Any], pp_group: Any) -> None:
+    """In place: each optimizer param group's ``params`` (parameter names) made the same on every
+    pipeline stage: every stage's names, in pp-rank order (one object all-gather over ``pp``). A DCP
+    folder keeps one copy of such an entry, and a one-file consolidation maps names to positions."""
+    import torch.distributed as dist
+
+    for optim in checkpoint.get("optimizer_states", []):
+        groups = optim.get("param_groups", [])
+        mine = [list(group.get("params", [])) for group in groups]
+        stages: list[Any] = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(stages, mine, group=pp_group)
+        for index, group in enumerate(groups):
+            group["params"] = [name for stage in stages for name in stage[index]]
 
 
 def _relayout_file_state(checkpoint: dict[str, Any], model: nn.Module, *, to_blocked: bool) -> None:
