@@ -25,7 +25,12 @@ Fabric strategy; this class adds the Trainer's side. Its stages:
    labelled tokens over :attr:`loss_group` (``dp_cp``), so losses and gradients equal one
    process's; ``expert_bias_group`` is the group the router counts are summed over (``dp_cp``;
    the world with sequence parallel);
-5. checkpoints (``lightning_moe.checkpoint``): a DCP folder written aside and published by
+5. pipeline parallel (``pp > 1``, ``strategies/pipeline_setup.py`` and ``pipeline_step.py``): the
+   transformer is cut into this rank's stages before ``parallelize``; ``MoELanguageModel``'s
+   training step hands each batch to :attr:`pipeline`, whose schedule runs every micro-batch's
+   forward and backward, so :meth:`backward` runs only the hooks around a backward; clipping
+   takes the norm over every stage;
+6. checkpoints (``lightning_moe.checkpoint``): a DCP folder written aside and published by
    rename (``last`` is always the newest complete checkpoint), with a manifest of sizes and
    CRC-32s verified before any weight changes; expert parameters are DTensors over
    ``(edp, ep[, etp])`` and ``w13`` is stored as its gate and up halves, so a load reshards to any

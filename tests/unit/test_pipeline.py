@@ -15,7 +15,7 @@ from lightning_moe.models.transformer import MoETransformer, TransformerConfig, 
 from lightning_moe.parallel.pipeline import (
     SCHEDULES, check_batch_split, check_microbatches, check_schedule, split_layers, stage_indices,
 )  # fmt: skip
-from lightning_moe.parallel.pipeline_stage import build_transformer_stage, materialize_stage
+from lightning_moe.parallel.pipeline_stage import build_transformer_stage, cut_rank_stages, materialize_stage
 
 # ---- split_layers ----------------------------------------------------------------------------------
 
@@ -158,3 +158,26 @@ def test_stage_refuses_tied_embeddings_split_over_stages_and_bad_ranges() -> Non
         build_transformer_stage(tied, range(0, 2), 3, _tables(tied.config))
     with pytest.raises(ValueError, match="has no attribute 'embed'"):
         build_transformer_stage(torch.nn.Linear(2, 2), range(0, 1), 1, _tables(tied.config))
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2)])
+def test_rank_stages_hold_the_model_names_once_and_cover_the_model(schedule: str, v: int) -> None:
+    """Every pipeline rank's ``LocalStages`` owns its stages' modules under the model's names; the
+    ranks together hold each parameter once; its stage views share those modules."""
+    cfg = _config()
+    model = MoETransformer(cfg)
+    ranges = split_layers(4, 2, v)
+    held = []
+    for rank in range(2):
+        local = cut_rank_stages(model, ranges, stage_indices(rank, 2, schedule, v), _tables(cfg))
+        names = [n for n, _ in local.named_parameters()]
+        assert len(names) == len(set(names))
+        held += names
+        shared = {id(p) for _, view in local.stages for p in view.parameters()}
+        assert shared == {id(p) for p in local.parameters()}
+        assert local.embed is (model.embed if any(view.is_first for _, view in local.stages) else None)
+        with pytest.raises(RuntimeError, match="run through the pipeline schedule"):
+            local(torch.zeros(1, 4, dtype=torch.long))
+    assert sorted(held) == sorted(n for n, _ in model.named_parameters())
+    moe_layers = [b.ffn for b in model.layers if hasattr(b.ffn, "experts")]
+    assert [m.global_moe_index for m in moe_layers] == list(range(len(moe_layers)))
