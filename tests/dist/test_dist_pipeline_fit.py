@@ -6,7 +6,8 @@ as 4 micro-batches, then validates through the pipeline. The reference (``_pipel
 one process running the same micro-batches. W=2: PP2 with 1f1b, and gpipe over 2 micro-batches
 without accumulation (the Trainer zeroes gradients between the training step and its backward,
 after the pipeline's backward ran); W=4: PP2 x EP2 (dp 2) with 1f1b,
-interleaved 1f1b over 4 stages (2 per rank) and the zero-bubble "V" schedule. Every rank's logged
+interleaved 1f1b over 4 stages (2 per rank) and the zero-bubble "V" schedule, and PP2 x TP2 with
+each stage's experts EP2 over its two TP ranks. Every rank's logged
 batch losses, the logged ``train/loss`` and every parameter must match to rtol 1e-5. One torchrun
 job per world size.
 """
@@ -25,7 +26,10 @@ pytestmark = pytest.mark.dist
 
 SPECS = {
     2: ["pp=2,schedule=1f1b,n=4", "pp=2,schedule=gpipe,n=2,accum=1"],
-    4: ["pp=2,ep=2,schedule=1f1b,n=4", "pp=2,ep=2,schedule=interleaved_1f1b,v=2,n=4", "pp=2,ep=2,schedule=zbv,v=2,n=4"],
+    4: [
+        "pp=2,ep=2,schedule=1f1b,n=4", "pp=2,ep=2,schedule=interleaved_1f1b,v=2,n=4", "pp=2,ep=2,schedule=zbv,v=2,n=4",
+        "pp=2,tp=2,ep=2,schedule=1f1b,n=4",
+    ],
 }
 _CASES = [(world, spec) for world, specs in SPECS.items() for spec in specs]
 
@@ -51,7 +55,7 @@ def test_trainer_pipeline_equals_one_process(jobs: dict, request: pytest.Fixture
         pytest.fail(f"worker_pipeline_fit {spec!r} did not finish:\n{job.failure() or job.output[-6000:]}", pytrace=False)
     result = torch.load(out / f"{spec}.pt")
     layout = parse(spec)
-    dp = world // layout["pp"]
+    dp = world // (layout["pp"] * layout.get("tp", 1))
     compare(result, spec, dp, steps=3)
     assert result["val_loss"] is not None and result["val_loss"] > 0, result["val_loss"]
 
