@@ -26,7 +26,9 @@ expert-bias updates and global-aux-loss counts, once per optimizer step.
 Pipeline parallel (``FoldedMoEStrategy(pp=2, ...)``): ``training_step`` hands the batch to the
 strategy's ``pipeline``, whose schedule runs the forward and backward of every micro-batch
 (the strategy then skips its own backward) and returns the loss one process would log: the
-batch's token mean, broadcast to every stage; validation runs the stages forward only. ``self.device_mesh`` is the
+batch's token mean, broadcast to every stage; validation runs the stages forward only. The aux
+losses and per-layer loads logged at ``pp > 1`` are those of rank 0's stages (their last
+micro-batch), not the whole model's. ``self.device_mesh`` is the
 strategy's device mesh (``strategy="folded_moe"``: the dense mesh) from ``configure_model`` on.
 """
 

@@ -71,6 +71,8 @@ class ECHOExpertCloning(Callback):
             gradient; ``None`` takes the strategy's expert gradient scale (``folded_moe``), or 1.
     """
 
+    supports_pipeline_parallel = False  # acts on one forward and backward of the whole model
+
     def __init__(
         self,
         spare_slots_per_rank: int = 1,

@@ -109,6 +109,8 @@ class MoEMonitor(Callback):
         prog_bar: show ``moe/expert_load_max_over_mean`` in the progress bar.
     """
 
+    supports_pipeline_parallel = False  # acts on one forward and backward of the whole model
+
     def __init__(
         self,
         log_every_n_steps: int = 1,
