@@ -5,11 +5,10 @@ for 3 optimizer steps with gradient accumulation 2 and gradient clipping, fp32, 
 as 4 micro-batches, then validates through the pipeline. The reference (``_pipeline_models``) is
 one process running the same micro-batches. W=2: PP2 with 1f1b, and gpipe over 2 micro-batches
 without accumulation (the Trainer zeroes gradients between the training step and its backward,
-after the pipeline's backward ran); W=4: PP2 x EP2 (dp 2) with 1f1b,
-interleaved 1f1b over 4 stages (2 per rank) and the zero-bubble "V" schedule, and PP2 x TP2 with
-each stage's experts EP2 over its two TP ranks. Every rank's logged
-batch losses, the logged ``train/loss`` and every parameter must match to rtol 1e-5. One torchrun
-job per world size.
+after the pipeline's backward ran). W=4: PP2 x EP2 (dp 2) with 1f1b, interleaved 1f1b over 4
+stages (2 per rank) and the zero-bubble "V" schedules (zbv, dualpipev); PP2 x TP2 with each
+stage's experts EP2 over its two TP ranks. Every rank's logged batch losses, the logged
+``train/loss`` and every parameter must match to rtol 1e-5. One torchrun job per world size.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ SPECS = {
     2: ["pp=2,schedule=1f1b,n=4", "pp=2,schedule=gpipe,n=2,accum=1"],
     4: [
         "pp=2,ep=2,schedule=1f1b,n=4", "pp=2,ep=2,schedule=interleaved_1f1b,v=2,n=4", "pp=2,ep=2,schedule=zbv,v=2,n=4",
-        "pp=2,tp=2,ep=2,schedule=1f1b,n=4",
+        "pp=2,ep=2,schedule=dualpipev,v=2,n=4", "pp=2,tp=2,ep=2,schedule=1f1b,n=4",
     ],
 }
 _CASES = [(world, spec) for world, specs in SPECS.items() for spec in specs]

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -31,7 +32,7 @@ from lightning_moe.models.transformer import TransformerConfig
 from lightning_moe.moe.layer import MoELayer
 from lightning_moe.parallel.pipeline import check_batch_split, check_microbatches, check_schedule, split_layers
 from lightning_moe.strategies import FabricFoldedMoEStrategy, FoldedMoEStrategy
-from lightning_moe.strategies.pipeline_setup import check_pipeline_callbacks
+from lightning_moe.strategies.pipeline_setup import check_pipeline_callbacks, check_pipeline_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "tiny_moe.yaml"
@@ -187,6 +188,7 @@ STRATEGY_CASES: dict[str, Case] = {
     "pp with cp": (lambda: FoldedMoEStrategy(pp=2, cp=2), ValueError, "cp=2 with pp=2 is not supported"),
     "pp with sequence_parallel": (lambda: FoldedMoEStrategy(pp=2, tp=2, sequence_parallel=True), ValueError, "sequence_parallel=True with pp=2"),
     "pp callback refused": (lambda: check_pipeline_callbacks("FoldedMoEStrategy", FoldedMoEStrategy(pp=2).pipeline_options, [CPUOffload()]), ValueError, "the CPUOffload callback works on the whole model"),
+    "pp fp16 loss scaling": (lambda: check_pipeline_trainer("FoldedMoEStrategy", FoldedMoEStrategy(pp=2).pipeline_options, SimpleNamespace(callbacks=[], precision="16-mixed", precision_plugin=SimpleNamespace(scaler=object()))), ValueError, "precision='16-mixed' scales the loss for fp16"),
     "Fabric pp_microbatches too few": (lambda: FabricFoldedMoEStrategy(pp=2, pp_schedule="zbv", pp_microbatches=3), ValueError, "n_microbatches=3 is fewer than the 4"),
     "cp=0": (lambda: FoldedMoEStrategy(cp=0), ValueError, "cp=0"),
     "sequence_parallel tp=1": (lambda: FoldedMoEStrategy(sequence_parallel=True), ValueError, "needs tensor parallel"),
