@@ -252,13 +252,14 @@ class FoldedMoECore:
         strategy: Any = self
         owner = type(self).__name__
         world = strategy.num_nodes * strategy.num_processes
-        layout = folded_layout(owner, world, self.tp, self.cp, self.ep, self.etp, self.pp, self.dp, self.edp, self.order)
         module = self._module_to_check()
+        if module is not None:  # the pipeline checks need no world size
+            self.check_pipeline_model(module)
+            self.check_pipeline_batch(self._batch_size_to_check())  # type: ignore[arg-type] # None: not known
+        layout = folded_layout(owner, world, self.tp, self.cp, self.ep, self.etp, self.pp, self.dp, self.edp, self.order)
         if module is not None:
             check_model_for_layout(module, layout, **parallel_options(self.sequence_parallel, self.vocab_parallel))
             check_model_for_context_parallel(owner, module, layout.cp)
-            self.check_pipeline_model(module)
-            self.check_pipeline_batch(self._batch_size_to_check())  # type: ignore[arg-type] # None: not known
         if strategy.accelerator is not None:
             strategy.accelerator.setup_device(strategy.root_device)
         strategy._setup_distributed()

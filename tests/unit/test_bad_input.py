@@ -169,6 +169,20 @@ def test_found_model_vocabulary_smaller_than_the_data_is_refused_at_setup(tmp_pa
     assert model.global_step == 0
 
 
+def test_pipeline_batch_not_divisible_is_refused_before_any_process_group(tmp_path: Path) -> None:
+    """A data module whose batch does not split into pp_microbatches fails in setup_environment, first."""
+    strategy = FoldedMoEStrategy(pp=2, pp_microbatches=4)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    data = MoEDataModule(seq_len=8, batch_size=6, max_bytes=2_000)
+    message = "FoldedMoEStrategy: batch_size=6 does not divide into n_microbatches=4"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        trainer.fit(MoELanguageModel(_tc(num_layers=2, vocab_size=256)), datamodule=data)
+    assert not torch.distributed.is_initialized()
+
+
 # --- strategy ----------------------------------------------------------------------------------------
 
 STRATEGY_CASES: dict[str, Case] = {
