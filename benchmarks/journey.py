@@ -12,9 +12,10 @@ kernels then build from the wheel's own sources. What it does:
    precision and ``bf16-true``); at the recipe's own precision and at ``bf16-mixed``, ``--steps``
    optimizer steps (>= 100). Passes when the run reaches its last step
    and the validation loss at the end is finite and lower than before the first step.
-2. **Full-size slices.** Each ``*_sft`` recipe on a random checkpoint of its family at its real
-   hidden size, expert count and expert width, two layers, saved with ``save_pretrained`` (sharded
-   safetensors), a byte-level BPE tokenizer trained here (``train_bpe_tokenizer``) and a chat ``.jsonl``:
+2. **Full-size slices.** Each full-size SFT recipe (``*_sft``, ``hf_qwen3_moe_long_context``) on a
+   random checkpoint of its family at its real hidden size, expert count and expert width, two
+   layers, saved with ``save_pretrained`` (sharded safetensors), a byte-level BPE tokenizer
+   trained here (``train_bpe_tokenizer``) and a chat ``.jsonl``:
    sharded load -> ``--slice-steps`` SFT steps -> DCP checkpoint -> the process killed (SIGKILL)
    -> resumed from ``last`` -> as many steps again -> ``lightning-moe-export`` -> transformers loads
    the export and its logits match ours (read from the DCP checkpoint) -> ``lightning-moe
@@ -57,6 +58,9 @@ _VAL_BATCHES = 4  # validation batches of every run
 # recipe -> (HF model_type, the released model's dimensions that a two-layer slice keeps)
 SLICES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_30b_a3b_sft": ("qwen3_moe", dict(
+        hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)),
+    "hf_qwen3_moe_long_context": ("qwen3_moe", dict(  # the same model; its cp and sequence parallel need 2+ GPUs
         hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
         moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)),
     "deepseek_v2_lite_sft": ("deepseek_v2", dict(
