@@ -88,6 +88,16 @@ def pipeline_reference(
         torch.set_num_threads(threads)
 
 
+def reference_val_loss(state: dict[str, torch.Tensor], data: TokenData) -> float:
+    """The mean next-token loss over every sample of ``data`` with parameters ``state`` (one forward:
+    the loss of a token does not depend on the batch it is routed in)."""
+    lm = PipelineLM()
+    lm.load_state_dict(state, strict=False)
+    batch = torch.utils.data.default_collate([data[i] for i in range(len(data))])
+    with torch.no_grad():
+        return float(lm._lm_loss(batch))
+
+
 def compare(result: dict, spec: str, dp: int, steps: int, rtol: float = 1e-5, label: str = "") -> None:
     """Every rank's batch losses, the logged loss and the final parameters equal the reference."""
     atol = rtol / 10
@@ -101,6 +111,11 @@ def compare(result: dict, spec: str, dp: int, steps: int, rtol: float = 1e-5, la
         last = torch.tensor(ref_losses[-1]).mean()
         torch.testing.assert_close(torch.tensor(result["logged_loss"]), last, rtol=rtol, atol=atol)
     assert set(result["state"]) == set(ref_state), (label, sorted(set(result["state"]) ^ set(ref_state)))
+    if result.get("val_data") is not None:  # validation ran through the pipeline
+        samples, seed = result["val_data"]
+        want = reference_val_loss(ref_state, TokenData(num_samples=samples, seed=seed))
+        torch.testing.assert_close(torch.tensor(result["val_loss"]), torch.tensor(want), rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{label} val/loss: {m}")  # fmt: skip
     for name, want in ref_state.items():
         torch.testing.assert_close(result["state"][name], want, rtol=rtol, atol=atol,
                                    msg=lambda m, n=name: f"{label} {n}: {m}")  # fmt: skip

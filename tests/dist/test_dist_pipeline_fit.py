@@ -2,7 +2,8 @@
 
 ``worker_pipeline_fit.py`` trains a 4-block model (1 dense, 3 MoE; switch aux loss and z-loss)
 for 3 optimizer steps with gradient accumulation 2 and gradient clipping, fp32, batches of 4 rows
-as 4 micro-batches, then validates through the pipeline. The reference (``_pipeline_models``) is
+as 4 micro-batches, then validates through the pipeline (the logged ``val/loss`` against the
+reference's final parameters). The reference (``_pipeline_models``) is
 one process running the same micro-batches. W=2: PP2 with 1f1b, and gpipe over 2 micro-batches
 without accumulation (the Trainer zeroes gradients between the training step and its backward,
 after the pipeline's backward ran). W=4: PP2 x EP2 (dp 2) with 1f1b, interleaved 1f1b over 4
@@ -55,8 +56,8 @@ def test_trainer_pipeline_equals_one_process(jobs: dict, request: pytest.Fixture
     result = torch.load(out / f"{spec}.pt")
     layout = parse(spec)
     dp = world // (layout["pp"] * layout.get("tp", 1))
-    compare(result, spec, dp, steps=3)
-    assert result["val_loss"] is not None and result["val_loss"] > 0, result["val_loss"]
+    assert result["val_loss"] is not None, "no validation loss was logged"
+    compare(result, spec, dp, steps=3)  # the validation loss too, against the final reference parameters
 
 
 def _selected(request: pytest.FixtureRequest, world: int, spec: str) -> bool:

@@ -27,9 +27,12 @@ from lightning_moe.strategies import FoldedMoEStrategy
 STEPS = 3
 
 
+VAL_DATA = TokenData(num_samples=8, seed=7)  # stored as (num_samples, seed) with the result
+
+
 class ValidatedLM(PipelineLM):
     def val_dataloader(self) -> torch.utils.data.DataLoader:
-        return torch.utils.data.DataLoader(TokenData(num_samples=8, seed=7), batch_size=4)
+        return torch.utils.data.DataLoader(VAL_DATA, batch_size=4)
 
 
 def fit_one(spec: str, out_dir: Path, world: int) -> None:
@@ -52,7 +55,8 @@ def fit_one(spec: str, out_dir: Path, world: int) -> None:
     logged = float(trainer.callback_metrics["train/loss"])
     val = float(trainer.callback_metrics["val/loss"]) if "val/loss" in trainer.callback_metrics else None
     if dist.get_rank() == 0:
-        torch.save({"losses": losses, "state": merged, "logged_loss": logged, "val_loss": val}, out_dir / f"{spec}.pt")
+        result = {"losses": losses, "state": merged, "logged_loss": logged, "val_loss": val, "val_data": (8, 7)}
+        torch.save(result, out_dir / f"{spec}.pt")
         print(f"DONE {spec}", flush=True)
 
 
