@@ -79,7 +79,8 @@ def test_module_device_mesh_is_none_until_a_trainer_with_a_mesh_attaches() -> No
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"pp": 2}, "pp=2 is not supported; pipeline parallel comes later"),
+        ({"pp": 2, "cp": 2}, "cp=2 with pp=2 is not supported"),
+        ({"pp": 2, "pp_schedule": "zero_bubble"}, "pp_schedule='zero_bubble' is unknown"),
         ({"order": "tp-cp-xx-dp-pp"}, "order='tp-cp-xx-dp-pp' has unknown token 'xx'"),
         ({"sequence_parallel": True}, "sequence_parallel=True needs tensor parallel .* but tp=1"),
         ({"vocab_parallel": True, "ep": 2}, "vocab_parallel=True needs tensor parallel .* but tp=1"),
@@ -230,7 +231,10 @@ def test_fabric_setup_with_an_unusable_optimizer_fails_before_sharding(make: str
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"pp": 2}, "pp=2 is not supported"), ({"sequence_parallel": True}, "sequence_parallel=True needs tensor parallel")],
+    [
+        ({"pp": 2, "cp": 2}, "cp=2 with pp=2 is not supported"),
+        ({"sequence_parallel": True}, "sequence_parallel=True needs tensor parallel"),
+    ],
 )
 def test_fabric_twin_refuses_what_the_trainer_strategy_refuses(kwargs: dict, match: str) -> None:
     from lightning_moe.strategies.fabric import FabricFoldedMoEStrategy
