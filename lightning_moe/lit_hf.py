@@ -158,6 +158,12 @@ class HFMoELanguageModel(MoELanguageModelBase):
         strategy = self._trainer.strategy if self._trainer is not None else None
         device = torch.device("cpu")
         if isinstance(strategy, FoldedMoECore):
+            if strategy.pipeline_options.pp > 1:
+                raise ValueError(
+                    f"HFMoELanguageModel: load_sharded=True with pp={strategy.pipeline_options.pp} is not supported "
+                    "(the sharded load lays out the whole model, not this rank's pipeline stages); set "
+                    "load_sharded=False (the checkpoint is read whole, then cut) or pp=1."
+                )
             parallelize_module(self, strategy.module_plan)
             device = strategy.root_device  # type: ignore[attr-defined]
         elif strategy is not None:
@@ -193,10 +199,12 @@ class HFMoELanguageModel(MoELanguageModelBase):
         return self.model(input_ids=input_ids, use_cache=False, **kwargs).logits
 
     def num_active_params(self) -> int:
-        """Parameters one token touches (top-k of each layer's routed experts), excluding embeddings."""
+        """Parameters one token touches (top-k of each layer's routed experts), excluding embeddings.
+        At ``pp > 1`` (the model cut into this rank's stages) those of this rank's stages."""
         from lightning_moe.moe.utils import find_moe_layers
 
-        embed = self.model.get_input_embeddings()
+        cut = not hasattr(self.model, "get_input_embeddings")  # pipeline stages: embed, layers, norm, lm_head
+        embed = getattr(self.model, "embed", None) if cut else self.model.get_input_embeddings()
         skip = {id(p) for p in embed.parameters()} if embed is not None else set()
         experts = {}
         for _, layer in find_moe_layers(self.model):
@@ -207,7 +215,7 @@ class HFMoELanguageModel(MoELanguageModelBase):
             if id(p) in skip:
                 continue
             total += p.numel() * experts.get(id(p), 1.0)
-        head = self.model.get_output_embeddings()
+        head = getattr(self.model, "lm_head", None) if cut else self.model.get_output_embeddings()
         if head is not None and id(head.weight) in skip:  # tied: the output projection still costs flops
             total += head.weight.numel()
         return int(total)

@@ -53,6 +53,7 @@ from lightning_moe.strategies.layout import (
     loss_group_of,
     sampler_kwargs_of,
 )
+from lightning_moe.strategies.materialize import has_meta_parameters
 from lightning_moe.strategies.module_setup import prepare_module
 from lightning_moe.strategies.pipeline_setup import (
     check_pipeline_batch,
@@ -62,6 +63,7 @@ from lightning_moe.strategies.pipeline_setup import (
     find_transformer,
     pipeline_options,
 )
+from lightning_moe.strategies.pipeline_hf import find_hf_causal_lm, restore_hf_buffers
 from lightning_moe.strategies.pipeline_step import PipelineRunner
 from lightning_moe.strategies.sharding import ModulePlan, check_model_for_context_parallel, parallel_options
 
@@ -320,10 +322,14 @@ class FoldedMoECore:
         stages = None
         if options.pp > 1:
             _, model = find_transformer(module)
+            model = model if model is not None else find_hf_causal_lm(module)[1]
             hidden = int(model.config.hidden_size) if model is not None else 0
             module, stages = cut_for_pipeline(type(self).__name__, options, module, mesh.rank("pp"))
+            had_meta = has_meta_parameters(stages)
         module = prepare_module(module, self.module_plan, strategy.root_device, root=root, shard_root=shard_root)
         if stages is not None:
+            if had_meta:  # HF stages: the rotary frequencies, buffers without reset_parameters
+                restore_hf_buffers(stages)
             self._pipeline = PipelineRunner(
                 type(self).__name__, options, stages, mesh.group("pp"), mesh.rank("pp"), self.loss_group,
                 strategy.root_device, hidden,

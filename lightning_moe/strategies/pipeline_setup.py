@@ -9,8 +9,9 @@ Stages, in the order a strategy runs them:
    (``parallel/pipeline.py``); :func:`check_pipeline_combination`: at ``pp > 1`` context parallel,
    sequence parallel and vocab parallel are refused (the stages carry only the hidden states);
 2. :func:`check_pipeline_model` and :func:`check_pipeline_batch` (``setup_environment``, before any
-   process group): the module holds an ``MoETransformer``-shaped model whose blocks split evenly
-   into ``pp * v`` stages, without tied embeddings; the data module's batch divides into ``n``;
+   process group): the module holds an ``MoETransformer``-shaped model, or a Hugging Face causal
+   LM of a family that can be cut (``strategies/pipeline_hf.py``), whose blocks split evenly into
+   ``pp * v`` stages, without tied embeddings; the data module's batch divides into ``n``;
 3. :func:`check_pipeline_callbacks` (Trainer ``setup``): callbacks that act on the whole model in
    one forward (``supports_pipeline_parallel = False``) are refused;
 4. :func:`cut_for_pipeline` (module setup, before ``parallelize``): the transformer is replaced by
@@ -38,6 +39,7 @@ from lightning_moe.parallel.pipeline import (
     stage_indices,
 )
 from lightning_moe.parallel.pipeline_stage import LocalStages, cut_rank_stages
+from lightning_moe.strategies.pipeline_hf import cut_hf_for_pipeline, find_hf_causal_lm, hf_layer_count
 
 __all__ = [
     "PipelineOptions",
@@ -140,19 +142,28 @@ def check_pipeline_model(owner: str, options: PipelineOptions, module: nn.Module
     if options.pp == 1:
         return
     _, model = find_transformer(module)
-    if model is None:
+    _, hf = find_hf_causal_lm(module) if model is None else (None, None)
+    if model is None and hf is None:
         raise ValueError(
             f"{owner}: pp={options.pp} cuts an MoETransformer-shaped model (embed, layers, norm, lm_head, config) "
-            f"into stages, but {type(module).__name__} is not one and has none as its `model`; use "
-            "MoELanguageModel (or pass an MoETransformer to fabric.setup), or set pp=1."
+            f"or a Hugging Face causal LM into stages, but {type(module).__name__} is neither and has neither as "
+            "its `model`; use MoELanguageModel or HFMoELanguageModel (or pass either model to fabric.setup), or set "
+            "pp=1."
         )
+    if hf is not None:
+        _check_split(owner, options, hf_layer_count(owner, hf, options.pp))
+        return
     if getattr(model.config, "tie_embeddings", False):
         raise ValueError(
             f"{owner}: tie_embeddings=True shares the embedding with the head, which sit on different pipeline "
             f"stages at pp={options.pp}; set tie_embeddings=False in the model config, or pp=1."
         )
+    _check_split(owner, options, len(model.layers))
+
+
+def _check_split(owner: str, options: PipelineOptions, num_layers: int) -> None:
     try:
-        split_layers(len(model.layers), options.pp, options.virtual_stages)
+        split_layers(num_layers, options.pp, options.virtual_stages)
     except ValueError as error:
         raise _reworded(owner, options.describe(), error) from None
 
@@ -202,9 +213,13 @@ def cut_for_pipeline(owner: str, options: PipelineOptions, module: nn.Module, pp
     (``module`` is the stages themselves when it was the transformer)."""
     check_pipeline_model(owner, options, module)
     holder, model = find_transformer(module)
-    cfg = model.config  # type: ignore[union-attr] # found by check_pipeline_model
-    ranges = split_layers(len(model.layers), options.pp, options.virtual_stages)
     mine = stage_indices(pp_rank, options.pp, options.schedule, options.virtual_stages)
+    if model is None:  # a Hugging Face causal LM (check_pipeline_model found one)
+        hf_holder, hf = find_hf_causal_lm(module)
+        ranges = split_layers(len(hf.model.layers), options.pp, options.virtual_stages)  # type: ignore[union-attr,arg-type]
+        return cut_hf_for_pipeline(hf_holder, hf, ranges, mine)  # type: ignore[arg-type]
+    cfg = model.config
+    ranges = split_layers(len(model.layers), options.pp, options.virtual_stages)
     tables = functools.partial(_rope, cfg.head_dim, cfg.rope_theta)
     stages = cut_rank_stages(model, ranges, mine, tables)
     if holder is None:

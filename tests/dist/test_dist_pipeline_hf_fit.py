@@ -1,0 +1,32 @@
+"""Trainer.fit of a swapped Hugging Face MoE model with FoldedMoEStrategy at pp > 1 equals one process.
+
+``worker_pipeline_hf_fit.py`` trains a tiny random Qwen3-MoE (4 MoE decoder layers; switch aux loss
+and z-loss; ``_pipeline_hf_models``) for 3 optimizer steps with gradient accumulation 2 and gradient
+clipping, fp32, batches of 4 rows as 4 micro-batches, then validates through the pipeline. W=4:
+PP2 x EP2 (dp 2) with 1f1b, the model cut into two stages of two HF decoder layers
+(``models/hf_pipeline_stage.py``). Every rank's logged batch losses, the logged ``train/loss``, the
+validation loss and every parameter (stage names mapped to the HF model's) must match the
+one-process reference to rtol 1e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _harness import launch_torchrun
+from _pipeline_hf_models import compare_hf
+
+pytestmark = pytest.mark.dist
+pytest.importorskip("transformers")
+
+SPEC = "pp=2,ep=2,schedule=1f1b,n=4"
+
+
+def test_trainer_hf_pipeline_equals_one_process(tmp_path) -> None:
+    job = launch_torchrun("worker_pipeline_hf_fit.py", 4, [str(tmp_path), SPEC], timeout=570)
+    if f"DONE {SPEC}" not in job.output:
+        pytest.fail(f"worker_pipeline_hf_fit {SPEC!r} did not finish:\n{job.failure() or job.output[-6000:]}", pytrace=False)
+    result = torch.load(tmp_path / f"{SPEC}.pt")
+    assert result["val_loss"] is not None, "no validation loss was logged"
+    compare_hf(result, SPEC, dp=2, steps=3)

@@ -1,0 +1,62 @@
+"""Worker: Trainer.fit of a swapped Hugging Face Qwen3-MoE with FoldedMoEStrategy at pp > 1.
+
+``python worker_pipeline_hf_fit.py OUT_DIR SPEC...``; a spec is ``pp=2,ep=2,schedule=1f1b,n=4``
+(``_pipeline_models.parse``). Each trains ``STEPS`` optimizer steps with gradient accumulation 2 and
+clipping, fp32, then validates through the pipeline. Rank 0 writes ``OUT_DIR/<spec>.pt``: every
+rank's (dp coordinate, logged batch losses), the logged ``train/loss``, the validation loss and the
+final parameters of every stage under the HF model's names.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+import lightning_moe  # noqa: F401 - registers "folded_moe"
+from _models import CLIP, leave_together
+from _pipeline_hf_models import HFRecordingLM, model_names
+from _pipeline_models import accumulation, parse
+from lightning_moe.parallel.checkpoint import gather_full_state
+from lightning_moe.strategies import FoldedMoEStrategy
+
+STEPS = 3
+
+
+def fit_one(spec: str, out_dir: Path, world: int) -> None:
+    torch.manual_seed(0)
+    model = HFRecordingLM()
+    strategy = FoldedMoEStrategy(**parse(spec), timeout=timedelta(seconds=90))
+    accum = accumulation(spec)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=accum,
+        gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=1.0, val_check_interval=STEPS * accum,
+    )  # fmt: skip
+    trainer.fit(model)
+    state = model_names(gather_full_state(model.model))
+    states = [None] * world
+    dist.all_gather_object(states, state)
+    merged = {k: v for s in states for k, v in s.items()}
+    losses = [None] * world
+    dist.all_gather_object(losses, (strategy.folded_mesh.rank("dp"), model.recorded))
+    logged = float(trainer.callback_metrics["train/loss"])
+    val = float(trainer.callback_metrics["val/loss"]) if "val/loss" in trainer.callback_metrics else None
+    if dist.get_rank() == 0:
+        result = {"losses": losses, "state": merged, "logged_loss": logged, "val_loss": val}
+        torch.save(result, out_dir / f"{spec}.pt")
+        print(f"DONE {spec}", flush=True)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    out = Path(sys.argv[1])
+    world = int(os.environ["WORLD_SIZE"])
+    for spec in sys.argv[2:]:
+        fit_one(spec, out, world)
+    leave_together()
