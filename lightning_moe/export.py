@@ -37,7 +37,7 @@ from lightning_moe.checkpoint.manifest import MANIFEST_NAME
 from lightning_moe.checkpoint.read import join_w13, load_checkpoint
 from lightning_moe.models.hf_config import hf_config_from
 
-__all__ = ["export_checkpoint", "export_state_dict", "join_w13", "load_checkpoint", "main", "strip_prefix"]
+__all__ = ["export_checkpoint", "export_state_dict", "from_stage_names", "join_w13", "load_checkpoint", "main", "strip_prefix"]
 
 
 def strip_prefix(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -51,6 +51,17 @@ def strip_prefix(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, 
             "set --prefix to the LightningModule attribute that holds the model, or '' for none."
         )
     return out
+
+
+def from_stage_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` under the HF model's names: a checkpoint saved at ``pp > 1`` names the
+    parameters as the pipeline stages do (``embed.weight``, ``layers.N.*``, ``norm.weight``), mapped
+    by :func:`~lightning_moe.models.hf_pipeline_stage.hf_parameter_name`; other state dicts unchanged."""
+    from lightning_moe.models.hf_pipeline_stage import hf_parameter_name
+
+    if not any(k.startswith(("embed.", "layers.", "norm.")) for k in state_dict):
+        return state_dict
+    return {hf_parameter_name(k): v for k, v in state_dict.items()}
 
 
 def export_state_dict(
@@ -67,7 +78,8 @@ def export_state_dict(
 
     Args:
         state_dict: keys of the HF model after :func:`~lightning_moe.models.hf.swap_moe_blocks`
-            (``model.layers.0.mlp.experts.w13``, ...), e.g. ``HFMoELanguageModel.model.state_dict()``.
+            (``model.layers.0.mlp.experts.w13``, ...), e.g. ``HFMoELanguageModel.model.state_dict()``,
+            or the pipeline stages' names of a ``pp > 1`` checkpoint (:func:`from_stage_names`).
         out_dir: created if missing.
         hf_config: a ``PretrainedConfig``, an inline dict with ``model_type``, or a path to a
             directory / ``config.json`` (:func:`~lightning_moe.models.hf_config.hf_config_from`).
@@ -96,7 +108,7 @@ def export_state_dict(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     swap_moe_blocks(model, **(moe or {}))
-    model.load_state_dict(state_dict, strict=True, assign=True)
+    model.load_state_dict(from_stage_names(state_dict), strict=True, assign=True)
     export_moe_blocks(model)
     if dtype is not None:
         model.to(dtype=dtype)

@@ -49,6 +49,12 @@ class FusedRMSNorm(nn.Module):
             return hf_rms_norm_reference(hidden_states, self.weight, self.variance_epsilon)
         return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
 
+    def reset_parameters(self) -> None:
+        """The weight as transformers initialises these norms (ones): a model built on ``meta`` and
+        materialised by the strategy gets it."""
+        with torch.no_grad():
+            nn.init.ones_(self.weight)
+
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, fused"
 

@@ -90,14 +90,17 @@ def holds_hf_model(module: nn.Module) -> bool:
     return find_hf_causal_lm(module)[1] is not None or any(isinstance(m, HFLocalStages) for m in module.modules())
 
 
-def check_hf_checkpoint_pp(owner: str, module: nn.Module, saved_pp: Any, pp: int) -> None:
-    """Refuse a checkpoint of an HF model saved at pipeline degree ``saved_pp`` when this run's is
-    ``pp``: the stages name the parameters differently from the whole model (module docstring)."""
-    if saved_pp is None or int(saved_pp) == pp or (int(saved_pp) > 1 and pp > 1) or not holds_hf_model(module):
+def check_hf_checkpoint_pp(owner: str, module: nn.Module, saved_pp: Any) -> None:
+    """Refuse a checkpoint saved at pipeline degree ``saved_pp`` into ``module`` holding an HF model
+    cut into stages (``pp > 1``) where ``saved_pp`` is 1, or whole where it is above 1: the stages
+    name the parameters differently from the whole model (module docstring). ``None``: not known."""
+    cut = any(isinstance(m, HFLocalStages) for m in module.modules())
+    if saved_pp is None or (int(saved_pp) > 1) == cut or not holds_hf_model(module):
         return
+    here = "cuts it into pipeline stages (pp > 1)" if cut else "has pp=1"
     raise ValueError(
-        f"{owner}: the checkpoint of this Hugging Face model was saved at pp={saved_pp} and this run has pp={pp}; "
-        "the pipeline stages name its parameters differently from the whole model (embed.weight, not "
-        "model.embed_tokens.weight), so it loads only where both degrees are 1 or both above 1. Resume with "
-        f"pp={'1' if int(saved_pp) == 1 else saved_pp}."
+        f"{owner}: this checkpoint of a Hugging Face model was saved at pp={saved_pp} and this run {here}; the "
+        "pipeline stages name its parameters differently from the whole model (embed.weight, not "
+        "model.embed_tokens.weight), so it resumes only where both degrees are 1 or both above 1. Resume with "
+        f"{'pp=1' if int(saved_pp) == 1 else 'pp > 1'}, or export it (lightning-moe-export maps the stage names)."
     )

@@ -6,7 +6,8 @@ clipping, fp32, batches of 4 rows as 4 micro-batches, then validates through the
 PP2 x EP2 (dp 2) with 1f1b, the model cut into two stages of two HF decoder layers
 (``models/hf_pipeline_stage.py``). Every rank's logged batch losses, the logged ``train/loss``, the
 validation loss and every parameter (stage names mapped to the HF model's) must match the
-one-process reference to rtol 1e-5.
+one-process reference to rtol 1e-5. W=2: the model built on ``meta`` (PP2), whose stages must get
+the rotary frequencies back after materialisation.
 """
 
 from __future__ import annotations
@@ -30,3 +31,14 @@ def test_trainer_hf_pipeline_equals_one_process(tmp_path) -> None:
     result = torch.load(tmp_path / f"{SPEC}.pt")
     assert result["val_loss"] is not None, "no validation loss was logged"
     compare_hf(result, SPEC, dp=2, steps=3)
+
+
+def test_trainer_hf_pipeline_of_a_meta_built_model_restores_the_rotary_frequencies(tmp_path) -> None:
+    spec = "pp=2,schedule=1f1b,n=2,meta"
+    job = launch_torchrun("worker_pipeline_hf_fit.py", 2, [str(tmp_path), spec], timeout=300)
+    if f"DONE {spec}" not in job.output:
+        pytest.fail(f"worker_pipeline_hf_fit {spec!r} did not finish:\n{job.failure() or job.output[-6000:]}", pytrace=False)
+    ranks = torch.load(tmp_path / f"{spec}.pt")["ranks"]
+    assert all(same for same, _ in ranks), "a stage's rotary frequencies differ from a fresh model's"
+    losses = [loss for _, recorded in ranks for loss in recorded]
+    assert losses and all(torch.isfinite(torch.tensor(losses))), losses

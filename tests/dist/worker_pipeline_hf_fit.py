@@ -4,7 +4,8 @@
 (``_pipeline_models.parse``). Each trains ``STEPS`` optimizer steps with gradient accumulation 2 and
 clipping, fp32, then validates through the pipeline. Rank 0 writes ``OUT_DIR/<spec>.pt``: every
 rank's (dp coordinate, logged batch losses), the logged ``train/loss``, the validation loss and the
-final parameters of every stage under the HF model's names.
+final parameters of every stage under the HF model's names. A spec ending in ``,meta`` builds the
+model on ``meta`` instead and trains one step (:func:`fit_meta`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ STEPS = 3
 
 
 def fit_one(spec: str, out_dir: Path, world: int) -> None:
+    if spec.endswith(",meta"):
+        return fit_meta(spec.removesuffix(",meta"), out_dir, world)
     torch.manual_seed(0)
     model = HFRecordingLM()
     strategy = FoldedMoEStrategy(**parse(spec), timeout=timedelta(seconds=90))
@@ -51,6 +54,26 @@ def fit_one(spec: str, out_dir: Path, world: int) -> None:
         result = {"losses": losses, "state": merged, "logged_loss": logged, "val_loss": val}
         torch.save(result, out_dir / f"{spec}.pt")
         print(f"DONE {spec}", flush=True)
+
+
+def fit_meta(spec: str, out_dir: Path, world: int) -> None:
+    """The model built on ``meta`` (``init_module(empty_init=True)``), one optimizer step: every rank's
+    rotary frequencies as a fresh model's, and the loss."""
+    strategy = FoldedMoEStrategy(**parse(spec), timeout=timedelta(seconds=90))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )  # fmt: skip
+    with trainer.init_module(empty_init=True):
+        model = HFRecordingLM()
+    trainer.fit(model)
+    fresh = HFRecordingLM().model.model.rotary_emb.inv_freq
+    same = torch.equal(model.model.rotary_emb.inv_freq, fresh)
+    rows = [None] * world
+    dist.all_gather_object(rows, (same, model.recorded))
+    if dist.get_rank() == 0:
+        torch.save({"ranks": rows}, out_dir / f"{spec},meta.pt")
+        print(f"DONE {spec},meta", flush=True)
 
 
 if __name__ == "__main__":
