@@ -10,10 +10,15 @@ names stay the model's (``embed.weight``, ``layers.3.attn.q_proj.weight``, ``lm_
 a stage's state dict is a slice of the model's. Build the model under ``torch.device("meta")``
 and each rank allocates only its stages (:func:`materialize_stage`).
 
-``forward``: the first stage takes token ids ``[B, S]``, the others the hidden states ``[B, S, H]``
-of the stage before; the last returns logits ``[B, S, V]``, the others hidden states. Every stage
-builds the RoPE tables for positions ``0..S-1`` with the ``rope_tables(S, device)`` it was given.
-Packed documents, explicit positions and context parallel are not carried between stages.
+``forward(x, position_ids=None, document_ids=None)``: the first stage takes token ids ``[B, S]``,
+the others the hidden states ``[B, S, H]`` of the stage before; the last returns logits
+``[B, S, V]``, the others hidden states. The per-token ids ``[B, S]`` reach every stage as keyword
+arguments (the pipeline schedule splits them into micro-batches like the token ids), and each stage
+builds its RoPE and document mask from them as ``MoETransformer.forward`` does: RoPE at
+``position_ids`` (``rope_positions``), or at the positions restarting with each document of
+``document_ids``, or for ``0..S-1`` with the ``rope_tables(S, device)`` it was given when neither
+is passed. Under context parallel ``position_ids`` are this rank's global positions (required);
+under sequence parallel the hidden states hold ``S/tp`` positions while the ids cover all ``S``.
 
 A pipeline rank may hold several stages (interleaved and "V" schedules): :func:`cut_rank_stages`
 returns a :class:`LocalStages`, the one module that owns this rank's embedding, blocks (a
@@ -34,6 +39,7 @@ from lightning_moe.moe.layer import MoELayer
 
 __all__ = [
     "LocalStages",
+    "RopePositions",
     "RopeTables",
     "TransformerStage",
     "build_transformer_stage",
@@ -42,6 +48,8 @@ __all__ = [
 ]
 
 RopeTables = Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]]
+# (position_ids, document_ids) -> cos, sin [B, S, D/2]; positions restart per document when None
+RopePositions = Callable[[torch.Tensor | None, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 
 
 class TransformerStage(nn.Module):
@@ -54,6 +62,7 @@ class TransformerStage(nn.Module):
         embed: nn.Module | None = None,
         norm: nn.Module | None = None,
         lm_head: nn.Module | None = None,
+        rope_positions: RopePositions | None = None,
     ) -> None:
         super().__init__()
         self.embed = embed
@@ -61,6 +70,7 @@ class TransformerStage(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
         self.rope_tables = rope_tables
+        self.rope_positions = rope_positions
 
     @property
     def is_first(self) -> bool:
@@ -70,17 +80,31 @@ class TransformerStage(nn.Module):
     def is_last(self) -> bool:
         return self.lm_head is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         x_BSH = self.embed(x) if self.embed is not None else x
-        cos_SD, sin_SD = self.rope_tables(x_BSH.shape[1], x_BSH.device)
+        if position_ids is None and document_ids is None:
+            cos_SD, sin_SD = self.rope_tables(x_BSH.shape[1], x_BSH.device)
+        elif self.rope_positions is None:
+            raise ValueError(
+                f"{type(self).__name__}: per-token ids were passed but the stage was built without rope_positions; "
+                "build it with rope_positions (cut_rank_stages does) or pass no position_ids / document_ids."
+            )
+        else:
+            cos_SD, sin_SD = self.rope_positions(position_ids, document_ids)
+        # the attention gets the ids only when there are any (as MoETransformer's blocks do)
+        extra = () if position_ids is None and document_ids is None else (document_ids, position_ids)
         for block in self.layers.values():
-            x_BSH = block(x_BSH, cos_SD, sin_SD)
+            x_BSH = block(x_BSH, cos_SD, sin_SD, *extra)
         if self.lm_head is None:
             return x_BSH
         return self.lm_head(self.norm(x_BSH))
 
 
-def build_transformer_stage(model: Any, layers: range, num_layers: int, rope_tables: RopeTables) -> TransformerStage:
+def build_transformer_stage(
+    model: Any, layers: range, num_layers: int, rope_tables: RopeTables, rope_positions: RopePositions | None = None
+) -> TransformerStage:
     """The stage of ``model`` that runs blocks ``layers`` (first stage if it starts at 0, last if it
     ends at ``num_layers``). Shares the model's modules; raises ``ValueError`` for a model without
     the attributes or with tied embeddings split over two stages."""
@@ -112,6 +136,7 @@ def build_transformer_stage(model: Any, layers: range, num_layers: int, rope_tab
         embed=model.embed if first else None,
         norm=model.norm if last else None,
         lm_head=model.lm_head if last else None,
+        rope_positions=rope_positions,
     )
 
 
@@ -142,7 +167,11 @@ class LocalStages(nn.Module):
 
 
 def cut_rank_stages(
-    model: Any, ranges: tuple[range, ...], mine: tuple[int, ...], rope_tables: RopeTables
+    model: Any,
+    ranges: tuple[range, ...],
+    mine: tuple[int, ...],
+    rope_tables: RopeTables,
+    rope_positions: RopePositions | None = None,
 ) -> LocalStages:
     """The stages ``mine`` (indices into ``ranges``, from ``stage_indices``) of ``model`` as one
     :class:`LocalStages`. Each MoE layer is told its index among the whole model's MoE layers
@@ -154,7 +183,7 @@ def cut_rank_stages(
                 m.global_moe_index = ordinal
                 ordinal += 1
     num_layers = len(model.layers)
-    views = [(s, build_transformer_stage(model, ranges[s], num_layers, rope_tables)) for s in mine]
+    views = [(s, build_transformer_stage(model, ranges[s], num_layers, rope_tables, rope_positions)) for s in mine]
     return LocalStages(views)
 
 

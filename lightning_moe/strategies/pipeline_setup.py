@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lightning_moe.models.transformer import rope_tables
+from lightning_moe.models.transformer import document_positions, rope_at_positions, rope_tables
 from lightning_moe.parallel.pipeline import (
     SCHEDULES,
     check_batch_split,
@@ -208,6 +208,15 @@ def _rope(head_dim: int, theta: float, seq_len: int, device: torch.device) -> tu
         return rope_tables(seq_len, head_dim, theta, device)
 
 
+def _rope_at(
+    head_dim: int, theta: float, position_ids_BS: torch.Tensor | None, document_ids_BS: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE ``[B, S, D/2]`` at ``position_ids_BS``, or at positions restarting with each document."""
+    if position_ids_BS is None:
+        position_ids_BS = document_positions(document_ids_BS)  # type: ignore[arg-type]
+    return rope_at_positions(position_ids_BS, head_dim, theta)
+
+
 def cut_for_pipeline(owner: str, options: PipelineOptions, module: nn.Module, pp_rank: int) -> tuple[nn.Module, LocalStages]:
     """Replace the transformer of ``module`` by this rank's stages; returns ``(module, stages)``
     (``module`` is the stages themselves when it was the transformer)."""
@@ -221,7 +230,7 @@ def cut_for_pipeline(owner: str, options: PipelineOptions, module: nn.Module, pp
     cfg = model.config
     ranges = split_layers(len(model.layers), options.pp, options.virtual_stages)
     tables = functools.partial(_rope, cfg.head_dim, cfg.rope_theta)
-    stages = cut_rank_stages(model, ranges, mine, tables)
+    stages = cut_rank_stages(model, ranges, mine, tables, functools.partial(_rope_at, cfg.head_dim, cfg.rope_theta))
     if holder is None:
         return stages, stages
     holder.model = stages

@@ -9,8 +9,12 @@ A :class:`PipelineRunner` belongs to a strategy at ``pp > 1``; the training step
 ``FoldedMoEStrategy.backward`` calls the backward hooks only; Fabric's loop calls no
 ``fabric.backward``). Stages of one call:
 
-1. checks: ``input_ids``/``labels`` of ``B`` rows, ``B`` a multiple of ``n``, no packed-document
-   keys (``ValueError`` on every rank alike: they all hold the same batch);
+1. checks: ``input_ids``/``labels`` of ``B`` rows, ``B`` a multiple of ``n`` (``ValueError`` on
+   every rank alike: they all hold the same batch); the batch's ``position_ids`` and
+   ``document_ids`` (packed documents) go to the schedule as keyword arguments, which torch's
+   schedules split into micro-batches and hand to every stage (positional arguments reach only the
+   first), so each stage builds its RoPE and document mask as the whole model would (stages of a
+   Hugging Face model take no per-token ids: packed batches are refused for them);
 2. the loss normalisation: the labelled tokens of the whole batch, summed over the loss group
    (``dp_cp``, one all-reduce); each micro-batch's loss is its token sum times
    ``ranks / tokens / accumulate``, so the sum of the micro-batch gradients, averaged by FSDP over
@@ -113,7 +117,7 @@ class PipelineRunner:
             return self._run(batch, train=False, accumulate=1)
 
     def _run(self, batch: dict[str, torch.Tensor], train: bool, accumulate: int) -> torch.Tensor:
-        ids_BS, labels_BS = self._check_batch(batch)
+        ids_BS, labels_BS, ids_kw = self._check_batch(batch)
         group, ranks = self.loss_group
         tokens = (labels_BS != IGNORE_INDEX).sum().to(torch.float32).reshape(())
         if group is not None and ranks > 1:
@@ -122,15 +126,19 @@ class PipelineRunner:
             ranks = 1
         self._scale = ranks / float(tokens.clamp(min=1.0)) / accumulate  # SYNC: one number per batch
         ids_BS, labels_BS = ids_BS.to(self.device), labels_BS.to(self.device)
+        ids_kw = {k: v.to(self.device) for k, v in ids_kw.items()}
         if not train:
-            return self._loss_to_log(self._forward_only(ids_BS, labels_BS), accumulate)
+            return self._loss_to_log(self._forward_only(ids_BS, labels_BS, ids_kw), accumulate)
         schedule = self._schedule(tuple(ids_BS.shape))
         losses: list[torch.Tensor] = []
         args = (ids_BS,) if self.holds_first else ()
-        schedule.step(*args, target=labels_BS if self.holds_last else None, losses=losses if self.holds_last else None)
+        target, out = (labels_BS, losses) if self.holds_last else (None, None)
+        schedule.step(*args, target=target, losses=out, **ids_kw)  # the kwargs reach every stage
         return self._loss_to_log(losses, accumulate)
 
-    def _forward_only(self, ids_BS: torch.Tensor, labels_BS: torch.Tensor) -> list[torch.Tensor]:
+    def _forward_only(
+        self, ids_BS: torch.Tensor, labels_BS: torch.Tensor, ids_kw: dict[str, torch.Tensor]
+    ) -> list[torch.Tensor]:
         """Validation: each micro-batch through the stages in order, the hidden states sent to the
         rank of the next stage (plain send/recv over the pp group; any placement, "V" included,
         whose torch schedules have no forward-only mode). The losses on the last stage's rank."""
@@ -138,31 +146,49 @@ class PipelineRunner:
         owner = {s: r for r in range(opts.pp) for s in stage_indices(r, opts.pp, opts.schedule, opts.virtual_stages)}
         local = dict(self.stages.stages)
         losses = []
-        for ids_bS, labels_bS in zip(ids_BS.chunk(opts.microbatches), labels_BS.chunk(opts.microbatches)):
-            x = ids_bS
+        chunks = {k: v.chunk(opts.microbatches) for k, v in ids_kw.items()}
+        for m, (ids_bS, labels_bS) in enumerate(zip(ids_BS.chunk(opts.microbatches), labels_BS.chunk(opts.microbatches))):
+            x, kw = ids_bS, {k: v[m] for k, v in chunks.items()}
             for s in range(opts.stages):
                 if owner[s] != self.pp_rank:
                     continue
                 if s > 0 and owner[s - 1] != self.pp_rank:
                     x = self._example(False, ids_bS.shape[0], ids_bS.shape[1], False, device=self.device)
                     dist.recv(x, group=self.pp_group, group_src=owner[s - 1])
-                x = local[s](x)
+                x = local[s](x, **kw)
                 if s < opts.stages - 1 and owner[s + 1] != self.pp_rank:
                     dist.send(x.contiguous(), group=self.pp_group, group_dst=owner[s + 1])
             if self.holds_last:
                 losses.append(self._loss(x, labels_bS))
         return losses
 
-    def _check_batch(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        packed = [k for k in _PACKED_KEYS if batch.get(k) is not None]
-        if packed:
-            raise ValueError(
-                f"{self.owner}: the batch holds {packed[0]!r} (packed documents), which pipeline stages do not "
-                f"carry at pp={self.options.pp}; pack without document ids or set pp=1."
-            )
+    def _check_batch(
+        self, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """``(input_ids, labels, per-token ids)``: the ids are the batch's ``position_ids`` and
+        ``document_ids`` present, each ``[B, S]`` like ``input_ids``."""
         ids_BS, labels_BS = batch["input_ids"], batch["labels"]
+        ids_kw = {k: batch[k] for k in _PACKED_KEYS if batch.get(k) is not None}
+        if ids_kw and not self.takes_ids:
+            raise ValueError(
+                f"{self.owner}: the batch holds {next(iter(ids_kw))!r} (packed documents), which the stages of this "
+                f"model (a Hugging Face causal LM) do not carry at pp={self.options.pp}; pack without document ids, "
+                "use MoELanguageModel, or set pp=1."
+            )
+        for key, value in ids_kw.items():
+            if tuple(value.shape) != tuple(ids_BS.shape):
+                raise ValueError(
+                    f"{self.owner}: batch[{key!r}] has shape {tuple(value.shape)}, input_ids {tuple(ids_BS.shape)}; "
+                    "pass one id per token."
+                )
         check_pipeline_batch(self.owner, self.options, int(ids_BS.shape[0]))
-        return ids_BS, labels_BS
+        return ids_BS, labels_BS, ids_kw
+
+    @property
+    def takes_ids(self) -> bool:
+        """Whether this rank's stages take ``position_ids`` / ``document_ids`` (``TransformerStage``
+        built with ``rope_positions``; a Hugging Face model's stages do not)."""
+        return all(getattr(view, "rope_positions", None) is not None for _, view in self.stages.stages)
 
     def _loss(self, logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
         """A micro-batch's token sum, times ``ranks / tokens / accumulate`` of the whole batch."""

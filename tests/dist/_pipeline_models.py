@@ -21,11 +21,32 @@ from lightning_moe.moe.utils import set_aux_loss_scale
 NUM_LAYERS, BATCH, MICRO = 4, 4, 4
 
 
-class PipelineLM(RecordingLM):
-    """``RecordingLM`` with 4 blocks and batches of ``BATCH`` rows."""
+class PackedData(TokenData):
+    """``TokenData`` rows packed with documents: ``document_ids`` start a new document at random
+    tokens (the same on every rank), so attention stays inside each document and RoPE positions
+    restart with it. Every token keeps its label (the batches' token counts stay equal)."""
 
-    def __init__(self) -> None:
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = super().__getitem__(i)
+        g = torch.Generator().manual_seed(self.seed + 100_000 + i)
+        starts = torch.rand(self.seq, generator=g) < 0.35
+        starts[0] = False
+        return {**item, "document_ids": starts.long().cumsum(0)}
+
+
+def make_data(packed: bool, **kwargs: Any) -> TokenData:
+    return PackedData(**kwargs) if packed else TokenData(**kwargs)
+
+
+class PipelineLM(RecordingLM):
+    """``RecordingLM`` with 4 blocks and batches of ``BATCH`` rows (packed documents with ``packed``)."""
+
+    def __init__(self, packed: bool = False) -> None:
         super().__init__(model_config(num_layers=NUM_LAYERS))
+        self.packed = packed
+
+    def train_data(self) -> TokenData:
+        return make_data(self.packed)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train_data(), batch_size=BATCH, shuffle=False)
@@ -33,12 +54,13 @@ class PipelineLM(RecordingLM):
 
 def parse(spec: str) -> dict[str, Any]:
     """``pp=2,ep=2,schedule=1f1b,v=1,n=4`` -> strategy keyword arguments (``accum=1``, the
-    Trainer's gradient accumulation, is left out: see :func:`accumulation`)."""
+    Trainer's gradient accumulation, and ``packed=1``, packed-document data, are left out: see
+    :func:`accumulation` and :func:`packed`)."""
     names = {"schedule": "pp_schedule", "v": "pp_virtual_stages", "n": "pp_microbatches"}
     out: dict[str, Any] = {}
     for item in spec.split(","):
         key, value = item.split("=")
-        if key != "accum":
+        if key not in ("accum", "packed"):
             out[names.get(key, key)] = value if key == "schedule" else int(value)
     return out
 
@@ -49,9 +71,14 @@ def accumulation(spec: str) -> int:
     return found[0] if found else ACCUM
 
 
+def packed(spec: str) -> bool:
+    """Whether a spec trains on packed documents (``packed=1``)."""
+    return "packed=1" in spec.split(",")
+
+
 @functools.lru_cache(maxsize=None)
 def pipeline_reference(
-    dp: int, steps: int, accum: int = ACCUM, micro: int = MICRO
+    dp: int, steps: int, accum: int = ACCUM, micro: int = MICRO, is_packed: bool = False
 ) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
     """``losses[batch][dp_rank]`` (each the mean of its micro-batches' losses) and the final parameters."""
     threads = torch.get_num_threads()
@@ -61,7 +88,7 @@ def pipeline_reference(
         lm = PipelineLM()
         model = lm.model
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-        data = TokenData()
+        data = make_data(is_packed)
         orders = [list(DistributedSampler(data, num_replicas=dp, rank=d, shuffle=True, seed=0)) for d in range(dp)]
         scale = 1.0 / (dp * accum * micro)
         set_aux_loss_scale(model, scale)
@@ -74,8 +101,8 @@ def pipeline_reference(
                     idx = orders[d][b * BATCH : (b + 1) * BATCH]
                     batch = torch.utils.data.default_collate([data[i] for i in idx])
                     total = 0.0
-                    for ids, labels in zip(batch["input_ids"].chunk(micro), batch["labels"].chunk(micro)):
-                        loss = lm._lm_loss({"input_ids": ids, "labels": labels})
+                    for m in range(micro):
+                        loss = lm._lm_loss({k: v.chunk(micro)[m] for k, v in batch.items()})
                         (loss * scale).backward()
                         total += float(loss.detach())
                     row.append(total / micro)
@@ -102,7 +129,7 @@ def compare(result: dict, spec: str, dp: int, steps: int, rtol: float = 1e-5, la
     """Every rank's batch losses, the logged loss and the final parameters equal the reference."""
     atol = rtol / 10
     label = label or spec
-    ref_losses, ref_state = pipeline_reference(dp, steps, accumulation(spec), parse(spec)["pp_microbatches"])
+    ref_losses, ref_state = pipeline_reference(dp, steps, accumulation(spec), parse(spec)["pp_microbatches"], packed(spec))
     for rank, (dp_rank, losses) in enumerate(result["losses"]):
         want = [row[dp_rank] for row in ref_losses]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=rtol, atol=atol,
@@ -113,7 +140,7 @@ def compare(result: dict, spec: str, dp: int, steps: int, rtol: float = 1e-5, la
     assert set(result["state"]) == set(ref_state), (label, sorted(set(result["state"]) ^ set(ref_state)))
     if result.get("val_data") is not None:  # validation ran through the pipeline
         samples, seed = result["val_data"]
-        want = reference_val_loss(ref_state, TokenData(num_samples=samples, seed=seed))
+        want = reference_val_loss(ref_state, make_data(packed(spec), num_samples=samples, seed=seed))
         torch.testing.assert_close(torch.tensor(result["val_loss"]), torch.tensor(want), rtol=rtol, atol=atol,
                                    msg=lambda m: f"{label} val/loss: {m}")  # fmt: skip
     for name, want in ref_state.items():

@@ -2,7 +2,7 @@
 
 ``python worker_pipeline_fit.py OUT_DIR SPEC...``; a spec is ``pp=2,ep=2,schedule=1f1b,v=1,n=4``
 (``_pipeline_models.parse``). Each trains ``STEPS`` optimizer steps with gradient accumulation 2
-(``accum=N`` in the spec: N) and clipping, fp32, and a validation pass through the pipeline at the
+(``accum=N`` in the spec: N; ``packed=1``: packed documents) and clipping, fp32, and a validation pass through the pipeline at the
 end. Rank 0 writes ``OUT_DIR/<spec>.pt``: every rank's (dp coordinate, logged batch losses), the logged
 ``train/loss``, the validation loss and the final full parameters gathered from every stage.
 """
@@ -19,25 +19,26 @@ import torch
 import torch.distributed as dist
 
 import lightning_moe  # noqa: F401 - registers "folded_moe"
-from _models import CLIP, TokenData, leave_together
-from _pipeline_models import PipelineLM, accumulation, parse
+from _models import CLIP, leave_together
+from _pipeline_models import PipelineLM, accumulation, make_data, packed, parse
 from lightning_moe.parallel.checkpoint import gather_full_state
 from lightning_moe.strategies import FoldedMoEStrategy
 
 STEPS = 3
 
 
-VAL_DATA = TokenData(num_samples=8, seed=7)  # stored as (num_samples, seed) with the result
+VAL_DATA = (8, 7)  # validation samples and seed, stored with the result
 
 
 class ValidatedLM(PipelineLM):
     def val_dataloader(self) -> torch.utils.data.DataLoader:
-        return torch.utils.data.DataLoader(VAL_DATA, batch_size=4)
+        data = make_data(self.packed, num_samples=VAL_DATA[0], seed=VAL_DATA[1])
+        return torch.utils.data.DataLoader(data, batch_size=4)
 
 
 def fit_one(spec: str, out_dir: Path, world: int) -> None:
     torch.manual_seed(0)
-    model = ValidatedLM()
+    model = ValidatedLM(packed(spec))
     strategy = FoldedMoEStrategy(**parse(spec), timeout=timedelta(seconds=90))
     accum = accumulation(spec)
     trainer = pl.Trainer(
@@ -55,7 +56,7 @@ def fit_one(spec: str, out_dir: Path, world: int) -> None:
     logged = float(trainer.callback_metrics["train/loss"])
     val = float(trainer.callback_metrics["val/loss"]) if "val/loss" in trainer.callback_metrics else None
     if dist.get_rank() == 0:
-        result = {"losses": losses, "state": merged, "logged_loss": logged, "val_loss": val, "val_data": (8, 7)}
+        result = {"losses": losses, "state": merged, "logged_loss": logged, "val_loss": val, "val_data": VAL_DATA}
         torch.save(result, out_dir / f"{spec}.pt")
         print(f"DONE {spec}", flush=True)
 
