@@ -7,7 +7,8 @@ PP2 x EP2 (dp 2) with 1f1b, the model cut into two stages of two HF decoder laye
 (``models/hf_pipeline_stage.py``). Every rank's logged batch losses, the logged ``train/loss``, the
 validation loss and every parameter (stage names mapped to the HF model's) must match the
 one-process reference to rtol 1e-5. W=2: the model built on ``meta`` (PP2), whose stages must get
-the rotary frequencies back after materialisation.
+the rotary frequencies back after materialisation; DCP checkpoints at PP2 (``worker_pipeline_hf_ckpt.py``)
+resume bitwise at pp=2, are refused at pp=1, and export to an HF directory holding the final parameters.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from _harness import launch_torchrun
-from _pipeline_hf_models import compare_hf
+from _pipeline_hf_models import MOE, compare_hf
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("transformers")
@@ -42,3 +43,21 @@ def test_trainer_hf_pipeline_of_a_meta_built_model_restores_the_rotary_frequenci
     assert all(same for same, _ in ranks), "a stage's rotary frequencies differ from a fresh model's"
     losses = [loss for _, recorded in ranks for loss in recorded]
     assert losses and all(torch.isfinite(torch.tensor(losses))), losses
+
+
+def test_hf_pipeline_checkpoint_resumes_refuses_pp1_and_exports(tmp_path) -> None:
+    job = launch_torchrun("worker_pipeline_hf_ckpt.py", 2, [str(tmp_path)], timeout=400)
+    if "HF PIPELINE CKPT OK" not in job.output:
+        pytest.fail(f"worker_pipeline_hf_ckpt did not finish:\n{job.failure() or job.output[-6000:]}", pytrace=False)
+    from transformers import AutoModelForCausalLM
+
+    from lightning_moe.export import export_checkpoint
+    from lightning_moe.models.hf import swap_moe_blocks
+
+    export_checkpoint(tmp_path / "ckpt" / "step2.ckpt", tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).float()
+    got = dict(swap_moe_blocks(model, **MOE).named_parameters())
+    want = torch.load(tmp_path / "final.pt")
+    assert got.keys() == want.keys(), sorted(got.keys() ^ want.keys())[:5]
+    for name, value in want.items():
+        assert torch.equal(got[name].detach(), value), name
