@@ -16,7 +16,8 @@ Stages of :func:`parallelize_moe_model` (collectives named with their group):
    ``sequence_parallel`` (``parallel/sequence.py``): the residual stream, the norms and the MoE
    layers hold ``S/tp`` positions; the embedding output is scattered along the sequence,
    all-gather(TP) before attention and the dense MLP, reduce-scatter(TP) after ``o_proj`` and
-   ``down_proj``, all-gather before the head. Norm, router and shared-expert weights are
+   ``down_proj``, all-gather before the head (a pipeline rank's ``LocalStages``: the scatter on the
+   first stage's rank, the gather on the last's; the hidden states travel between stages sharded). Norm, router and shared-expert weights are
    ``Replicate`` DTensors whose gradients are summed over TP. ``vocab_parallel``
    (``parallel/vocab.py``): the embedding rows and the head's vocabulary split over TP.
 3. EP over ``ep`` (+ETP over ``etp``) on every :class:`MoELayer`: ``w13``/``w2`` are cut to this
@@ -138,10 +139,15 @@ def unblock_w13(w13_blocked: torch.Tensor, etp: int) -> torch.Tensor:
 def _transformer_parts(module: nn.Module) -> nn.Module | None:
     """The module under ``module`` shaped like :class:`~lightning_moe.models.transformer.MoETransformer`
     (``embed``, ``layers`` of blocks with ``attn_norm``/``attn``/``ffn_norm``/``ffn``, ``norm``,
-    ``lm_head``), or ``None``."""
+    ``lm_head``), or a pipeline rank's :class:`LocalStages` of one (its blocks in a ``ModuleDict``;
+    ``embed`` only on the first stage's rank, ``norm`` and ``lm_head`` on the last's), or ``None``."""
     block_parts = ("attn_norm", "attn", "ffn_norm", "ffn")
     for m in module.modules():
         layers = getattr(m, "layers", None)
+        if isinstance(m, LocalStages) and isinstance(layers, nn.ModuleDict):
+            if all(all(isinstance(getattr(b, n, None), nn.Module) for n in block_parts) for b in layers.values()):
+                return m
+            continue
         if (
             isinstance(getattr(m, "embed", None), nn.Embedding)
             and isinstance(getattr(m, "lm_head", None), nn.Linear)
@@ -345,13 +351,16 @@ def _apply_sequence_and_vocab(root: nn.Module, mesh: FoldedMesh, sequence_parall
         head = ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(), use_local_output=True)
         parallelize_module(root.lm_head, tp_mesh, head)
         mark_vocab_parallel_head(root.lm_head, tp_group, mesh.rank("tp") * (V // tp))
-    elif sequence_parallel:
-        root.embed.register_forward_hook(functools.partial(_scatter_output, tp_group))
-        root.lm_head.register_forward_pre_hook(functools.partial(_gather_input, tp_group))
+    elif sequence_parallel:  # a pipeline rank's stages may hold neither (the hidden travels sharded)
+        if root.embed is not None:
+            root.embed.register_forward_hook(functools.partial(_scatter_output, tp_group))
+        if root.lm_head is not None:
+            root.lm_head.register_forward_pre_hook(functools.partial(_gather_input, tp_group))
     if not sequence_parallel:
         return
-    sum_grads_over_tp(root.norm, tp_mesh)
-    for block in root.layers:
+    if root.norm is not None:
+        sum_grads_over_tp(root.norm, tp_mesh)
+    for block in root.layers.values() if isinstance(root.layers, nn.ModuleDict) else root.layers:
         sum_grads_over_tp(block.attn_norm, tp_mesh)
         sum_grads_over_tp(block.ffn_norm, tp_mesh)
         if isinstance(block.ffn, MoELayer):

@@ -23,7 +23,8 @@ A :class:`PipelineRunner` belongs to a strategy at ``pp > 1``; the training step
    ``1 / (accumulate * n)`` (each micro-batch routes on its own, as one process running the same
    micro-batches);
 3. training: torch's schedule for this batch shape (built once per shape, with the stage shapes
-   given up front, so torch runs no shape-inference forward through the MoE layers; the
+   given up front — the hidden states ``[b, S/tp, H]`` under sequence parallel — so torch runs no
+   shape-inference forward through the MoE layers; the
    zero-bubble schedules compute weight gradients with the input gradients, see ``_SPLIT``);
    validation: each micro-batch forward through the stages in order (:meth:`_forward_only`);
 4. the loss to log: the sum of the micro-batch losses times ``accumulate`` (the batch's
@@ -43,6 +44,7 @@ from lightning_moe.parallel.fold_batch import IGNORE_INDEX
 from lightning_moe.parallel.pipeline import stage_indices
 from lightning_moe.parallel.pipeline_schedule import build_schedule
 from lightning_moe.parallel.pipeline_stage import LocalStages
+from lightning_moe.parallel.sequence import check_sequence_length
 from lightning_moe.parallel.vocab import lm_cross_entropy
 from lightning_moe.strategies.pipeline_setup import PipelineOptions, check_pipeline_batch
 
@@ -75,6 +77,9 @@ class PipelineRunner:
         loss_group: ``(group, ranks)`` whose labelled tokens make up one batch (``dp_cp``).
         device: where the stages run.
         hidden_size: ``H`` of the activations sent between stages.
+        sequence_shards: ``tp`` under sequence parallel (the hidden states between stages hold
+            ``S/tp`` positions, and every stage gets ``position_ids``, ``0..S-1`` when the batch
+            has none, to build its RoPE for the whole sequence), else 1.
     """
 
     def __init__(
@@ -87,8 +92,10 @@ class PipelineRunner:
         loss_group: tuple[Any, int],
         device: torch.device,
         hidden_size: int,
+        sequence_shards: int = 1,
     ) -> None:
         self.owner, self.options, self.stages = owner, options, stages
+        self.sequence_shards = sequence_shards
         self.pp_group, self.pp_rank, self.device, self.hidden_size = pp_group, pp_rank, device, hidden_size
         self.loss_group = loss_group
         last = options.stages - 1
@@ -182,6 +189,11 @@ class PipelineRunner:
                     "pass one id per token."
                 )
         check_pipeline_batch(self.owner, self.options, int(ids_BS.shape[0]))
+        B, S = ids_BS.shape
+        if self.sequence_shards > 1:
+            check_sequence_length(S, self.sequence_shards, owner=self.owner)
+            if "position_ids" not in ids_kw:  # the stages see S/tp positions of the hidden states
+                ids_kw["position_ids"] = torch.arange(S, device=ids_BS.device).expand(B, S)
         return ids_BS, labels_BS, ids_kw
 
     @property
@@ -224,15 +236,15 @@ class PipelineRunner:
     def _example(
         self, ids: bool, b: int, S: int, grad: bool, logits: bool = False, device: Any = "meta"
     ) -> torch.Tensor:
-        """A stage's input or output (a meta tensor by default): ids ``[b, S]``, hidden ``[b, S, H]``,
-        logits ``[b, S, V]``."""
+        """A stage's input or output (a meta tensor by default): ids ``[b, S]``, hidden ``[b, S, H]``
+        (``[b, S/tp, H]`` under sequence parallel), logits ``[b, S, V]``."""
         if ids:
             return torch.empty(b, S, dtype=torch.long, device=device)
         dtype = next(p.dtype for p in self.stages.parameters() if p.is_floating_point())
         if logits and self.stages.lm_head is not None:
             width = self.stages.lm_head.out_features
-        else:
-            width = self.hidden_size
+        else:  # the hidden states: S/tp positions under sequence parallel
+            width, S = self.hidden_size, S // self.sequence_shards
         return torch.empty(b, S, width, dtype=dtype, device=device, requires_grad=grad)
 
     def _loss_to_log(self, losses: list[torch.Tensor], accumulate: int) -> torch.Tensor:

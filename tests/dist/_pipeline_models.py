@@ -53,14 +53,17 @@ class PipelineLM(RecordingLM):
 
 
 def parse(spec: str) -> dict[str, Any]:
-    """``pp=2,ep=2,schedule=1f1b,v=1,n=4`` -> strategy keyword arguments (``accum=1``, the
+    """``pp=2,ep=2,schedule=1f1b,v=1,n=4`` -> strategy keyword arguments (``sp=1``:
+    ``sequence_parallel=True``; ``accum=1``, the
     Trainer's gradient accumulation, and ``packed=1``, packed-document data, are left out: see
     :func:`accumulation` and :func:`packed`)."""
-    names = {"schedule": "pp_schedule", "v": "pp_virtual_stages", "n": "pp_microbatches"}
+    names = {"schedule": "pp_schedule", "v": "pp_virtual_stages", "n": "pp_microbatches", "sp": "sequence_parallel"}
     out: dict[str, Any] = {}
     for item in spec.split(","):
         key, value = item.split("=")
-        if key not in ("accum", "packed"):
+        if key == "sp":
+            out[names[key]] = value == "1"
+        elif key not in ("accum", "packed"):
             out[names.get(key, key)] = value if key == "schedule" else int(value)
     return out
 

@@ -9,7 +9,8 @@ without accumulation (the Trainer zeroes gradients between the training step and
 after the pipeline's backward ran). W=4: PP2 x EP2 (dp 2) with 1f1b, interleaved 1f1b over 4
 stages (2 per rank) and the zero-bubble "V" schedules (zbv, dualpipev); PP2 x TP2 with each
 stage's experts EP2 over its two TP ranks; PP2 x EP2 on packed documents (``document_ids`` reach
-every stage, which restarts RoPE and masks attention per document). Every rank's logged batch losses, the logged
+every stage, which restarts RoPE and masks attention per document); PP2 x TP2 with sequence
+parallel and ETP2 (the hidden states travel ``[b, S/2, H]`` between the stages). Every rank's logged batch losses, the logged
 ``train/loss`` and every parameter must match to rtol 1e-5. One torchrun job per world size.
 """
 
@@ -30,7 +31,7 @@ SPECS = {
     4: [
         "pp=2,ep=2,schedule=1f1b,n=4", "pp=2,ep=2,schedule=interleaved_1f1b,v=2,n=4", "pp=2,ep=2,schedule=zbv,v=2,n=4",
         "pp=2,ep=2,schedule=dualpipev,v=2,n=4", "pp=2,tp=2,ep=2,schedule=1f1b,n=4",
-        "pp=2,ep=2,schedule=1f1b,n=4,packed=1",
+        "pp=2,ep=2,schedule=1f1b,n=4,packed=1", "pp=2,tp=2,etp=2,sp=1,schedule=1f1b,n=4",
     ],
 }
 _CASES = [(world, spec) for world, specs in SPECS.items() for spec in specs]
