@@ -32,6 +32,7 @@ from lightning_moe.checkpoint.experts import (
 )
 from lightning_moe.checkpoint.hparams import config_classes, config_from_plain, config_to_plain
 from lightning_moe.checkpoint.manifest import CheckpointError, verify_checkpoint, write_manifest
+from lightning_moe.checkpoint.stage_names import hf_stage_renamer, renamed_model_state, renamed_optimizer_state
 
 __all__ = ["META_NAME", "W13_FORMAT", "W13_FORMAT_KEY", "load_distributed", "load_meta", "save_distributed", "save_staged", "verified_manifest"]
 
@@ -66,6 +67,10 @@ def save_distributed(
     converted: dict[str, Any] = {"state_dict": split_model_state(checkpoint.pop("state_dict"), names)}
     for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
         converted[f"optimizer_{idx}"] = split_optimizer_state(optim_state, names, shapes)
+    rename = hf_stage_renamer(module)  # HF stages at pp > 1: saved under the whole model's names
+    if rename is not None:
+        converted = {k: (renamed_model_state if k == "state_dict" else renamed_optimizer_state)(v, rename)
+                     for k, v in converted.items()}  # fmt: skip
     save(converted, checkpoint_id=staged)
     if rank == 0:
         torch.save(config_to_plain(checkpoint), staged / META_NAME)
@@ -158,13 +163,14 @@ def load_distributed(
     model_state = get_model_state_dict(module)
     shapes = {n: tuple(t.shape) for n, t in model_state.items() if n in names}
     target = {"state_dict": split_model_state(model_state, names)}
-    load(target, checkpoint_id=path)
+    rename = hf_stage_renamer(module) or (lambda key: key)  # the same tensors under the saved names
+    load({"state_dict": renamed_model_state(target["state_dict"], rename)}, checkpoint_id=path)
     module.load_state_dict(join_model_state(target["state_dict"], model_state, names), strict=strict)
     for idx, optimizer in enumerate(optimizers):
         key = f"optimizer_{idx}"
         current = get_optimizer_state_dict(module, optimizer)
         optim_target = {key: _without_group_params(split_optimizer_state(current, names, shapes))}
-        load(optim_target, checkpoint_id=path)
+        load({key: renamed_optimizer_state(optim_target[key], rename)}, checkpoint_id=path)
         joined = _with_group_params(join_optimizer_state(optim_target[key], current, names), current)
         set_optimizer_state_dict(module, optimizer, optim_state_dict=joined,
                                  options=StateDictOptions(cpu_offload=True))  # fmt: skip

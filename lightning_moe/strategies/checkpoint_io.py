@@ -32,11 +32,10 @@ from lightning_moe.checkpoint.atomic import publish, staging_path
 from lightning_moe.checkpoint.dcp import W13_FORMAT, W13_FORMAT_KEY, load_distributed, save_distributed, save_staged, verified_manifest
 from lightning_moe.checkpoint.experts import relayout_full_state, w13_etps
 from lightning_moe.checkpoint.hparams import config_classes, config_from_plain, config_to_plain
-from lightning_moe.checkpoint.manifest import CheckpointError, read_manifest
+from lightning_moe.checkpoint.manifest import CheckpointError
 from lightning_moe.checkpoint.read import join_consolidated, read_checkpoint_file
 from lightning_moe.checkpoint.resume import last_or_newest_complete
 from lightning_moe.parallel.mesh import FoldedMesh
-from lightning_moe.strategies.pipeline_hf import check_hf_checkpoint_pp
 
 __all__ = [
     "W13_FORMAT_KEY",
@@ -119,7 +118,6 @@ def load_trainer_checkpoint(
     loaded into ``model`` at this layout (:func:`load_file_checkpoint`); no model yet: ``load_file``
     (Lightning's load) with the config dataclasses allow-listed."""
     if path.is_dir() and model is not None:
-        check_hf_checkpoint_pp("FoldedMoEStrategy", model, ((read_manifest(path) or {}).get("layout") or {}).get("pp"))
         return load_distributed(path, model, optimizers, strict=strict, rank=rank, broadcast=broadcast,
                                 weights_only=weights_only)  # fmt: skip
     if path.is_file() and model is not None:

@@ -14,10 +14,10 @@ calls these functions when the module holds no ``MoETransformer``-shaped model.
   materialised from the ``meta`` device, which an empty materialisation leaves undefined.
 
 Parameter names of the stages are :class:`~lightning_moe.parallel.pipeline_stage.TransformerStage`'s
-(``embed.weight``, ``layers.N.*``, ``norm.weight``, ``lm_head.weight``), not the HF model's
-(:func:`~lightning_moe.models.hf_pipeline_stage.hf_parameter_name` maps them):
-:func:`check_hf_checkpoint_pp` refuses loading a checkpoint of an HF model saved at another
-pipeline degree.
+(``embed.weight``, ``layers.N.*``, ``norm.weight``, ``lm_head.weight``), not the HF model's; the
+Trainer strategy's DCP checkpoints store them under the HF model's names
+(``checkpoint/stage_names.py``), so they reshard between ``pp=1`` and ``pp > 1`` and export as any
+other.
 """
 
 from __future__ import annotations
@@ -30,11 +30,9 @@ from lightning_moe.checkpoint.hf_sharded import reset_nonpersistent_buffers
 from lightning_moe.models.hf_pipeline_stage import HFLocalStages, check_hf_pipeline_model, cut_hf_rank_stages
 
 __all__ = [
-    "check_hf_checkpoint_pp",
     "cut_hf_for_pipeline",
     "find_hf_causal_lm",
     "hf_layer_count",
-    "holds_hf_model",
     "restore_hf_buffers",
 ]
 
@@ -83,24 +81,3 @@ def restore_hf_buffers(stages: nn.Module) -> None:
     Other stages are left as they are."""
     if isinstance(stages, HFLocalStages):
         reset_nonpersistent_buffers(stages)
-
-
-def holds_hf_model(module: nn.Module) -> bool:
-    """Whether ``module`` holds an HF causal LM, whole or cut into stages."""
-    return find_hf_causal_lm(module)[1] is not None or any(isinstance(m, HFLocalStages) for m in module.modules())
-
-
-def check_hf_checkpoint_pp(owner: str, module: nn.Module, saved_pp: Any) -> None:
-    """Refuse a checkpoint saved at pipeline degree ``saved_pp`` into ``module`` holding an HF model
-    cut into stages (``pp > 1``) where ``saved_pp`` is 1, or whole where it is above 1: the stages
-    name the parameters differently from the whole model (module docstring). ``None``: not known."""
-    cut = any(isinstance(m, HFLocalStages) for m in module.modules())
-    if saved_pp is None or (int(saved_pp) > 1) == cut or not holds_hf_model(module):
-        return
-    here = "cuts it into pipeline stages (pp > 1)" if cut else "has pp=1"
-    raise ValueError(
-        f"{owner}: this checkpoint of a Hugging Face model was saved at pp={saved_pp} and this run {here}; the "
-        "pipeline stages name its parameters differently from the whole model (embed.weight, not "
-        "model.embed_tokens.weight), so it resumes only where both degrees are 1 or both above 1. Resume with "
-        f"{'pp=1' if int(saved_pp) == 1 else 'pp > 1'}, or export it (lightning-moe-export maps the stage names)."
-    )

@@ -20,7 +20,8 @@ from torch.utils.data.distributed import DistributedSampler
 from _models import CLIP, LR, VOCAB, TokenData
 from _pipeline_models import BATCH, accumulation, parse
 from lightning_moe.lit_hf import HFMoELanguageModel
-from lightning_moe.models.hf_pipeline_stage import hf_parameter_name
+from lightning_moe.models.hf_pipeline_stage import HFLocalStages, hf_parameter_name
+from lightning_moe.parallel.checkpoint import gather_full_state
 from lightning_moe.moe.utils import set_aux_loss_scale
 
 HF_CONFIG: dict[str, Any] = dict(
@@ -55,9 +56,13 @@ class HFRecordingLM(HFMoELanguageModel):
         return DataLoader(TokenData(num_samples=VAL[0], seed=VAL[1]), batch_size=BATCH)
 
 
-def model_names(stage_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A rank's stage parameters under the HF model's names (``model.embed_tokens.weight``, ...)."""
-    return {hf_parameter_name(k): v for k, v in stage_state.items()}
+def model_names(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s full parameters (``gather_full_state``, collective) under the HF model's names
+    (``model.embed_tokens.weight``, ...): a rank's stages mapped, a whole model as it is."""
+    state = gather_full_state(model)
+    if not isinstance(model, HFLocalStages):
+        return state
+    return {hf_parameter_name(k): v for k, v in state.items()}
 
 
 @functools.lru_cache(maxsize=None)

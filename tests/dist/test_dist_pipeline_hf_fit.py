@@ -8,7 +8,8 @@ PP2 x EP2 (dp 2) with 1f1b, the model cut into two stages of two HF decoder laye
 validation loss and every parameter (stage names mapped to the HF model's) must match the
 one-process reference to rtol 1e-5. W=2: the model built on ``meta`` (PP2), whose stages must get
 the rotary frequencies back after materialisation; DCP checkpoints at PP2 (``worker_pipeline_hf_ckpt.py``)
-resume bitwise at pp=2, are refused at pp=1, and export to an HF directory holding the final parameters.
+resume bitwise at pp=2, load at pp=1 and back (saved under the HF model's names), and export to an
+HF directory holding the final parameters.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def test_trainer_hf_pipeline_of_a_meta_built_model_restores_the_rotary_frequenci
     assert losses and all(torch.isfinite(torch.tensor(losses))), losses
 
 
-def test_hf_pipeline_checkpoint_resumes_refuses_pp1_and_exports(tmp_path) -> None:
+def test_hf_pipeline_checkpoint_resumes_reshards_across_pp_and_exports(tmp_path) -> None:
     job = launch_torchrun("worker_pipeline_hf_ckpt.py", 2, [str(tmp_path)], timeout=400)
     if "HF PIPELINE CKPT OK" not in job.output:
         pytest.fail(f"worker_pipeline_hf_ckpt did not finish:\n{job.failure() or job.output[-6000:]}", pytrace=False)

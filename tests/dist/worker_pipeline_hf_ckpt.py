@@ -3,12 +3,13 @@
 ``python worker_pipeline_hf_ckpt.py OUT_DIR``:
 
 1. continuous run at ``pp=2`` (1f1b, 2 micro-batches) for 2 optimizer steps, one an epoch (a resume
-   starts at an epoch boundary); ``ModelCheckpoint`` writes a DCP folder after each step (each
-   stage under its stage names);
+   starts at an epoch boundary); ``ModelCheckpoint`` writes a DCP folder after each step;
 2. resumed run: a fresh model and Trainer at ``pp=2`` continue from the step-1 folder; every batch
    loss and the final parameters must be bitwise the continuous run's;
-3. the step-2 folder at ``pp=1`` (``dp=2``) is refused with the reason (stage names against the
-   whole model's), on every rank, before any weight changes;
+3. the step-2 folder loads at ``pp=1`` (``dp=2``; ``validate``, parameters zeroed first) with the
+   continuous run's final parameters bit for bit (the stages save under the whole HF model's
+   names); a ``pp=1`` run resumed from the step-1 folder (the SGD momentum loaded across the degrees) saves a
+   folder that loads at ``pp=2`` with that run's parameters;
 4. rank 0 writes the continuous run's final parameters (HF names) to ``OUT_DIR/final.pt``, which
    the export of the step-2 folder must hold (the test exports it, without a process group).
 
@@ -30,7 +31,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import lightning_moe  # noqa: F401 - registers "folded_moe"
 from _models import leave_together
 from _pipeline_hf_models import HFRecordingLM, model_names
-from lightning_moe.parallel.checkpoint import gather_full_state
 from lightning_moe.strategies import FoldedMoEStrategy
 
 STEPS, RESUME_AT = 2, 1
@@ -42,7 +42,7 @@ def _trainer(pp: int, callbacks: list[pl.Callback] | None = None) -> pl.Trainer:
     return pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, logger=False, callbacks=callbacks or [],
         enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
-        limit_train_batches=RESUME_AT, limit_val_batches=0, num_sanity_val_steps=0,
+        limit_train_batches=RESUME_AT, limit_val_batches=1, num_sanity_val_steps=0, val_check_interval=None,
     )  # fmt: skip
 
 
@@ -54,7 +54,7 @@ def _fresh() -> HFRecordingLM:
 def _full_state(lm: pl.LightningModule) -> dict[str, torch.Tensor]:
     """Every stage's parameters under the HF model's names, gathered onto every rank."""
     states: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(states, model_names(gather_full_state(lm.model)))
+    dist.all_gather_object(states, model_names(lm.model))
     return {k: v for s in states for k, v in s.items()}
 
 
@@ -66,14 +66,14 @@ def _check_equal(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor], wh
         raise AssertionError(f"{what}: {len(bad)} parameters differ, first {bad[0]}")
 
 
-def _refused_at_pp1(path: Path) -> None:
-    try:
-        _trainer(1).fit(_fresh(), ckpt_path=path)
-    except ValueError as error:
-        if "saved at pp=2 and this run has pp=1" not in str(error):
-            raise
-        return
-    raise AssertionError("a pp=2 checkpoint of an HF model loaded at pp=1")
+def _loaded(pp: int, path: Path) -> dict[str, torch.Tensor]:
+    """A fresh model with every parameter zeroed, then ``path`` loaded at ``pp`` (``validate``)."""
+    lm = _fresh()
+    with torch.no_grad():
+        for p in lm.parameters():
+            p.zero_()
+    _trainer(pp).validate(lm, ckpt_path=path, verbose=False)
+    return _full_state(lm)
 
 
 def main(out: Path) -> None:
@@ -89,7 +89,13 @@ def main(out: Path) -> None:
     if resumed.recorded != tail:
         raise AssertionError(f"rank {dist.get_rank()}: resumed losses {resumed.recorded} != continuous {tail}")
     _check_equal(final, _full_state(resumed), "resumed at pp=2")
-    _refused_at_pp1(ckpt_dir / f"step{STEPS}.ckpt")
+    _check_equal(final, _loaded(1, ckpt_dir / f"step{STEPS}.ckpt"), "pp=2 folder loaded at pp=1")
+    whole_dir = out / "ckpt_pp1"
+    saver1 = ModelCheckpoint(dirpath=whole_dir, filename="step{step}", auto_insert_metric_name=False,
+                             every_n_train_steps=RESUME_AT, save_top_k=-1)  # fmt: skip
+    whole = _fresh()
+    _trainer(1, [saver1]).fit(whole, ckpt_path=ckpt_dir / f"step{RESUME_AT}.ckpt")  # optimizer state across pp too
+    _check_equal(_full_state(whole), _loaded(2, whole_dir / f"step{STEPS}.ckpt"), "pp=1 folder loaded at pp=2")
     if dist.get_rank() == 0:
         torch.save(final, out / "final.pt")
         print("HF PIPELINE CKPT OK", flush=True)

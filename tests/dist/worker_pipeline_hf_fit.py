@@ -23,7 +23,6 @@ import lightning_moe  # noqa: F401 - registers "folded_moe"
 from _models import CLIP, leave_together
 from _pipeline_hf_models import HFRecordingLM, model_names
 from _pipeline_models import accumulation, parse
-from lightning_moe.parallel.checkpoint import gather_full_state
 from lightning_moe.strategies import FoldedMoEStrategy
 
 STEPS = 3
@@ -42,7 +41,7 @@ def fit_one(spec: str, out_dir: Path, world: int) -> None:
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=1.0, val_check_interval=STEPS * accum,
     )  # fmt: skip
     trainer.fit(model)
-    state = model_names(gather_full_state(model.model))
+    state = model_names(model.model)
     states = [None] * world
     dist.all_gather_object(states, state)
     merged = {k: v for s in states for k, v in s.items()}

@@ -5,8 +5,8 @@ model check accepts it at pp=2 and refuses an uneven split, tied embeddings and 
 no model, each with the strategy's name; the cut puts this rank's ``HFLocalStages`` where the HF
 model was (its ``model`` attribute, or the stages themselves for Fabric); stages materialised from
 ``meta`` get the rotary frequencies a fresh model computes; ``num_active_params`` counts a rank's
-stages; a checkpoint saved at another pipeline degree is refused on resume, and the export maps
-the stage names back to the HF model's (the exported model equals the one exported uncut).
+stages; checkpoint names of the stages map to the whole model's (model and optimizer entries), and
+the export maps stage names back too (the exported model equals the one exported uncut).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from lightning_moe.lit_hf import HFMoELanguageModel  # noqa: E402
 from lightning_moe.models.hf_pipeline_stage import HFLocalStages  # noqa: E402
 from lightning_moe.parallel.pipeline import split_layers  # noqa: E402
 from lightning_moe.strategies import FoldedMoEStrategy  # noqa: E402
-from lightning_moe.strategies.pipeline_hf import check_hf_checkpoint_pp, restore_hf_buffers  # noqa: E402
+from lightning_moe.checkpoint.stage_names import hf_stage_renamer, renamed_optimizer_state  # noqa: E402
+from lightning_moe.strategies.pipeline_hf import restore_hf_buffers  # noqa: E402
 from lightning_moe.strategies.pipeline_setup import cut_for_pipeline  # noqa: E402
 
 HF_CONFIG: dict[str, Any] = dict(
@@ -77,16 +78,19 @@ def test_stages_built_on_meta_get_the_rotary_frequencies_back() -> None:
     assert view.rotary_emb.inv_freq is stages.rotary_emb.inv_freq  # the stage views run the restored module
 
 
-def test_resume_across_pipeline_degrees_is_refused_for_hf_models() -> None:
+def test_checkpoint_names_of_hf_stages_are_the_whole_models() -> None:
     whole, cut = _lm(), _lm()
-    cut_for_pipeline("FoldedMoEStrategy", FoldedMoEStrategy(pp=2).pipeline_options, cut, 0)
-    check_hf_checkpoint_pp("FoldedMoEStrategy", whole, 1)
-    check_hf_checkpoint_pp("FoldedMoEStrategy", cut, 4)
-    check_hf_checkpoint_pp("FoldedMoEStrategy", cut, None)
-    with pytest.raises(ValueError, match=r"saved at pp=2 and this run has pp=1.*Resume with pp > 1"):
-        check_hf_checkpoint_pp("FoldedMoEStrategy", whole, 2)
-    with pytest.raises(ValueError, match=r"saved at pp=1 and this run cuts it into pipeline stages.*Resume with pp=1"):
-        check_hf_checkpoint_pp("FoldedMoEStrategy", cut, 1)
+    assert hf_stage_renamer(whole) is None
+    cut_for_pipeline("FoldedMoEStrategy", FoldedMoEStrategy(pp=2).pipeline_options, cut, 1)
+    rename = hf_stage_renamer(cut)
+    names = {rename(k) for k in cut.state_dict()}
+    assert names <= set(whole.state_dict()) and "model.lm_head.weight" in names
+    assert rename("model.layers.3.mlp.experts.w13.gate") == "model.model.layers.3.mlp.experts.w13.gate"
+    optim = {"state": {"model.norm.weight": {"step": 1}}, "param_groups": [{"lr": 0.1, "params": ["model.norm.weight"]}]}
+    renamed = renamed_optimizer_state(optim, rename)
+    assert renamed["state"] == {"model.model.norm.weight": {"step": 1}}
+    assert renamed["param_groups"] == [{"lr": 0.1, "params": ["model.model.norm.weight"]}]
+    assert renamed["state"]["model.model.norm.weight"] is optim["state"]["model.norm.weight"]  # a load fills both
 
 
 def test_export_maps_stage_names_to_the_hf_models(tmp_path) -> None:
