@@ -297,7 +297,9 @@ class FoldedMoECore:
     def check_pipeline_model(self, module: nn.Module) -> None:
         """``module`` can be cut into this strategy's stages (``pipeline_setup.check_pipeline_model``);
         the Trainer's strategy runs it in ``setup_environment``, before any process group."""
-        check_pipeline_model(type(self).__name__, self.pipeline_options, module, sequence_parallel=self.sequence_parallel)
+        check_pipeline_model(
+            type(self).__name__, self.pipeline_options, module, cp=self.cp, sequence_parallel=self.sequence_parallel
+        )
 
     def check_pipeline_batch(self, batch_size: int) -> None:
         """A batch of ``batch_size`` rows divides into ``pp_microbatches`` (nothing at ``pp=1``)."""
@@ -325,7 +327,7 @@ class FoldedMoECore:
             model = model if model is not None else find_hf_causal_lm(module)[1]
             hidden = int(model.config.hidden_size) if model is not None else 0
             module, stages = cut_for_pipeline(
-                type(self).__name__, options, module, mesh.rank("pp"), sequence_parallel=self.sequence_parallel
+                type(self).__name__, options, module, mesh.rank("pp"), cp=self.cp, sequence_parallel=self.sequence_parallel
             )
             had_meta = has_meta_parameters(stages)
         module = prepare_module(module, self.module_plan, strategy.root_device, root=root, shard_root=shard_root)
@@ -335,5 +337,6 @@ class FoldedMoECore:
             self._pipeline = PipelineRunner(
                 type(self).__name__, options, stages, mesh.group("pp"), mesh.rank("pp"), self.loss_group,
                 strategy.root_device, hidden, sequence_shards=mesh.size("tp") if self.sequence_parallel else 1,
+                context=self.context_parallel,
             )  # fmt: skip
         return module

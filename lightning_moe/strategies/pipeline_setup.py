@@ -6,13 +6,13 @@ Stages, in the order a strategy runs them:
 
 1. :func:`pipeline_options` (constructor, no world size): ``pp_schedule`` known and offered by this
    torch with ``pp_virtual_stages`` per rank, ``pp_microbatches`` enough for it
-   (``parallel/pipeline.py``); :func:`check_pipeline_combination`: at ``pp > 1`` context parallel
-   and vocab parallel are refused (sequence parallel is not: the hidden states travel between
-   stages sharded along the sequence over TP);
+   (``parallel/pipeline.py``); :func:`check_pipeline_combination`: at ``pp > 1`` vocab parallel is
+   refused (context and sequence parallel are not: each stage gets this CP rank's chunks with
+   their global positions, and the hidden states travel sharded along the sequence over TP);
 2. :func:`check_pipeline_model` and :func:`check_pipeline_batch` (``setup_environment``, before any
    process group): the module holds an ``MoETransformer``-shaped model, or a Hugging Face causal
    LM of a family that can be cut (``strategies/pipeline_hf.py``; its stages take no per-token
-   ids, so not under sequence parallel), whose blocks split evenly into ``pp * v`` stages, without
+   ids, so not under context or sequence parallel), whose blocks split evenly into ``pp * v`` stages, without
    tied embeddings; the data module's batch divides into ``n``;
 3. :func:`check_pipeline_callbacks` (Trainer ``setup``): callbacks that act on the whole model in
    one forward (``supports_pipeline_parallel = False``) are refused;
@@ -108,18 +108,13 @@ def _reworded(owner: str, options: str, error: ValueError) -> ValueError:
 def check_pipeline_combination(
     owner: str, options: PipelineOptions, cp: int, sequence_parallel: bool, vocab_parallel: bool
 ) -> None:
-    """At ``pp > 1`` the stages pass only the hidden states (sharded along the sequence under
-    sequence parallel) with the per-token ids: no CP positions, no vocab shards."""
-    if options.pp == 1:
-        return
-    for name, on in (("cp", cp != 1), ("vocab_parallel", vocab_parallel)):
-        if on:
-            value = cp if name == "cp" else True
-            fix = "cp=1" if name == "cp" else f"{name}=False"
-            raise ValueError(
-                f"{owner}: {name}={value} with pp={options.pp} is not supported (pipeline stages pass only the "
-                f"hidden states); set {fix} or pp=1."
-            )
+    """At ``pp > 1`` the stages pass the hidden states (sharded along the sequence under sequence
+    parallel, this CP rank's chunks under context parallel), not vocabulary shards of the logits."""
+    if options.pp > 1 and vocab_parallel:
+        raise ValueError(
+            f"{owner}: vocab_parallel=True with pp={options.pp} is not supported (pipeline stages pass only the "
+            "hidden states); set vocab_parallel=False or pp=1."
+        )
 
 
 def find_transformer(module: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
@@ -140,11 +135,11 @@ def find_transformer(module: nn.Module) -> tuple[nn.Module | None, nn.Module | N
 
 
 def check_pipeline_model(
-    owner: str, options: PipelineOptions, module: nn.Module, *, sequence_parallel: bool = False
+    owner: str, options: PipelineOptions, module: nn.Module, *, cp: int = 1, sequence_parallel: bool = False
 ) -> None:
     """The module can be cut into ``pp * v`` stages: an MoETransformer-shaped model whose blocks
-    split evenly, embeddings not tied (a Hugging Face causal LM: not under ``sequence_parallel``).
-    ``ValueError`` naming the fix; nothing at ``pp = 1``."""
+    split evenly, embeddings not tied (a Hugging Face causal LM: not under ``cp > 1`` or
+    ``sequence_parallel``). ``ValueError`` naming the fix; nothing at ``pp = 1``."""
     if options.pp == 1:
         return
     _, model = find_transformer(module)
@@ -157,12 +152,14 @@ def check_pipeline_model(
             "pp=1."
         )
     if hf is not None:
-        if sequence_parallel:
-            raise ValueError(
-                f"{owner}: sequence_parallel=True with pp={options.pp} cuts a Hugging Face causal LM "
-                f"({type(hf).__name__}), whose stages do not carry the per-token positions that sequence-sharded "
-                "hidden states need; set sequence_parallel=False, use MoELanguageModel, or set pp=1."
-            )
+        for name, value, on in (("cp", cp, cp != 1), ("sequence_parallel", sequence_parallel, sequence_parallel)):
+            if on:
+                fix = "cp=1" if name == "cp" else "sequence_parallel=False"
+                raise ValueError(
+                    f"{owner}: {name}={value} with pp={options.pp} cuts a Hugging Face causal LM "
+                    f"({type(hf).__name__}), whose stages do not carry the per-token positions that sharded "
+                    f"sequences need; set {fix}, use MoELanguageModel, or set pp=1."
+                )
         _check_split(owner, options, hf_layer_count(owner, hf, options.pp))
         return
     if getattr(model.config, "tie_embeddings", False):
@@ -230,11 +227,12 @@ def _rope_at(
 
 
 def cut_for_pipeline(
-    owner: str, options: PipelineOptions, module: nn.Module, pp_rank: int, *, sequence_parallel: bool = False
+    owner: str, options: PipelineOptions, module: nn.Module, pp_rank: int, *, cp: int = 1,
+    sequence_parallel: bool = False,
 ) -> tuple[nn.Module, LocalStages]:
     """Replace the transformer of ``module`` by this rank's stages; returns ``(module, stages)``
     (``module`` is the stages themselves when it was the transformer)."""
-    check_pipeline_model(owner, options, module, sequence_parallel=sequence_parallel)
+    check_pipeline_model(owner, options, module, cp=cp, sequence_parallel=sequence_parallel)
     holder, model = find_transformer(module)
     mine = stage_indices(pp_rank, options.pp, options.schedule, options.virtual_stages)
     if model is None:  # a Hugging Face causal LM (check_pipeline_model found one)

@@ -10,7 +10,8 @@ A :class:`PipelineRunner` belongs to a strategy at ``pp > 1``; the training step
 ``fabric.backward``). Stages of one call:
 
 1. checks: ``input_ids``/``labels`` of ``B`` rows, ``B`` a multiple of ``n`` (``ValueError`` on
-   every rank alike: they all hold the same batch); the batch's ``position_ids`` and
+   every rank alike: they all hold the same batch); under context parallel the batch is cut to
+   this CP rank's load-balanced chunks with their global ``position_ids`` (as at ``pp = 1``); the batch's ``position_ids`` and
    ``document_ids`` (packed documents) go to the schedule as keyword arguments, which torch's
    schedules split into micro-batches and hand to every stage (positional arguments reach only the
    first), so each stage builds its RoPE and document mask as the whole model would (stages of a
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_moe.moe.utils import set_aux_loss_scale
-from lightning_moe.parallel.fold_batch import IGNORE_INDEX
+from lightning_moe.parallel.fold_batch import IGNORE_INDEX, ContextParallel, shard_batch
 from lightning_moe.parallel.pipeline import stage_indices
 from lightning_moe.parallel.pipeline_schedule import build_schedule
 from lightning_moe.parallel.pipeline_stage import LocalStages
@@ -80,6 +81,9 @@ class PipelineRunner:
         sequence_shards: ``tp`` under sequence parallel (the hidden states between stages hold
             ``S/tp`` positions, and every stage gets ``position_ids``, ``0..S-1`` when the batch
             has none, to build its RoPE for the whole sequence), else 1.
+        context: the CP group, size and this rank's coordinate (``cp > 1``: each batch is cut to
+            this rank's load-balanced chunks with their global ``position_ids`` first,
+            ``fold_batch.shard_batch``, and the stages' attention runs over the CP group).
     """
 
     def __init__(
@@ -93,9 +97,10 @@ class PipelineRunner:
         device: torch.device,
         hidden_size: int,
         sequence_shards: int = 1,
+        context: ContextParallel = ContextParallel(None, 1, 0),
     ) -> None:
         self.owner, self.options, self.stages = owner, options, stages
-        self.sequence_shards = sequence_shards
+        self.sequence_shards, self.context = sequence_shards, context
         self.pp_group, self.pp_rank, self.device, self.hidden_size = pp_group, pp_rank, device, hidden_size
         self.loss_group = loss_group
         last = options.stages - 1
@@ -172,8 +177,11 @@ class PipelineRunner:
     def _check_batch(
         self, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """``(input_ids, labels, per-token ids)``: the ids are the batch's ``position_ids`` and
-        ``document_ids`` present, each ``[B, S]`` like ``input_ids``."""
+        """``(input_ids, labels, per-token ids)`` of this CP rank's chunks: the ids are the batch's
+        ``position_ids`` (the chunks' global positions under CP) and ``document_ids`` present,
+        each ``[B, S]`` like ``input_ids``."""
+        cp = self.context
+        batch = shard_batch(batch, cp.size, cp.rank, owner=self.owner)  # the batch itself at cp=1
         ids_BS, labels_BS = batch["input_ids"], batch["labels"]
         ids_kw = {k: batch[k] for k in _PACKED_KEYS if batch.get(k) is not None}
         if ids_kw and not self.takes_ids:

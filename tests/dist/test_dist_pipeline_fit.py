@@ -10,7 +10,10 @@ after the pipeline's backward ran). W=4: PP2 x EP2 (dp 2) with 1f1b, interleaved
 stages (2 per rank) and the zero-bubble "V" schedules (zbv, dualpipev); PP2 x TP2 with each
 stage's experts EP2 over its two TP ranks; PP2 x EP2 on packed documents (``document_ids`` reach
 every stage, which restarts RoPE and masks attention per document); PP2 x TP2 with sequence
-parallel and ETP2 (the hidden states travel ``[b, S/2, H]`` between the stages). Every rank's logged batch losses, the logged
+parallel and ETP2 (the hidden states travel ``[b, S/2, H]`` between the stages). W=8: PP2 x CP2
+x TP2 with EP4 (each CP rank's load-balanced chunks and their global positions through every
+stage; the mean of the ranks of one data rank is compared, each CP rank logging its chunks'
+share). Every rank's logged batch losses, the logged
 ``train/loss`` and every parameter must match to rtol 1e-5. One torchrun job per world size.
 """
 
@@ -33,6 +36,7 @@ SPECS = {
         "pp=2,ep=2,schedule=dualpipev,v=2,n=4", "pp=2,tp=2,ep=2,schedule=1f1b,n=4",
         "pp=2,ep=2,schedule=1f1b,n=4,packed=1", "pp=2,tp=2,etp=2,sp=1,schedule=1f1b,n=4",
     ],
+    8: ["pp=2,cp=2,tp=2,ep=4,schedule=1f1b,n=4"],
 }
 _CASES = [(world, spec) for world, specs in SPECS.items() for spec in specs]
 
@@ -58,9 +62,19 @@ def test_trainer_pipeline_equals_one_process(jobs: dict, request: pytest.Fixture
         pytest.fail(f"worker_pipeline_fit {spec!r} did not finish:\n{job.failure() or job.output[-6000:]}", pytrace=False)
     result = torch.load(out / f"{spec}.pt")
     layout = parse(spec)
-    dp = world // (layout["pp"] * layout.get("tp", 1))
+    dp = world // (layout["pp"] * layout.get("tp", 1) * layout.get("cp", 1))
     assert result["val_loss"] is not None, "no validation loss was logged"
+    if layout.get("cp", 1) > 1:  # each CP rank's loss is its chunks' share: their mean is the batch's
+        result = {**result, "losses": _mean_per_data_rank(result["losses"])}
     compare(result, spec, dp, steps=3)  # the validation loss too, against the final reference parameters
+
+
+def _mean_per_data_rank(losses: list[tuple[int, list[float]]]) -> list[tuple[int, list[float]]]:
+    """One ``(dp_rank, losses)`` per data rank: the mean over the ranks that share its batches."""
+    by_dp: dict[int, list[list[float]]] = {}
+    for dp_rank, values in losses:
+        by_dp.setdefault(dp_rank, []).append(values)
+    return [(d, torch.tensor(rows, dtype=torch.float64).mean(0).tolist()) for d, rows in sorted(by_dp.items())]
 
 
 def _selected(request: pytest.FixtureRequest, world: int, spec: str) -> bool:

@@ -199,7 +199,7 @@ STRATEGY_CASES: dict[str, Case] = {
     "pp batch not divisible": (lambda: FoldedMoEStrategy(pp=2, pp_microbatches=4).check_pipeline_batch(6), ValueError, "batch_size=6 does not divide into n_microbatches=4"),
     "pp layers not divisible": (lambda: FoldedMoEStrategy(pp=2).check_pipeline_model(MoELanguageModel(_tc(num_layers=3))), ValueError, "num_layers=3 does not split evenly into 2 stages"),
     "pp tied embeddings": (lambda: FoldedMoEStrategy(pp=2).check_pipeline_model(MoELanguageModel(_tc(num_layers=2, tie_embeddings=True))), ValueError, "tie_embeddings=True shares the embedding with the head"),
-    "pp with cp": (lambda: FoldedMoEStrategy(pp=2, cp=2), ValueError, "cp=2 with pp=2 is not supported"),
+    "pp cp HF": (lambda: FoldedMoEStrategy(pp=2, cp=2).check_pipeline_model(HFMoELanguageModel(hf_config=HF_TINY)), ValueError, "cp=2 with pp=2 cuts a Hugging Face causal LM"),
     "pp with vocab_parallel": (lambda: FoldedMoEStrategy(pp=2, tp=2, vocab_parallel=True), ValueError, "vocab_parallel=True with pp=2 is not supported"),
     "pp sequence_parallel HF": (lambda: FoldedMoEStrategy(pp=2, tp=2, sequence_parallel=True).check_pipeline_model(HFMoELanguageModel(hf_config=HF_TINY)), ValueError, "sequence_parallel=True with pp=2 cuts a Hugging Face causal LM"),
     "pp callback refused": (lambda: check_pipeline_callbacks("FoldedMoEStrategy", FoldedMoEStrategy(pp=2).pipeline_options, [CPUOffload()]), ValueError, "the CPUOffload callback works on the whole model"),

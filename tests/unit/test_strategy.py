@@ -79,7 +79,7 @@ def test_module_device_mesh_is_none_until_a_trainer_with_a_mesh_attaches() -> No
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"pp": 2, "cp": 2}, "cp=2 with pp=2 is not supported"),
+        ({"pp": 2, "tp": 2, "vocab_parallel": True}, "vocab_parallel=True with pp=2 is not supported"),
         ({"pp": 2, "pp_schedule": "zero_bubble"}, "pp_schedule='zero_bubble' is unknown"),
         ({"order": "tp-cp-xx-dp-pp"}, "order='tp-cp-xx-dp-pp' has unknown token 'xx'"),
         ({"sequence_parallel": True}, "sequence_parallel=True needs tensor parallel .* but tp=1"),
@@ -232,7 +232,7 @@ def test_fabric_setup_with_an_unusable_optimizer_fails_before_sharding(make: str
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"pp": 2, "cp": 2}, "cp=2 with pp=2 is not supported"),
+        ({"pp": 2, "tp": 2, "vocab_parallel": True}, "vocab_parallel=True with pp=2 is not supported"),
         ({"sequence_parallel": True}, "sequence_parallel=True needs tensor parallel"),
     ],
 )
