@@ -90,8 +90,10 @@ class FoldedMoECore:
         pp: pipeline-parallel degree: the transformer's blocks are cut into ``pp * pp_virtual_stages``
             stages over the ``pp`` groups (``strategies/pipeline_setup.py``); each batch runs as
             ``pp_microbatches`` micro-batches through ``pp_schedule`` (``strategies/pipeline_step.py``).
-            Needs an ``MoETransformer``-shaped model without tied embeddings, ``cp=1`` and neither
-            sequence nor vocab parallel.
+            Needs an ``MoETransformer``-shaped model (or a Hugging Face causal LM of a family that
+            can be cut, at ``cp=1`` without sequence parallel) without tied embeddings, and no
+            vocab parallel; context parallel, sequence parallel and packed documents carry
+            through the stages.
         pp_schedule: ``"gpipe"``, ``"1f1b"`` (default), ``"interleaved_1f1b"``, ``"zbv"`` or
             ``"dualpipev"`` (``parallel/pipeline.py``); checked against this torch at construction.
         pp_microbatches: micro-batches per batch (the batch size must be a multiple); ``None`` is

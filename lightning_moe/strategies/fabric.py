@@ -23,7 +23,9 @@ Degrees, layout, meshes, sampler arguments, sharding, meta-device init and exper
    ``loss = fabric.strategy.pipeline_step(batch, accumulate)`` in place of the forward and
    ``fabric.backward`` (the schedule runs both); ``fabric.no_backward_sync``,
    ``fabric.clip_gradients`` (the norm over every stage) and the guard work as at ``pp = 1``;
-   validation: ``fabric.strategy.pipeline.eval_step(batch)`` (forward only, the same loss);
+   validation: ``fabric.strategy.pipeline.eval_step(batch)`` (forward only, the same loss); both
+   take the whole batch, packed-document ids included, and cut it for context parallel themselves
+   (no ``shard_batch`` in the loop at ``pp > 1``);
 7. context parallel (``cp > 1``): the loop cuts each batch with ``fabric.strategy.shard_batch``
    and takes the loss from ``parallel.fold_batch.lm_token_mean_loss`` over
    ``fabric.strategy.loss_group``, as the Trainer's LightningModule does::
