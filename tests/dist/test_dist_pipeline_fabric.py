@@ -3,8 +3,10 @@
 ``worker_pipeline_fabric.py`` runs the Trainer test's model, data and arithmetic
 (``_pipeline_models``: 3 optimizer steps, accumulation 2 through ``fabric.no_backward_sync``,
 ``fabric.clip_gradients``, fp32, 4 micro-batches of one row) with ``fabric.strategy.pipeline_step``
-in place of the forward and ``fabric.backward``. W=2: PP2 with 1f1b; W=4: PP2 x EP2 with 1f1b
-and zbv. rtol 1e-5 against the one-process reference. One torchrun job per world size.
+in place of the forward and ``fabric.backward``. W=2: PP2 with 1f1b; W=4: PP2 x EP2 with 1f1b,
+zbv and interleaved 1f1b over 4 stages (2 per rank); PP2 x TP2 with sequence parallel and ETP2;
+PP2 x EP2 on packed documents (``document_ids`` reach every stage). rtol 1e-5 against the
+one-process reference. One torchrun job per world size.
 """
 
 from __future__ import annotations
@@ -19,7 +21,13 @@ from _pipeline_models import compare, parse
 
 pytestmark = pytest.mark.dist
 
-SPECS = {2: ["pp=2,schedule=1f1b,n=4"], 4: ["pp=2,ep=2,schedule=1f1b,n=4", "pp=2,ep=2,schedule=zbv,v=2,n=4"]}
+SPECS = {
+    2: ["pp=2,schedule=1f1b,n=4"],
+    4: [
+        "pp=2,ep=2,schedule=1f1b,n=4", "pp=2,ep=2,schedule=zbv,v=2,n=4", "pp=2,ep=2,schedule=interleaved_1f1b,v=2,n=4",
+        "pp=2,tp=2,etp=2,sp=1,schedule=1f1b,n=4", "pp=2,ep=2,schedule=1f1b,n=4,packed=1",
+    ],
+}
 _CASES = [(world, spec) for world, specs in SPECS.items() for spec in specs]
 
 
@@ -44,4 +52,6 @@ def test_fabric_pipeline_equals_one_process(jobs: dict, request: pytest.FixtureR
     if f"DONE {spec}" not in job.output:
         pytest.fail(f"worker_pipeline_fabric {spec!r} did not finish:\n{job.failure() or job.output[-6000:]}", pytrace=False)
     result = torch.load(out / f"fabric_{spec}.pt")
-    compare(result, spec, world // parse(spec)["pp"], steps=3, label=f"fabric {spec}")
+    layout = parse(spec)
+    dp = world // (layout["pp"] * layout.get("tp", 1) * layout.get("cp", 1))
+    compare(result, spec, dp, steps=3, label=f"fabric {spec}")

@@ -1,6 +1,7 @@
 """Worker: Fabric with FabricFoldedMoEStrategy at pp > 1, several layouts in one torchrun job.
 
-``python worker_pipeline_fabric.py OUT_DIR SPEC...`` (specs as ``_pipeline_models.parse``). Each
+``python worker_pipeline_fabric.py OUT_DIR SPEC...`` (specs as ``_pipeline_models.parse``;
+``packed=1``: packed documents). Each
 trains ``STEPS`` optimizer steps: ``fabric.setup(transformer)`` gives this rank's stages, the
 optimizer comes from ``fabric.setup_optimizers``, every batch goes through
 ``fabric.strategy.pipeline_step(batch, ACCUM)`` under ``fabric.no_backward_sync`` while
@@ -21,8 +22,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import lightning_moe  # noqa: F401 - registers "folded_moe"
-from _models import ACCUM, CLIP, LR, TokenData, leave_together
-from _pipeline_models import BATCH, PipelineLM, parse
+from _models import ACCUM, CLIP, LR, leave_together
+from _pipeline_models import BATCH, PipelineLM, make_data, packed, parse
 from lightning_moe.parallel.checkpoint import gather_full_state
 from lightning_moe.strategies import FabricFoldedMoEStrategy
 
@@ -36,7 +37,7 @@ def run(out: Path, spec: str, world: int) -> None:
     torch.manual_seed(0)
     model = fabric.setup(PipelineLM().model)  # the same initial weights as the one-process reference
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
-    loader = fabric.setup_dataloaders(DataLoader(TokenData(), batch_size=BATCH, shuffle=True))
+    loader = fabric.setup_dataloaders(DataLoader(make_data(packed(spec)), batch_size=BATCH, shuffle=True))
     batches = iter(loader)
     losses: list[float] = []
     for _ in range(STEPS):
@@ -60,6 +61,7 @@ def run(out: Path, spec: str, world: int) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
+    os.environ.pop("PL_GLOBAL_SEED", None)  # a seed left by an earlier test would change the sampler's order
     out_dir = Path(sys.argv[1])
     for spec in sys.argv[2:]:
         run(out_dir, spec, int(os.environ["WORLD_SIZE"]))
