@@ -1,4 +1,4 @@
-"""Worker: a DCP checkpoint saved at PP2 x EP2 resumes bitwise and loads at PP1 x EP4, on 4 gloo ranks.
+"""Worker: a DCP checkpoint saved at PP2 x EP2 resumes bitwise and loads at PP1 x EP4 and PP4 x EP1, on 4 gloo ranks.
 
 ``python worker_pipeline_ckpt.py OUT_DIR``:
 
@@ -9,12 +9,16 @@
    every batch loss and the final parameters must be *bitwise* the continuous run's;
 3. reshard on load: the step-4 folder loads at ``pp=1, ep=4`` (``validate``, parameters zeroed
    first) and must give the continuous run's final parameters bit for bit, AdamW state included.
+4. the same folder loads at ``pp=4, ep=1`` (one block per stage, each rank's stage holding every
+   expert of its block; ``validate`` through the pipeline, parameters zeroed first) and must give
+   the continuous run's final parameters bit for bit.
 
 Rank 0 prints ``PIPELINE CKPT OK``.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -98,11 +102,18 @@ def main(out: Path) -> None:
     val = DataLoader(TokenData(num_samples=8), batch_size=BATCH)
     _trainer(1, 4).validate(other, dataloaders=val, ckpt_path=ckpt_dir / f"step{STEPS}.ckpt", verbose=False)
     _check_equal(final, _full_state(other), "loaded at pp=1,ep=4")
+    staged = _fresh()
+    with torch.no_grad():
+        for p in staged.parameters():
+            p.zero_()
+    _trainer(4, 1).validate(staged, dataloaders=val, ckpt_path=ckpt_dir / f"step{STEPS}.ckpt", verbose=False)
+    _check_equal(final, _full_state(staged), "loaded at pp=4,ep=1")
     if dist.get_rank() == 0:
         print("PIPELINE CKPT OK", flush=True)
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
+    os.environ.pop("PL_GLOBAL_SEED", None)  # a seed left by an earlier test would change the sampler's order
     main(Path(sys.argv[1]))
     leave_together()
