@@ -1,15 +1,20 @@
 """Unit tests run in one process: a process group one test module leaves open (Lightning's
 strategies make one and keep it) is destroyed after that module, so the fake-world tests of a
-later module start from none instead of skipping. ``tok_dir`` is the tiny BPE tokenizer the data
-tests load (one per module)."""
+later module start from none instead of skipping. Lightning's seed variables (``PL_GLOBAL_SEED``,
+``PL_SEED_WORKERS``: ``seed_everything`` and the CLI's ``seed_everything`` key set them, every
+strategy reseeds from them when it sets up its environment) are put back after each test.
+``tok_dir`` is the tiny BPE tokenizer the data tests load (one per module)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+
+_SEED_VARIABLES = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -17,6 +22,19 @@ def _no_process_group_outlives_its_module() -> Iterator[None]:
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _no_lightning_seed_outlives_its_test() -> Iterator[None]:
+    """A test that runs the CLI in this process (or calls ``seed_everything``) leaves the seed in
+    ``os.environ``; a later test's Trainer or Fabric would reseed from it when its strategy sets up."""
+    saved = {name: os.environ.get(name) for name in _SEED_VARIABLES}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture

@@ -291,7 +291,7 @@ def test_device_mesh_is_visible_in_configure_model(tmp_path: Path) -> None:
     assert module.device_mesh is strategy.device_mesh
 
 
-def test_fabric_meta_device_init_equals_the_trainer_s(tmp_path: Path) -> None:
+def test_fabric_meta_device_init_equals_the_trainer_s(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A model built on the meta device is materialised after sharding and its experts drawn per
     global expert id, under Fabric exactly as under the Trainer (one rank; seed 0)."""
     from lightning.fabric import Fabric
@@ -299,6 +299,10 @@ def test_fabric_meta_device_init_equals_the_trainer_s(tmp_path: Path) -> None:
     from _callback_models import tiny_config, tiny_trainer, token_loader
     from lightning_moe.models.transformer import MoETransformer
 
+    # Lightning reseeds from PL_GLOBAL_SEED when a strategy sets up its environment: inside
+    # validate (after the seed below) for the Trainer, inside launch (before it) for Fabric.
+    # Pinned to the same seed, both paths draw from seed 0 whatever the environment holds.
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")
     trainer = tiny_trainer(tmp_path, [], max_steps=1, strategy=FoldedMoEStrategy(), use_distributed_sampler=False)
     with trainer.init_module(empty_init=True):
         lm = MoELanguageModel(tiny_config(), warmup_steps=1)
