@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _harness import Launch, launch_torchrun
+from _harness import Launch, launch_torchrun, selected_tests
 from _pipeline_models import compare, parse
 
 pytestmark = pytest.mark.dist
@@ -46,7 +46,7 @@ def _job(jobs: dict, world: int, specs: list[str]) -> tuple[Path, Launch]:
 
 @pytest.mark.parametrize(("world", "spec"), _CASES, ids=[f"W{w}-{s}" for w, s in _CASES])
 def test_fabric_pipeline_equals_one_process(jobs: dict, request: pytest.FixtureRequest, world: int, spec: str) -> None:
-    items = [item.nodeid for item in request.session.items]
+    items = [item.nodeid for item in selected_tests(request.config)]
     selected = [s for w, s in _CASES if w == world and any(f"W{w}-{s}" in node for node in items)]
     out, job = _job(jobs, world, selected)
     if f"DONE {spec}" not in job.output:

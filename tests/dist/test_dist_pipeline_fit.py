@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _harness import Launch, launch_torchrun
+from _harness import Launch, launch_torchrun, selected_tests
 from _pipeline_models import compare, parse
 
 pytestmark = pytest.mark.dist
@@ -80,4 +80,4 @@ def _mean_per_data_rank(losses: list[tuple[int, list[float]]]) -> list[tuple[int
 def _selected(request: pytest.FixtureRequest, world: int, spec: str) -> bool:
     """Whether the test of ``spec`` is in this run (a job runs only the selected layouts)."""
     wanted = f"W{world}-{spec}"
-    return any(wanted in item.nodeid for item in request.session.items)
+    return any(wanted in item.nodeid for item in selected_tests(request.config))
