@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 
 from lightning_moe.moe.layer import MoELayer
-from lightning_moe.parallel.pipeline_stage import LocalStages, TransformerStage
+from lightning_moe.parallel.pipeline_stage import LocalStages, TransformerStage, check_stage_range
 
 __all__ = [
     "MASK_RULES",
@@ -203,16 +203,7 @@ def build_hf_stage(hf_model: nn.Module, layers: range, num_layers: int) -> HFTra
     :func:`check_hf_pipeline_model` refuses or a bad range."""
     rule = check_hf_pipeline_model(hf_model)
     decoder: Any = hf_model.model
-    if len(decoder.layers) != num_layers:
-        raise ValueError(
-            f"build_hf_stage: num_layers={num_layers} but the model has {len(decoder.layers)} decoder layers; "
-            "pass len(hf_model.model.layers)."
-        )
-    if not isinstance(layers, range) or layers.step != 1 or not 0 <= layers.start < layers.stop <= num_layers:
-        raise ValueError(
-            f"build_hf_stage: layers={layers!r} must be a non-empty range(start, stop) inside [0, {num_layers}); "
-            "pass one entry of split_layers(...)."
-        )
+    check_stage_range("build_hf_stage", layers, num_layers, len(decoder.layers), "len(hf_model.model.layers)")
     first, last = layers.start == 0, layers.stop == num_layers
     return HFTransformerStage(
         {i: decoder.layers[i] for i in layers},

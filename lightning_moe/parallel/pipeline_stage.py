@@ -43,6 +43,7 @@ __all__ = [
     "RopeTables",
     "TransformerStage",
     "build_transformer_stage",
+    "check_stage_range",
     "cut_rank_stages",
     "materialize_stage",
 ]
@@ -102,6 +103,18 @@ class TransformerStage(nn.Module):
         return self.lm_head(self.norm(x_BSH))
 
 
+def check_stage_range(owner: str, layers: object, num_layers: int, model_layers: int, fix: str) -> None:
+    """``ValueError`` unless the model has ``num_layers`` blocks and ``layers`` is a non-empty
+    contiguous ``range`` inside them (``fix``: the expression that gives the model's count)."""
+    if model_layers != num_layers:
+        raise ValueError(f"{owner}: num_layers={num_layers} but the model has {model_layers} blocks; pass {fix}.")
+    if not isinstance(layers, range) or layers.step != 1 or not 0 <= layers.start < layers.stop <= num_layers:
+        raise ValueError(
+            f"{owner}: layers={layers!r} must be a non-empty range(start, stop) inside "
+            f"[0, {num_layers}); pass one entry of split_layers(...)."
+        )
+
+
 def build_transformer_stage(
     model: Any, layers: range, num_layers: int, rope_tables: RopeTables, rope_positions: RopePositions | None = None
 ) -> TransformerStage:
@@ -114,16 +127,7 @@ def build_transformer_stage(
                 f"build_transformer_stage: model {type(model).__name__} has no attribute {name!r}; "
                 "pass a model with embed, layers, norm, lm_head and config (MoETransformer)."
             )
-    if len(model.layers) != num_layers:
-        raise ValueError(
-            f"build_transformer_stage: num_layers={num_layers} but the model has {len(model.layers)} blocks; "
-            "pass len(model.layers)."
-        )
-    if not isinstance(layers, range) or layers.step != 1 or not 0 <= layers.start < layers.stop <= num_layers:
-        raise ValueError(
-            f"build_transformer_stage: layers={layers!r} must be a non-empty range(start, stop) inside "
-            f"[0, {num_layers}); pass one entry of split_layers(...)."
-        )
+    check_stage_range("build_transformer_stage", layers, num_layers, len(model.layers), "len(model.layers)")
     first, last = layers.start == 0, layers.stop == num_layers
     if getattr(model.config, "tie_embeddings", False) and first != last:
         raise ValueError(
