@@ -27,8 +27,10 @@ Pipeline parallel (``FoldedMoEStrategy(pp=2, ...)``): ``training_step`` hands th
 strategy's ``pipeline``, whose schedule runs the forward and backward of every micro-batch
 (the strategy then skips its own backward) and returns the loss one process would log: the
 batch's token mean, broadcast to every stage; validation runs the stages forward only. The aux
-losses and per-layer loads logged at ``pp > 1`` are those of rank 0's stages (their last
-micro-batch), not the whole model's. ``self.device_mesh`` is the
+losses and per-layer loads logged at ``pp > 1`` are the whole model's over the batch's
+micro-batches: each aux loss the sum over layers of its mean over the micro-batches, each load
+imbalance from the routed tokens summed over the micro-batches (one all-reduce over the pp
+group per step). ``self.device_mesh`` is the
 strategy's device mesh (``strategy="folded_moe"``: the dense mesh) from ``configure_model`` on.
 """
 
@@ -308,12 +310,22 @@ class MoELanguageModelBase(L.LightningModule):
         return scale
 
     def _log_moe_stats(self) -> None:
-        totals: dict[str, torch.Tensor] = {}
-        for name, layer in find_moe_layers(self.model):
-            for key, value in layer.last_aux_losses.items():
-                totals[key] = totals.get(key, 0) + value
-            counts = layer.last_tokens_per_expert
-            if self.log_layer_load and counts is not None:
+        """Every aux loss summed over the MoE layers, and each layer's load imbalance. At ``pp > 1``
+        the whole model's, every stage and micro-batch (``PipelineRunner.moe_stats``, a collective
+        over the pp group); else this rank's layers' last forward."""
+        pipeline = self._pipeline()
+        if pipeline is not None:
+            stats = pipeline.moe_stats()
+            totals, loads = dict(stats.aux), dict(stats.tokens)
+        else:
+            totals, loads = {}, {}
+            for name, layer in find_moe_layers(self.model):
+                for key, value in layer.last_aux_losses.items():
+                    totals[key] = totals.get(key, 0) + value
+                if layer.last_tokens_per_expert is not None:
+                    loads[name] = layer.last_tokens_per_expert
+        if self.log_layer_load:
+            for name, counts in loads.items():
                 counts = counts.float()
                 self.log(f"load_imbalance/{name}", counts.max() / counts.mean().clamp(min=1e-9))
         for key, value in totals.items():

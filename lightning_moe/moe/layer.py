@@ -47,6 +47,13 @@ from lightning_moe.ops.swiglu import SwiGLUOptions
 
 __all__ = ["MoELayer", "SharedExpert", "router_entropy"]
 
+# the ``last_aux_losses`` key of each ``MoEConfig.aux_loss``
+_BALANCE_LOSS_NAMES = {
+    "switch": "load_balancing_loss",
+    "seq": "seq_load_balancing_loss",
+    "global": "global_load_balancing_loss",
+}
+
 
 @torch.no_grad()
 def router_entropy(logits_TE: torch.Tensor, score_func: str) -> torch.Tensor:
@@ -230,6 +237,14 @@ class MoELayer(nn.Module):
             dropped = (routing.topk_ids_TK < 0).sum()
             self.last_dropped_fraction = dropped.float() / max(num_tokens * self.config.top_k, 1)
 
+    def aux_loss_names(self) -> tuple[str, ...]:
+        """The keys of ``last_aux_losses`` after a forward in training mode (none in eval)."""
+        cfg = self.config
+        names = [_BALANCE_LOSS_NAMES[cfg.aux_loss]] if cfg.aux_loss != "none" and cfg.aux_loss_coeff > 0 else []
+        if cfg.z_loss_coeff is not None and cfg.z_loss_coeff > 0:
+            names.append("z_loss")
+        return tuple(names)
+
     def _aux_losses(self, routing: RouterOutput, lead_shape: torch.Size) -> torch.Tensor | None:
         cfg = self.config
         losses: dict[str, torch.Tensor] = {}
@@ -240,12 +255,12 @@ class MoELayer(nn.Module):
                 counts_E, num_counted = routing.tokens_per_expert_E, T
                 if self.aux_loss_sequence_group is not None:
                     counts_E, num_counted = _summed_counts(counts_E, T, self.aux_loss_sequence_group)
-                losses["load_balancing_loss"] = load_balancing_loss(
+                losses[_BALANCE_LOSS_NAMES["switch"]] = load_balancing_loss(
                     probs_TE, counts_E, num_counted, cfg.top_k, cfg.aux_loss_coeff
                 )
             elif cfg.aux_loss == "seq":
                 B = lead_shape[0] if len(lead_shape) > 1 else 1
-                losses["seq_load_balancing_loss"] = sequence_load_balancing_loss(
+                losses[_BALANCE_LOSS_NAMES["seq"]] = sequence_load_balancing_loss(
                     probs_TE.view(B, T // max(B, 1), cfg.num_experts),  # sizes named: B may be 0
                     routing.routed_ids_TK.view(B, T // max(B, 1), cfg.top_k),
                     cfg.top_k,
@@ -253,7 +268,7 @@ class MoELayer(nn.Module):
                 )
             else:
                 counts_E, num_counted = self._global_counts(routing.tokens_per_expert_E, T)
-                losses["global_load_balancing_loss"] = load_balancing_loss(
+                losses[_BALANCE_LOSS_NAMES["global"]] = load_balancing_loss(
                     probs_TE, counts_E, num_counted, cfg.top_k, cfg.aux_loss_coeff
                 )
         if cfg.z_loss_coeff is not None and cfg.z_loss_coeff > 0 and self.training:

@@ -30,7 +30,10 @@ A :class:`PipelineRunner` belongs to a strategy at ``pp > 1``; the training step
    validation: each micro-batch forward through the stages in order (:meth:`_forward_only`);
 4. the loss to log: the sum of the micro-batch losses times ``accumulate`` (the batch's
    token-mean share of this data rank), broadcast over the pp group from the rank holding the
-   last stage, so every rank returns the number one process would.
+   last stage, so every rank returns the number one process would;
+5. the MoE statistics to log (:meth:`PipelineRunner.moe_stats`): each training step's routed
+   tokens per expert and aux losses of every MoE layer, tallied over the micro-batches on each
+   rank and summed over the pp group (``parallel/pipeline_moe_stats.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import torch.distributed as dist
 from lightning_moe.moe.utils import set_aux_loss_scale
 from lightning_moe.parallel.fold_batch import IGNORE_INDEX, ContextParallel, shard_batch
 from lightning_moe.parallel.pipeline import stage_indices
+from lightning_moe.parallel.pipeline_moe_stats import PipelineMoEStats, StepMoEStats
 from lightning_moe.parallel.pipeline_schedule import build_schedule
 from lightning_moe.parallel.pipeline_stage import LocalStages
 from lightning_moe.parallel.sequence import check_sequence_length
@@ -109,6 +113,7 @@ class PipelineRunner:
         )
         self._schedules: dict[tuple[int, ...], Any] = {}
         self._scale = 1.0
+        self._moe_stats = PipelineMoEStats(stages.stages, stages, pp_group, device)
 
     @property
     def holds_first(self) -> bool:
@@ -145,8 +150,17 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         args = (ids_BS,) if self.holds_first else ()
         target, out = (labels_BS, losses) if self.holds_last else (None, None)
-        schedule.step(*args, target=target, losses=out, **ids_kw)  # the kwargs reach every stage
+        self._moe_stats.start()
+        try:
+            schedule.step(*args, target=target, losses=out, **ids_kw)  # the kwargs reach every stage
+        finally:
+            self._moe_stats.stop()
         return self._loss_to_log(losses, accumulate)
+
+    def moe_stats(self) -> StepMoEStats:
+        """The last training step's MoE statistics of the whole model, every stage and micro-batch
+        (``parallel/pipeline_moe_stats.py``); a collective over the pp group, once per step."""
+        return self._moe_stats.reduce()
 
     def _forward_only(
         self, ids_BS: torch.Tensor, labels_BS: torch.Tensor, ids_kw: dict[str, torch.Tensor]

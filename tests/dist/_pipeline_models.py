@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from _models import ACCUM, CLIP, LR, RecordingLM, TokenData, model_config
-from lightning_moe.moe.utils import set_aux_loss_scale
+from lightning_moe.moe.utils import find_moe_layers, set_aux_loss_scale
 
 NUM_LAYERS, BATCH, MICRO = 4, 4, 4
 
@@ -84,6 +84,44 @@ def pipeline_reference(
     dp: int, steps: int, accum: int = ACCUM, micro: int = MICRO, is_packed: bool = False
 ) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
     """``losses[batch][dp_rank]`` (each the mean of its micro-batches' losses) and the final parameters."""
+    run = _reference_run(dp, steps, accum, micro, is_packed)
+    return run[0], run[1]
+
+
+def reference_moe_stats(
+    dp: int, steps: int, accum: int = ACCUM, micro: int = MICRO, is_packed: bool = False
+) -> list[list[dict[str, float]]]:
+    """``stats[batch][dp_rank]``: what one process running the batch's micro-batches logs as the
+    batch's MoE statistics: ``train/<aux>`` the sum over MoE layers of each aux loss's mean over the
+    micro-batches, ``load_imbalance/<layer>`` ``max/mean`` of the tokens routed to each expert summed
+    over the micro-batches."""
+    return _reference_run(dp, steps, accum, micro, is_packed)[2]
+
+
+def _batch_moe_stats(model: torch.nn.Module, per_micro: list[dict[str, torch.Tensor]], micro: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, layer in find_moe_layers(model):
+        counts = torch.stack([m[name] for m in per_micro]).sum(0).double()
+        out[f"load_imbalance/{name}"] = float(counts.max() / counts.mean())
+    for key in {k for m in per_micro for k in m if k.startswith("train/")}:
+        out[key] = float(sum(m[key] for m in per_micro) / micro)
+    return out
+
+
+def _micro_moe_record(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """One micro-batch's routed counts per layer and aux losses summed over the layers."""
+    record: dict[str, torch.Tensor] = {}
+    for name, layer in find_moe_layers(model):
+        record[name] = layer.last_tokens_per_expert.detach().clone()
+        for key, value in layer.last_aux_losses.items():
+            record[f"train/{key}"] = record.get(f"train/{key}", 0) + value.detach().double()
+    return record
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_run(
+    dp: int, steps: int, accum: int, micro: int, is_packed: bool
+) -> tuple[list[list[float]], dict[str, torch.Tensor], list[list[dict[str, float]]]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -96,26 +134,48 @@ def pipeline_reference(
         scale = 1.0 / (dp * accum * micro)
         set_aux_loss_scale(model, scale)
         losses: list[list[float]] = []
+        stats: list[list[dict[str, float]]] = []
         for step in range(steps):
             for part in range(accum):
-                row = []
+                row, stats_row = [], []
                 for d in range(dp):
                     b = step * accum + part
                     idx = orders[d][b * BATCH : (b + 1) * BATCH]
                     batch = torch.utils.data.default_collate([data[i] for i in idx])
-                    total = 0.0
+                    total, records = 0.0, []
                     for m in range(micro):
                         loss = lm._lm_loss({k: v.chunk(micro)[m] for k, v in batch.items()})
+                        records.append(_micro_moe_record(model))
                         (loss * scale).backward()
                         total += float(loss.detach())
                     row.append(total / micro)
+                    stats_row.append(_batch_moe_stats(model, records, micro))
                 losses.append(row)
+                stats.append(stats_row)
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             opt.step()
             opt.zero_grad()
-        return losses, {f"model.{k}": v.detach().clone() for k, v in model.named_parameters()}
+        return losses, {f"model.{k}": v.detach().clone() for k, v in model.named_parameters()}, stats
     finally:
         torch.set_num_threads(threads)
+
+
+def compare_moe_stats(
+    recorded: list[tuple[int, list[dict[str, float]]]], spec: str, dp: int, steps: int, rtol: float, label: str
+) -> None:
+    """Every rank's logged MoE statistics of every batch equal the one-process numbers
+    (:func:`reference_moe_stats`): the same keys (every MoE layer of the model), values to ``rtol``."""
+    want_all = reference_moe_stats(dp, steps, accumulation(spec), parse(spec)["pp_microbatches"], packed(spec))
+    for rank, (dp_rank, batches) in enumerate(recorded):
+        want = [row[dp_rank] for row in want_all]
+        assert len(batches) == len(want), (label, rank, len(batches), len(want))
+        for b, (got, expected) in enumerate(zip(batches, want)):
+            assert set(got) == set(expected), (label, rank, b, sorted(set(got) ^ set(expected)))
+            torch.testing.assert_close(
+                torch.tensor([got[k] for k in sorted(expected)], dtype=torch.float64),
+                torch.tensor([expected[k] for k in sorted(expected)], dtype=torch.float64),
+                rtol=rtol, atol=rtol / 10, msg=lambda m, r=rank, i=b: f"{label} rank {r} batch {i} MoE stats: {m}",
+            )  # fmt: skip
 
 
 def reference_val_loss(state: dict[str, torch.Tensor], data: TokenData) -> float:
@@ -140,6 +200,8 @@ def compare(result: dict, spec: str, dp: int, steps: int, rtol: float = 1e-5, la
     if "logged_loss" in result:
         last = torch.tensor(ref_losses[-1]).mean()
         torch.testing.assert_close(torch.tensor(result["logged_loss"]), last, rtol=rtol, atol=atol)
+    if "moe_stats" in result:
+        compare_moe_stats(result["moe_stats"], spec, dp, steps, rtol, label)
     assert set(result["state"]) == set(ref_state), (label, sorted(set(result["state"]) ^ set(ref_state)))
     if result.get("val_data") is not None:  # validation ran through the pipeline
         samples, seed = result["val_data"]

@@ -4,7 +4,9 @@
 (``_pipeline_models.parse``). Each trains ``STEPS`` optimizer steps with gradient accumulation 2
 (``accum=N`` in the spec: N; ``packed=1``: packed documents) and clipping, fp32, and a validation pass through the pipeline at the
 end. Rank 0 writes ``OUT_DIR/<spec>.pt``: every rank's (dp coordinate, logged batch losses), the logged
-``train/loss``, the validation loss and the final full parameters gathered from every stage.
+``train/loss``, the validation loss, the final full parameters gathered from every stage and, where
+each rank routes whole sequences (no CP, no sequence parallel), every rank's logged MoE statistics
+of every batch (aux losses, per-layer load imbalance).
 """
 
 from __future__ import annotations
@@ -31,6 +33,23 @@ VAL_DATA = (8, 7)  # validation samples and seed, stored with the result
 
 
 class ValidatedLM(PipelineLM):
+    """Validates at the end, and records every training batch's logged MoE statistics (aux losses,
+    per-layer load imbalance)."""
+
+    def __init__(self, packed: bool = False) -> None:
+        super().__init__(packed)
+        self.log_layer_load = True
+        self.moe_logged: list[dict[str, float]] = []
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.moe_logged.append({})
+        return super().training_step(batch, batch_idx)
+
+    def log(self, name: str, value: object, *args: object, **kwargs: object) -> None:
+        if self.training and name.startswith(("train/", "load_imbalance/")) and name not in ("train/loss", "train/ppl"):
+            self.moe_logged[-1][name] = float(value)  # type: ignore[arg-type]
+        super().log(name, value, *args, **kwargs)  # type: ignore[arg-type]
+
     def val_dataloader(self) -> torch.utils.data.DataLoader:
         data = make_data(self.packed, num_samples=VAL_DATA[0], seed=VAL_DATA[1])
         return torch.utils.data.DataLoader(data, batch_size=4)
@@ -53,10 +72,14 @@ def fit_one(spec: str, out_dir: Path, world: int) -> None:
     merged = {k: v for s in states for k, v in s.items()}
     losses = [None] * world
     dist.all_gather_object(losses, (strategy.folded_mesh.rank("dp"), model.recorded))
+    moe_logged = [None] * world
+    dist.all_gather_object(moe_logged, (strategy.folded_mesh.rank("dp"), model.moe_logged))
     logged = float(trainer.callback_metrics["train/loss"])
     val = float(trainer.callback_metrics["val/loss"]) if "val/loss" in trainer.callback_metrics else None
     if dist.get_rank() == 0:
         result = {"losses": losses, "state": merged, "logged_loss": logged, "val_loss": val, "val_data": VAL_DATA}
+        if "cp" not in parse(spec) and not parse(spec).get("sequence_parallel"):  # else each rank routes a share
+            result["moe_stats"] = moe_logged
         torch.save(result, out_dir / f"{spec}.pt")
         print(f"DONE {spec}", flush=True)
 
