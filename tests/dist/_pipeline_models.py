@@ -4,11 +4,16 @@ The model is ``_models``'s with 4 blocks (1 dense, 3 MoE), so it splits into 2 o
 batch of ``BATCH`` rows runs as ``MICRO`` micro-batches; the reference is one process that runs
 the same micro-batches of each data-parallel shard one after the other, each loss scaled by
 ``1 / (dp * ACCUM * MICRO)`` and the aux losses likewise: the arithmetic a pipeline must equal.
+:func:`phased_reference` runs phases of other layouts in turn (a checkpoint resumed at another
+``pp`` and ``dp``), each with its data-parallel size and micro-batches, over one global sample
+stream and with the module's AdamW and schedule.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -16,7 +21,9 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from _models import ACCUM, CLIP, LR, RecordingLM, TokenData, model_config
+from lightning_moe.lit import MoELanguageModel
 from lightning_moe.moe.utils import find_moe_layers, set_aux_loss_scale
+from lightning_moe.optimizer import OptimizerConfig
 
 NUM_LAYERS, BATCH, MICRO = 4, 4, 4
 
@@ -210,4 +217,109 @@ def compare(result: dict, spec: str, dp: int, steps: int, rtol: float = 1e-5, la
                                    msg=lambda m: f"{label} val/loss: {m}")  # fmt: skip
     for name, want in ref_state.items():
         torch.testing.assert_close(result["state"][name], want, rtol=rtol, atol=atol,
+                                   msg=lambda m, n=name: f"{label} {n}: {m}")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Optimizer steps a run trains at one layout: ``dp`` data ranks of ``rows`` rows each, every
+    batch run as ``micro`` micro-batches (``micro=1``: one forward per batch, as at ``pp=1``)."""
+
+    steps: int
+    dp: int
+    rows: int
+    micro: int
+
+
+def _epoch_order(data: TokenData, epoch: int) -> list[int]:
+    """The epoch's permutation every data rank deals from (``DistributedSampler``, seed 0)."""
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def _adamw(lm: PipelineLM, config: OptimizerConfig, total_steps: int) -> tuple[torch.optim.Optimizer, Any]:
+    """The LightningModule's own AdamW and schedule (``configure_optimizers``, ``max_steps=total_steps``)."""
+    lm.optimizer_config = config
+    lm._trainer = SimpleNamespace(max_steps=total_steps, strategy=None)  # all configure_optimizers reads
+    try:
+        built = MoELanguageModel.configure_optimizers(lm)
+    finally:
+        lm._trainer = None
+    return built["optimizer"], built["lr_scheduler"]["scheduler"]
+
+
+@functools.lru_cache(maxsize=None)
+def phased_reference(
+    phases: tuple[Phase, ...], optimizer: OptimizerConfig, accum: int = ACCUM
+) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """``losses[batch][dp_rank]`` and the final parameters of one process that trains ``phases`` in
+    turn with the LightningModule's AdamW and warm-up/cosine schedule over all their steps.
+
+    The phases read one global stream of samples, as a resumable loader deals it after a change of
+    data-parallel size: epoch ``e`` is ``DistributedSampler``'s permutation (seed 0, epoch ``e``), a
+    batch is its next ``dp * rows`` samples, and data rank ``d`` takes positions ``d, d + dp, ...``
+    of them. Each rank's loss is scaled by ``1 / (dp * accum * micro)`` per micro-batch, the aux
+    losses likewise; clipping, the AdamW step and the schedule's step close each optimizer step.
+    """
+    data = TokenData()
+    batch_rows = {p.dp * p.rows for p in phases}
+    if len(batch_rows) != 1 or len(data) % next(iter(batch_rows)):
+        raise ValueError(
+            f"phased_reference: batches of {sorted(batch_rows)} rows over all data ranks must be one size that "
+            f"divides the {len(data)} samples; give every phase the same dp * rows."
+        )
+    global_rows = batch_rows.pop()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        lm = PipelineLM()
+        model = lm.model
+        opt, schedule = _adamw(lm, optimizer, sum(p.steps for p in phases))
+        losses: list[list[float]] = []
+        position = 0  # samples of the whole run read so far, all data ranks together
+        for phase in phases:
+            scale = 1.0 / (phase.dp * accum * phase.micro)
+            set_aux_loss_scale(model, scale)
+            for _ in range(phase.steps * accum):
+                epoch, start = divmod(position, len(data))
+                order = _epoch_order(data, epoch)
+                row = []
+                for d in range(phase.dp):
+                    idx = [order[start + d + phase.dp * j] for j in range(phase.rows)]
+                    batch = torch.utils.data.default_collate([data[i] for i in idx])
+                    total = 0.0
+                    for m in range(phase.micro):
+                        loss = lm._lm_loss({k: v.chunk(phase.micro)[m] for k, v in batch.items()})
+                        (loss * scale).backward()
+                        total += float(loss.detach())
+                    row.append(total / phase.micro)
+                losses.append(row)
+                position += global_rows
+                if len(losses) % accum == 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+                    opt.step()
+                    schedule.step()
+                    opt.zero_grad()
+        return losses, {f"model.{k}": v.detach().clone() for k, v in model.named_parameters()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def compare_phased(
+    result: dict, phases: tuple[Phase, ...], optimizer: OptimizerConfig, first_batch: int, label: str,
+    rtol: float = 1e-5, loss_atol: float = 1e-6, state_atol: float = 1e-6,
+) -> None:  # fmt: skip
+    """Every rank's batch losses (``result["losses"]``: ``(dp_rank, losses)`` per rank, the run's
+    batches from ``first_batch`` of :func:`phased_reference` on) and the final parameters
+    (``result["state"]``) equal the reference: ``rtol`` for both, ``loss_atol`` and ``state_atol``."""
+    ref_losses, ref_state = phased_reference(phases, optimizer)
+    for rank, (dp_rank, losses) in enumerate(result["losses"]):
+        want = [row[dp_rank] for row in ref_losses[first_batch:]]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=rtol, atol=loss_atol,
+                                   msg=lambda m, r=rank: f"{label} rank {r} losses: {m}")  # fmt: skip
+    assert set(result["state"]) == set(ref_state), (label, sorted(set(result["state"]) ^ set(ref_state)))
+    for name, want in ref_state.items():
+        torch.testing.assert_close(result["state"][name], want, rtol=rtol, atol=state_atol,
                                    msg=lambda m, n=name: f"{label} {n}: {m}")  # fmt: skip
