@@ -5,7 +5,8 @@ untied embeddings) built from an inline config, its MoE blocks swapped as ``HFMo
 does, trained with SGD. The reference runs the micro-batches of each data-parallel shard one after
 the other in one process, each loss and aux loss scaled by ``1 / (dp * accumulate * micro)``: the
 arithmetic the pipeline must equal. Stage parameter names are mapped to the model's with
-``hf_parameter_name`` before comparing.
+``hf_parameter_name`` before comparing. The Trainer's HF pipeline test and the Fabric pipeline
+test (its specs starting ``hf,``, :func:`hf_spec`) train this model and compare with this reference.
 """
 
 from __future__ import annotations
@@ -54,6 +55,15 @@ class HFRecordingLM(HFMoELanguageModel):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(TokenData(num_samples=VAL[0], seed=VAL[1]), batch_size=BATCH)
+
+
+HF_PREFIX = "hf,"  # a spec of the Fabric pipeline test that trains this model: "hf,pp=2,ep=2,..."
+
+
+def hf_spec(spec: str) -> tuple[bool, str]:
+    """``(is_hf, layout)``: whether ``spec`` names this model (``hf,`` first) and the layout spec
+    after it (``_pipeline_models.parse``)."""
+    return spec.startswith(HF_PREFIX), spec.removeprefix(HF_PREFIX)
 
 
 def model_names(model: torch.nn.Module) -> dict[str, torch.Tensor]:
