@@ -19,7 +19,8 @@ Degrees, layout, meshes, sampler arguments, sharding, meta-device init and exper
    first bad parameter, or the step skipped with a warning up to ``skip_nonfinite`` in a row);
 6. pipeline parallel (``pp > 1``): ``fabric.setup(transformer)`` returns this rank's stages
    (``LocalStages``, the transformer's parameter names; also ``fabric.strategy.pipeline.stages``,
-   while the wrapper's ``.module`` stays the uncut transformer), and the loop calls
+   while the wrapper's ``.module`` stays the uncut transformer; a swapped Hugging Face causal LM
+   given instead is cut into ``HFLocalStages``), and the loop calls
    ``loss = fabric.strategy.pipeline_step(batch, accumulate)`` in place of the forward and
    ``fabric.backward`` (the schedule runs both); ``fabric.no_backward_sync``,
    ``fabric.clip_gradients`` (the norm over every stage) and the guard work as at ``pp = 1``;
