@@ -21,7 +21,8 @@ With ``load_sharded=True`` a ``pretrained`` model is built on the ``meta`` devic
 ``configure_model``: under ``folded_moe`` after ``parallelize_moe_model`` has laid it out, each
 rank reading only its own slices of the safetensors shards
 (:func:`~lightning_moe.checkpoint.hf_sharded.load_hf_checkpoint_sharded`); no rank holds the
-whole model.
+whole model. At ``pp > 1`` the meta model is first cut into this rank's pipeline stages, and the
+rank reads only the tensors of those stages.
 """
 
 from __future__ import annotations
@@ -108,8 +109,9 @@ class HFMoELanguageModel(MoELanguageModelBase):
             (:func:`~lightning_moe.models.hf_norms.swap_rms_norms`: same weights and checkpoint
             keys; in bf16 outputs differ from transformers' by about one unit in the last place).
         load_sharded: build the ``pretrained`` model on ``meta`` and read its weights in
-            ``configure_model``, each rank only its shards under the strategy's layout (needs
-            ``pretrained`` and ``swap=True``; untied embeddings).
+            ``configure_model``, each rank only its shards under the strategy's layout (at
+            ``pp > 1`` only its pipeline stages' tensors; needs ``pretrained`` and ``swap=True``;
+            untied embeddings).
         options: :class:`~lightning_moe.lit.MoELanguageModelBase`'s arguments (``optimizer``,
             ``log_layer_load``, ...).
     """
@@ -148,7 +150,16 @@ class HFMoELanguageModel(MoELanguageModelBase):
     @override
     def configure_model(self) -> None:
         """With ``load_sharded``: lay the meta model out (under ``folded_moe``), materialise this
-        rank's shards and read them from ``pretrained``; otherwise nothing."""
+        rank's shards and read them from ``pretrained``; otherwise nothing.
+
+        At ``pp > 1`` the model is first cut into this rank's pipeline stages (as the strategy cuts
+        it, ``strategies/pipeline_setup.py``), which are laid out on this pp coordinate's meshes; the
+        rank then reads only its stages' tensors (the embedding on the first stage, its layers, the
+        final norm and head on the last; of each only its EP, TP and FSDP slices) and the strategy
+        keeps these stages. Non-persistent buffers (rotary frequencies, aux-loss counters) are set
+        afresh, so every parameter and buffer is read or set; a tensor the checkpoint lacks raises
+        ``ValueError`` naming it, and under ``folded_moe`` every other rank then raises too (one
+        all-reduce of a flag), so no rank waits in a collective for one that stopped."""
         if not self.hparams.get("load_sharded") or not any(p.is_meta for p in self.model.parameters()):
             return
         from lightning_moe.checkpoint.hf_sharded import load_hf_checkpoint_sharded, reset_nonpersistent_buffers
@@ -159,19 +170,39 @@ class HFMoELanguageModel(MoELanguageModelBase):
         device = torch.device("cpu")
         if isinstance(strategy, FoldedMoECore):
             if strategy.pipeline_options.pp > 1:
-                raise ValueError(
-                    f"HFMoELanguageModel: load_sharded=True with pp={strategy.pipeline_options.pp} is not supported "
-                    "(the sharded load lays out the whole model, not this rank's pipeline stages); set "
-                    "load_sharded=False (the checkpoint is read whole, then cut) or pp=1."
-                )
+                self._cut_into_stages(strategy)
             parallelize_module(self, strategy.module_plan)
             device = strategy.root_device  # type: ignore[attr-defined]
         elif strategy is not None:
             device = strategy.root_device
+        error: ValueError | None = None
         with torch.device(device):
             self.model.to_empty(device=device)
-            load_hf_checkpoint_sharded(self.model, self.hparams["pretrained"])
+            try:
+                load_hf_checkpoint_sharded(self.model, self.hparams["pretrained"])
+            except ValueError as problem:  # e.g. a tensor that only this rank's stage or experts need
+                error = problem
             reset_nonpersistent_buffers(self.model)
+        loaded_everywhere = error is None
+        if isinstance(strategy, FoldedMoECore):
+            loaded_everywhere = strategy.reduce_boolean_decision(loaded_everywhere, all=True)  # type: ignore[attr-defined]
+        if error is not None:
+            raise error
+        if not loaded_everywhere:
+            raise ValueError(
+                f"HFMoELanguageModel: another rank could not load its part of {self.hparams['pretrained']!r} "
+                "(its error names the tensors); every rank stops here."
+            )
+
+    def _cut_into_stages(self, strategy: Any) -> None:
+        """``self.model`` becomes this rank's pipeline stages of the (meta) model, as the strategy
+        would cut it in ``setup``."""
+        from lightning_moe.strategies.pipeline_setup import cut_for_pipeline
+
+        cut_for_pipeline(
+            type(strategy).__name__, strategy.pipeline_options, self, strategy.folded_mesh.rank("pp"),
+            cp=strategy.cp, sequence_parallel=strategy.sequence_parallel,
+        )  # fmt: skip
 
     @override
     def forward(

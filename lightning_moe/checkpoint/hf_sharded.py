@@ -37,17 +37,27 @@ A layer is read under the names ``save_pretrained`` writes when its router is fo
 under its module names (a ``state_dict`` saved as it is). A family without checkpoint names is
 refused naming it.
 
+A pipeline rank's stages (:class:`~lightning_moe.models.hf_pipeline_stage.HFLocalStages`, cut from a
+``meta`` model and laid out on its pp coordinate's meshes) load the same way, their names mapped to
+the HF model's (``embed.`` → ``model.embed_tokens.``, ``layers.N.`` → ``model.layers.N.``, ``norm.``
+→ ``model.norm.``, ``lm_head.`` as it is; ``hf_parameter_name``): the rank reads the tensors of its
+stages only (the embedding if it holds the first stage, ``model.layers.N.*`` of its stages' layers,
+the final norm and the head if it holds the last), and of those only its slices as above (its EP
+rank's experts, its TP, ETP and FSDP boxes). The other stages' tensors stay unread.
+
 Bad input raises ``ValueError`` before any weight changes: a hub id or missing directory (nothing is
 downloaded), missing shard files or index entries (named), a shape that does not match (key,
-expected, found). :func:`reset_nonpersistent_buffers` recomputes what a materialisation left
-empty (rotary frequencies; the MoE layers' counters start at zero).
+expected, found), a local tensor the planned reads would not fill completely (named). After the
+load, :func:`reset_nonpersistent_buffers` recomputes what a checkpoint does not hold and a
+materialisation left undefined (rotary frequencies; the MoE layers' counters start at zero), so
+every parameter and buffer is read or set.
 """
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -148,12 +158,14 @@ class HFCheckpoint:
 
 @dataclass
 class _Read:
-    """Copy ``hf[name][index]`` (transposed over its last two dims when ``transpose``) into ``dest``."""
+    """Copy ``hf[name][index]`` (transposed over its last two dims when ``transpose``) into ``dest``,
+    a view of the local part of the model's tensors ``owners``."""
 
     name: str
     index: tuple[slice, ...]
     transpose: bool
     dest: torch.Tensor
+    owners: tuple[str, ...] = ()
 
 
 def local_box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
@@ -203,6 +215,27 @@ class _Planner:
         self.missing: list[str] = []
         self.mismatched: list[str] = []
         self.used: set[str] = set()
+        self.owners: tuple[str, ...] = ()  # the model's tensors the reads planned now fill
+        self.expected: dict[tuple[str, ...], int] = {}  # local elements of each group of owners
+        self.tensor_names: list[str] = []  # every parameter and persistent buffer of the model
+
+    def fill(self, owners: tuple[str, ...], *tensors: torch.Tensor) -> None:
+        """The reads planned next fill ``tensors`` (the model's ``owners``), every local element."""
+        self.owners = owners
+        self.expected[owners] = sum(local_box(t)[0].numel() for t in tensors)
+
+    def _add(self, read: _Read) -> None:
+        self.reads.append(replace(read, owners=self.owners))
+
+    def unfilled(self, names: list[str]) -> list[str]:
+        """Of the model's tensors ``names``, those no read was planned for and those whose local
+        elements the planned reads do not all fill (each read fills a disjoint box, so the count tells)."""
+        written: dict[tuple[str, ...], int] = defaultdict(int)
+        for read in self.reads:
+            written[read.owners] += read.dest.numel()
+        planned = {name for owners in self.expected for name in owners}
+        short = {name for owners, n in self.expected.items() if written[owners] != n for name in owners}
+        return [name for name in names if name not in planned or name in short]
 
     def _check(self, name: str, expected: tuple[int, ...]) -> bool:
         if name not in self.ckpt:
@@ -218,14 +251,14 @@ class _Planner:
     def direct(self, name: str, t: torch.Tensor) -> None:
         local, box = local_box(t)
         if self._check(name, tuple(t.shape)):
-            self.reads.append(_Read(name, box, False, local))
+            self._add(_Read(name, box, False, local))
 
     def reshaped(self, name: str, t: torch.Tensor, stored: tuple[int, ...] | None) -> None:
         """``t`` whole (a plain tensor) from ``name`` stored as ``stored`` (same elements, e.g. ``[1, E]``)."""
         if stored is None or tuple(stored) == tuple(t.shape) or isinstance(t, DTensor):
             self.direct(name, t)
         elif self._check(name, stored):
-            self.reads.append(_Read(name, tuple(slice(0, n) for n in stored), False, t.view(stored)))
+            self._add(_Read(name, tuple(slice(0, n) for n in stored), False, t.view(stored)))
 
     def stacked(self, names: tuple[str, str], t: torch.Tensor) -> None:
         """``t`` = ``cat([hf[names[0]], hf[names[1]]], dim=0)``, halves of equal size."""
@@ -237,7 +270,7 @@ class _Planner:
             a, b = max(box[0].start, k * half), min(box[0].stop, (k + 1) * half)
             if a < b:
                 dest = local[a - box[0].start : b - box[0].start]
-                self.reads.append(_Read(name, (slice(a - k * half, b - k * half), *box[1:]), False, dest))
+                self._add(_Read(name, (slice(a - k * half, b - k * half), *box[1:]), False, dest))
 
     def experts(self, names: LayerNames, w13: torch.Tensor, w2: torch.Tensor, etp: int) -> None:
         E, H, two_F = w13.shape
@@ -253,10 +286,10 @@ class _Planner:
                 for is_up, start, d0, n in _w13_column_runs(c13, F, etp):
                     rows = _gate_up_columns(is_up, start, n, F, names.interleaved)
                     index = (e13, h13, rows) if transposed else (e13, rows, h13)
-                    self.reads.append(_Read(fused_up, index, not transposed, l13[:, :, d0 : d0 + n]))
+                    self._add(_Read(fused_up, index, not transposed, l13[:, :, d0 : d0 + n]))
             if ok2:
                 index = (e2, f2, h2) if transposed else (e2, h2, f2)
-                self.reads.append(_Read(fused_down, index, not transposed, l2))
+                self._add(_Read(fused_down, index, not transposed, l2))
             return
         for i in _rng(e13):
             gate, up, _ = names.expert(i)
@@ -264,11 +297,11 @@ class _Planner:
             for is_up, start, d0, n in _w13_column_runs(c13, F, etp):
                 if ok[is_up]:
                     dest = l13[i - e13.start, :, d0 : d0 + n]
-                    self.reads.append(_Read((gate, up)[is_up], (slice(start, start + n), h13), True, dest))
+                    self._add(_Read((gate, up)[is_up], (slice(start, start + n), h13), True, dest))
         for i in _rng(e2):
             down = names.expert(i)[2]
             if self._check(down, (H, F)):
-                self.reads.append(_Read(down, (h2, f2), True, l2[i - e2.start]))
+                self._add(_Read(down, (h2, f2), True, l2[i - e2.start]))
 
 
     def expert_biases(self, names: LayerNames, b13: torch.Tensor, b2: torch.Tensor, etp: int) -> None:
@@ -285,7 +318,7 @@ class _Planner:
         if self._check(up_bias, (E, two_F)):
             for is_up, start, d0, n in _w13_column_runs(cols, F, etp):
                 index = (experts, _gate_up_columns(is_up, start, n, F, names.interleaved))
-                self.reads.append(_Read(up_bias, index, False, local[:, d0 : d0 + n]))
+                self._add(_Read(up_bias, index, False, local[:, d0 : d0 + n]))
         self.direct(down_bias, b2)
 
 
@@ -323,44 +356,70 @@ def _layer_names(ckpt: HFCheckpoint, layer_name: str, layer: Any) -> LayerNames:
     return replace(experts, router=pick(saved.router, module.router), bias=pick(saved.bias, module.bias))
 
 
-def _plan(model: nn.Module, ckpt: HFCheckpoint) -> _Planner:
-    plan = _Planner(ckpt)
-    layers = _moe_layers(model)
+def _checkpoint_names(model: nn.Module) -> Callable[[str], str]:
+    """The checkpoint name of each of ``model``'s names: the HF model's names for a pipeline rank's
+    stages (``hf_parameter_name``), the names themselves for a whole model."""
+    from lightning_moe.models.hf_pipeline_stage import HFLocalStages, hf_parameter_name
+
+    if isinstance(model, HFLocalStages):
+        return hf_parameter_name
+    return lambda name: name
+
+
+def _persistent_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and persistent buffer of ``model`` by name (what a checkpoint holds)."""
     tensors = dict(model.named_parameters())
     skip_buffers: set[str] = set()
     for module_name, m in model.named_modules():
         skip_buffers |= {f"{module_name}.{b}" if module_name else b for b in m._non_persistent_buffers_set}
     tensors.update({n: b for n, b in model.named_buffers() if n not in skip_buffers})
+    return tensors
+
+
+def _plan(model: nn.Module, ckpt: HFCheckpoint) -> _Planner:
+    plan = _Planner(ckpt)
+    hf_name = _checkpoint_names(model)
+    tensors = _persistent_tensors(model)
     done: set[str] = set()
-    for layer_name, layer in layers.items():
+    for layer_name, layer in _moe_layers(model).items():
         p = f"{layer_name}."
-        names = _layer_names(ckpt, layer_name, layer)
+        names = _layer_names(ckpt, hf_name(layer_name), layer)
         ex = layer.experts
+        plan.fill((f"{p}experts.w13", f"{p}experts.w2"), ex.w13, ex.w2)
         plan.experts(names, ex.w13, ex.w2, int(getattr(ex, "etp", 1)))
         done |= {f"{p}experts.w13", f"{p}experts.w2"}
         if getattr(ex, "b13", None) is not None and getattr(ex, "b2", None) is not None:
+            plan.fill((f"{p}experts.b13", f"{p}experts.b2"), ex.b13, ex.b2)
             plan.expert_biases(names, ex.b13, ex.b2, int(getattr(ex, "etp", 1)))
             done |= {f"{p}experts.b13", f"{p}experts.b2"}
+        plan.fill((f"{p}router.weight",), layer.router.weight)
         plan.direct(names.router, layer.router.weight)
         done.add(f"{p}router.weight")
         if f"{p}router.bias" in tensors and names.router_bias is not None:
+            plan.fill((f"{p}router.bias",), tensors[f"{p}router.bias"])
             plan.direct(names.router_bias, tensors[f"{p}router.bias"])
             done.add(f"{p}router.bias")
         if f"{p}router.expert_bias" in tensors and names.bias is not None:
+            plan.fill((f"{p}router.expert_bias",), tensors[f"{p}router.expert_bias"])
             plan.reshaped(names.bias, tensors[f"{p}router.expert_bias"], stored_bias_shape(layer))
             done.add(f"{p}router.expert_bias")
         if f"{p}shared_expert.gate_up.weight" in tensors and names.shared is not None:
-            sp = names.shared
-            plan.stacked((f"{sp}gate_proj.weight", f"{sp}up_proj.weight"), tensors[f"{p}shared_expert.gate_up.weight"])
-            plan.direct(f"{sp}down_proj.weight", tensors[f"{p}shared_expert.down.weight"])
-            done |= {f"{p}shared_expert.gate_up.weight", f"{p}shared_expert.down.weight"}
+            sp, gate_up, down = names.shared, f"{p}shared_expert.gate_up.weight", f"{p}shared_expert.down.weight"
+            plan.fill((gate_up,), tensors[gate_up])
+            plan.stacked((f"{sp}gate_proj.weight", f"{sp}up_proj.weight"), tensors[gate_up])
+            plan.fill((down,), tensors[down])
+            plan.direct(f"{sp}down_proj.weight", tensors[down])
+            done |= {gate_up, down}
         if f"{p}shared_expert.gate.weight" in tensors and names.shared_gate is not None:
+            plan.fill((f"{p}shared_expert.gate.weight",), tensors[f"{p}shared_expert.gate.weight"])
             plan.direct(names.shared_gate, tensors[f"{p}shared_expert.gate.weight"])
             done.add(f"{p}shared_expert.gate.weight")
     for name, t in tensors.items():
         if name in done:
             continue
-        plan.direct(name, t)
+        plan.fill((name,), t)
+        plan.direct(hf_name(name), t)
+    plan.tensor_names = list(tensors)
     return plan
 
 
@@ -377,17 +436,28 @@ def _raise_problems(plan: _Planner) -> None:
             + "; ".join(plan.mismatched[:8])
             + ". Check that config.json belongs to these weights."
         )
+    unfilled = plan.unfilled(plan.tensor_names)
+    if unfilled:
+        shown = ", ".join(unfilled[:8]) + (f" (+{len(unfilled) - 8} more)" if len(unfilled) > 8 else "")
+        raise ValueError(
+            f"load_hf_checkpoint_sharded: loading {str(plan.ckpt.path)!r} would leave {shown} unset, in whole or "
+            "in part (no checkpoint tensor is read into some of their local elements); load this model with "
+            "load_sharded=False."
+        )
 
 
 @torch.no_grad()
 def load_hf_checkpoint_sharded(model: nn.Module, checkpoint: str | Path | HFCheckpoint) -> list[str]:
-    """Fill ``model`` (a swapped HF model; plain or DTensor parameters) from an HF checkpoint directory.
+    """Fill ``model`` (a swapped HF model, or a pipeline rank's ``HFLocalStages``; plain or DTensor
+    parameters) from an HF checkpoint directory.
 
     Every parameter and persistent buffer is read: this rank's local part only, one shard file at
-    a time (module doc). Values are cast to each tensor's dtype. Nothing changes unless every
-    tensor is found with the right shape. Returns the checkpoint's names that were not used
-    (e.g. ``lm_head.weight`` of tied embeddings). Non-persistent buffers are not touched (see
-    :func:`reset_nonpersistent_buffers`). Collective-free.
+    a time (module doc); a rank's stages read only their own tensors, under the HF model's names.
+    Values are cast to each tensor's dtype. Nothing changes unless every tensor is found with the
+    right shape and the reads fill every local element (else ``ValueError`` naming the keys).
+    Returns the checkpoint's names that were not used (e.g. ``lm_head.weight`` of tied embeddings,
+    the other pipeline stages' tensors, the other EP ranks' experts when stored per expert).
+    Non-persistent buffers are not touched (see :func:`reset_nonpersistent_buffers`). Collective-free.
     """
     ckpt = checkpoint if isinstance(checkpoint, HFCheckpoint) else HFCheckpoint(checkpoint)
     plan = _plan(model, ckpt)

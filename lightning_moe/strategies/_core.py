@@ -42,6 +42,7 @@ from lightning_moe.parallel.fold_batch import ContextParallel, shard_batch
 from lightning_moe.parallel.liveness import check_liveness_timeout, collective_timeout
 from lightning_moe.parallel.mesh import FoldedMesh
 from lightning_moe.parallel.parallelize import DispatcherKind, check_model_for_layout
+from lightning_moe.parallel.pipeline import stage_indices
 from lightning_moe.strategies.guards import note_dead_rank, start_liveness_watchdog
 from lightning_moe.strategies.layout import (
     Degree,
@@ -60,10 +61,11 @@ from lightning_moe.strategies.pipeline_setup import (
     check_pipeline_combination,
     check_pipeline_model,
     cut_for_pipeline,
+    cut_stages_of,
     find_transformer,
     pipeline_options,
 )
-from lightning_moe.strategies.pipeline_hf import find_hf_causal_lm, restore_hf_buffers
+from lightning_moe.strategies.pipeline_hf import find_hf_causal_lm, hf_stages_cut_already, restore_hf_buffers
 from lightning_moe.strategies.pipeline_step import PipelineRunner
 from lightning_moe.strategies.sharding import ModulePlan, check_model_for_context_parallel, parallel_options
 
@@ -320,17 +322,27 @@ class FoldedMoECore:
         (:func:`~lightning_moe.strategies.module_setup.prepare_module`). A module sharded already
         (``configure_model`` did it) keeps its layout. At ``pp > 1`` the transformer is first cut
         into this rank's stages (the returned module is then the stages when ``module`` was the
-        transformer) and :attr:`pipeline` is built."""
+        transformer), unless ``configure_model`` cut it already (``HFMoELanguageModel(load_sharded=True)``
+        reads only its stages' tensors), and :attr:`pipeline` is built."""
         strategy: Any = self
         options, mesh = self.pipeline_options, self.folded_mesh
         stages = None
+        if options.pp > 1 and self._pipeline is not None and cut_stages_of(module) is self._pipeline.stages:
+            # set up again (validate or predict after fit): the stages and the pipeline stay
+            return prepare_module(module, self.module_plan, strategy.root_device, root=root, shard_root=shard_root)
         if options.pp > 1:
-            _, model = find_transformer(module)
-            model = model if model is not None else find_hf_causal_lm(module)[1]
-            hidden = int(model.config.hidden_size) if model is not None else 0
-            module, stages = cut_for_pipeline(
-                type(self).__name__, options, module, mesh.rank("pp"), cp=self.cp, sequence_parallel=self.sequence_parallel
-            )
+            mine = stage_indices(mesh.rank("pp"), options.pp, options.schedule, options.virtual_stages)
+            cut = hf_stages_cut_already(type(self).__name__, module, mine)
+            if cut is not None:  # configure_model cut, laid out and loaded them (HFMoELanguageModel load_sharded)
+                stages, hidden = cut
+            else:
+                _, model = find_transformer(module)
+                model = model if model is not None else find_hf_causal_lm(module)[1]
+                hidden = int(model.config.hidden_size) if model is not None else 0
+                module, stages = cut_for_pipeline(
+                    type(self).__name__, options, module, mesh.rank("pp"), cp=self.cp,
+                    sequence_parallel=self.sequence_parallel,
+                )  # fmt: skip
             had_meta = has_meta_parameters(stages)
         module = prepare_module(module, self.module_plan, strategy.root_device, root=root, shard_root=shard_root)
         if stages is not None:

@@ -11,7 +11,10 @@ calls these functions when the module holds no ``MoETransformer``-shaped model.
   the family (tied embeddings, hybrid and vision-language families refused with the reason);
 - :func:`cut_hf_for_pipeline`: this rank's stages, placed where the model was;
 - :func:`restore_hf_buffers`: the rotary frequencies (non-persistent buffers) of stages
-  materialised from the ``meta`` device, which an empty materialisation leaves undefined.
+  materialised from the ``meta`` device, which an empty materialisation leaves undefined;
+- :func:`hf_stages_cut_already`: the stages of a module that ``configure_model`` cut, laid out and
+  loaded itself (``HFMoELanguageModel(load_sharded=True)``: each rank reads only its stages'
+  tensors), which the strategy then keeps instead of cutting again.
 
 Parameter names of the stages are :class:`~lightning_moe.parallel.pipeline_stage.TransformerStage`'s
 (``embed.weight``, ``layers.N.*``, ``norm.weight``, ``lm_head.weight``), not the HF model's; the
@@ -33,6 +36,7 @@ __all__ = [
     "cut_hf_for_pipeline",
     "find_hf_causal_lm",
     "hf_layer_count",
+    "hf_stages_cut_already",
     "restore_hf_buffers",
 ]
 
@@ -81,3 +85,19 @@ def restore_hf_buffers(stages: nn.Module) -> None:
     Other stages are left as they are."""
     if isinstance(stages, HFLocalStages):
         reset_nonpersistent_buffers(stages)
+
+
+def hf_stages_cut_already(owner: str, module: nn.Module, mine: tuple[int, ...]) -> tuple[HFLocalStages, int] | None:
+    """``(stages, hidden_size)`` when ``module`` (or its ``model`` attribute) is already this rank's
+    HF stages (``mine``: the stage indices this rank holds), ``None`` when it is not cut.
+    ``ValueError`` for stages cut for another pipeline layout."""
+    stages = module if isinstance(module, HFLocalStages) else getattr(module, "model", None)
+    if not isinstance(stages, HFLocalStages):
+        return None
+    held = tuple(index for index, _ in stages.stages)
+    if held != tuple(mine) or not held:
+        raise ValueError(
+            f"{owner}: {type(module).__name__} holds pipeline stages {held} already, cut for another layout than "
+            f"this rank's stages {tuple(mine)}; build the model again for this strategy."
+        )
+    return stages, int(stages.stages[0][1].config.hidden_size)

@@ -3,7 +3,12 @@
 4 gloo ranks. A small Qwen3-MoE checkpoint (fp32) gives the one-process HF model's logits at EP4,
 at EP2 x EDP2 (experts FSDP-sharded on H, dense weights over 4), TP2 x ETP2 x EP2 and TP2 x ETP2
 x EDP2, and streams
-back out bit for bit (from the loaded model, and from the DCP folder the Trainer saves). A synthetic 1.53 B-parameter Qwen3-MoE checkpoint (random bf16 weights, about 3.1 GB, written
+back out bit for bit (from the loaded model, and from the DCP folder the Trainer saves). In the same
+job it and a small DeepSeek-V3 checkpoint (MLA, a dense first layer, a shared expert, grouped
+sigmoid routing with its correction bias) load at PP2 x EP2 (1f1b), each pipeline rank reading only
+its stages' tensors and its EP rank's experts: every local parameter and buffer equals the
+one-process model's bit for bit, and the validation loss and one training step's loss equal the
+pp=1 load's (rtol 1e-5). A synthetic 1.53 B-parameter Qwen3-MoE checkpoint (random bf16 weights, about 3.1 GB, written
 tensor by tensor into 256 MB shards, so the test never holds the model) loads at EP4 with each
 rank's peak RSS under ``(dense + experts / 4) * 1.3`` plus its resident size before the load and a
 fixed 256 MB; after that measurement the loaded, EP4-distributed model's fp32 logits equal
@@ -29,6 +34,14 @@ SMALL = {
     "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
     "head_dim": 8, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
 }  # fmt: skip
+# MLA with a q LoRA, layer 0 dense and layer 1 MoE (so each PP2 stage holds one), a shared expert
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+    "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+    "routed_scaling_factor": 2.5, "first_k_dense_replace": 1, "q_lora_rank": 16, "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "tie_word_embeddings": False,
+}  # fmt: skip
 # 14 layers x 64 experts x 3 x 1024 x 512 = 1.41 B expert + 0.12 B dense parameters
 LARGE = {
     "model_type": "qwen3_moe", "vocab_size": 40000, "hidden_size": 1024, "intermediate_size": 2048,
@@ -44,18 +57,34 @@ def _config(cfg: dict):
     return hf_config_from(cfg)
 
 
-def test_sharded_load_equals_one_process_hf_logits_and_exports_bitwise(tmp_path: Path) -> None:
-    """At EP4, then (same processes) at EP2 x EDP2, TP2 x ETP2 x EP2 (blocked w13 columns) and
-    TP2 x ETP2 x EDP2 (w2's F dim split by ETP, then by FSDP: a strided shard)."""
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(_config(SMALL))
+def _save_perturbed(cfg: dict, path: Path, seed: int) -> Path:
+    """A random ``cfg`` model with every weight and the routers' correction biases moved off their
+    init (so a tensor read from the wrong place, or not at all, shows), saved in 20 KB shards."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(_config(cfg))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-    model.save_pretrained(str(tmp_path / "hf"), max_shard_size="20KB")
-    out = run_torchrun("worker_hf_sharded_load.py", 4, ["logits", str(tmp_path / "hf"), str(tmp_path), "ep=4,ep=2,tp=2:etp=2:ep=2,tp=2:etp=2"],
-                       timeout=240)  # fmt: skip
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.05)
+    model.save_pretrained(str(path), max_shard_size="20KB")
+    return path
+
+
+def test_sharded_load_equals_one_process_hf_logits_exports_bitwise_and_loads_pipeline_stages(tmp_path: Path) -> None:
+    """At EP4, then (same processes) at EP2 x EDP2, TP2 x ETP2 x EP2 (blocked w13 columns) and
+    TP2 x ETP2 x EDP2 (w2's F dim split by ETP, then by FSDP: a strided shard); then the Qwen3-MoE
+    and the DeepSeek-V3 checkpoints at PP2 x EP2 against their pp=1 loads."""
+    qwen = _save_perturbed(SMALL, tmp_path / "hf", seed=0)
+    deepseek = _save_perturbed(DEEPSEEK_V3, tmp_path / "deepseek_v3", seed=1)
+    out = run_torchrun("worker_hf_sharded_load.py", 4, [
+        "logits", str(qwen), str(tmp_path), "ep=4,ep=2,tp=2:etp=2:ep=2,tp=2:etp=2",
+        "pipeline", str(qwen), str(tmp_path), "pp=2:ep=2",
+        "pipeline", str(deepseek), str(tmp_path), "pp=2:ep=2",
+    ], timeout=420)  # fmt: skip
     assert out.count("WORKER OK") == 4, out[-3000:]
+    assert "PIPELINE OK hf pp=2:ep=2" in out and "PIPELINE OK deepseek_v3 pp=2:ep=2" in out, out[-3000:]
 
 
 def _write_safetensors(file: Path, tensors: list[tuple[str, tuple[int, ...]]], gen: torch.Generator) -> None:

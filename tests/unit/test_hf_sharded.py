@@ -203,3 +203,58 @@ def test_streaming_export_refuses_what_it_cannot_write(tmp_path: Path) -> None:
     (tmp_path / "one.ckpt").write_bytes(b"")
     with pytest.raises(ValueError, match="--streaming reads a DCP folder"):
         export_main([str(tmp_path / "one.ckpt"), str(tmp_path / "y"), "--streaming"])
+
+
+def test_a_pipeline_ranks_stages_read_only_their_tensors(tmp_path: Path) -> None:
+    """The last of two stages, cut from the meta model: it reads layer 1, the norm and the head (no
+    embedding, nothing of layer 0), every tensor as the one-process swapped model holds it."""
+    from lightning_moe.models.hf_pipeline_stage import cut_hf_rank_stages, hf_parameter_name
+    from lightning_moe.parallel.pipeline import split_layers
+
+    hf = _save(_hf_model(TINY), tmp_path / "hf")
+    lit = HFMoELanguageModel(pretrained=str(hf), load_sharded=True, moe={"experts_backend": "torch"})
+    stages = cut_hf_rank_stages(lit.model, split_layers(2, 2), (1,))
+    stages.to_empty(device="cpu")
+    unread = load_hf_checkpoint_sharded(stages, hf)
+    reset_nonpersistent_buffers(stages)
+    names = sorted(HFCheckpoint(hf).weight_map)
+    assert unread == [n for n in names if n.startswith(("model.embed_tokens.", "model.layers.0."))]
+    ref = HFMoELanguageModel(pretrained=str(hf), moe={"experts_backend": "torch"}).model
+    want = {**dict(ref.named_parameters()), **dict(ref.named_buffers())}
+    got = [*stages.named_parameters(), *stages.named_buffers()]
+    assert {n.split(".")[0] for n, _ in got} == {"layers", "norm", "lm_head", "rotary_emb"}
+    for name, t in got:
+        hf_name = f"model.{name}" if name.startswith("rotary_emb.") else hf_parameter_name(name)
+        assert torch.equal(t, want[hf_name]), name
+
+
+def test_reads_that_would_leave_a_tensor_unset_are_refused_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lightning_moe.checkpoint.hf_sharded as hs
+
+    hf = _save(_hf_model(TINY), tmp_path / "hf")
+    lit = HFMoELanguageModel(pretrained=str(hf), load_sharded=True)
+    direct = hs._Planner.direct
+
+    def skipping_the_final_norm(self: hs._Planner, name: str, t: torch.Tensor) -> None:
+        if name != "model.norm.weight":
+            direct(self, name, t)
+
+    monkeypatch.setattr(hs._Planner, "direct", skipping_the_final_norm)
+    with pytest.raises(ValueError, match=r"would leave model\.norm\.weight unset"):
+        lit.configure_model()
+
+
+def test_stages_cut_for_another_layout_are_refused(tmp_path: Path) -> None:
+    from lightning_moe.models.hf_pipeline_stage import cut_hf_rank_stages
+    from lightning_moe.parallel.pipeline import split_layers
+    from lightning_moe.strategies.pipeline_hf import hf_stages_cut_already
+
+    lit = HFMoELanguageModel(hf_config=TINY, moe={"experts_backend": "torch"})
+    assert hf_stages_cut_already("FoldedMoEStrategy", lit, (0,)) is None  # not cut: the strategy cuts it
+    lit.model = cut_hf_rank_stages(lit.model, split_layers(2, 2), (1,))
+    stages, hidden = hf_stages_cut_already("FoldedMoEStrategy", lit, (1,))  # type: ignore[misc]
+    assert stages is lit.model and hidden == TINY["hidden_size"]
+    with pytest.raises(ValueError, match=r"holds pipeline stages \(1,\) already, cut for another layout"):
+        hf_stages_cut_already("FoldedMoEStrategy", lit, (0,))
