@@ -54,6 +54,7 @@ from lightning_moe.optimizer import OptimizerConfig, build_adamw, optimizer_conf
 from lightning_moe.parallel.finite import NonFiniteGuard, forwarded_nonfinite_options, guard_closure, world_group
 from lightning_moe.parallel.rank_mean import mean_over_ranks
 from lightning_moe.parallel.fold_batch import lm_token_mean_loss
+from lightning_moe.parallel.vocab import vocab_parallel_head
 from lightning_moe.moe.utils import find_moe_layers, reset_global_aux_counts, set_aux_loss_scale, update_expert_biases
 
 if TYPE_CHECKING:
@@ -214,6 +215,31 @@ class MoELanguageModelBase(L.LightningModule):
         self.log("val/ppl", torch.exp(loss.clamp(max=30)), sync_dist=True)
         self._val_sum += torch.stack([loss.detach().float().cpu(), torch.ones(())])
         return loss
+
+    @override
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The logits ``[B, S, V]`` of ``batch["input_ids"]`` (with the batch's ``position_ids`` and
+        ``document_ids``, packed documents); ``labels`` are not read. At ``pp > 1`` the micro-batches
+        run forward through the stages and every rank returns the logits the last stage computed.
+        Refused under context parallel (each CP rank holds chunks of the sequence) and with a
+        vocab-parallel head (each TP rank holds a slice of the vocabulary)."""
+        pipeline = self._pipeline()
+        if pipeline is not None:
+            return pipeline.predict_step(batch)
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        context = getattr(strategy, "context_parallel", None)
+        if context is not None and context.size > 1:
+            raise ValueError(
+                f"{type(self).__name__}.predict_step: cp={context.size} would return each CP rank's sequence chunks; "
+                "predict with cp=1 (a checkpoint saved at any cp loads at cp=1)."
+            )
+        if vocab_parallel_head(self.model) is not None:
+            raise ValueError(
+                f"{type(self).__name__}.predict_step: the head is vocab-parallel, so each TP rank holds a slice of "
+                "the logits; predict with vocab_parallel=False (the checkpoint loads either way)."
+            )
+        extra = {k: batch[k] for k in ("position_ids", "document_ids") if batch.get(k) is not None}
+        return self(batch["input_ids"], **extra)
 
     @override
     def on_validation_epoch_start(self) -> None:

@@ -41,6 +41,7 @@ __all__ = [
     "clip_grad_value_",
     "expert_grad_scale",
     "grad_norm",
+    "gradient_sync_enabled",
     "install_expert_grad_scaling",
     "set_gradient_sync",
 ]
@@ -71,6 +72,23 @@ def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
     for m in module.modules():
         if isinstance(m, FSDPModule):
             m.set_requires_gradient_sync(enabled, recurse=False)
+
+
+def gradient_sync_enabled(module: nn.Module) -> bool:
+    """Whether the FSDP2 modules under ``module`` reduce their gradients in the next backward (as
+    set by :func:`set_gradient_sync` or FSDP's own ``set_requires_gradient_sync``, which Lightning's
+    ``no_backward_sync`` calls); ``True`` without any. FSDP2 keeps the flag on each parameter group,
+    which has no public getter: the first group found answers."""
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            state = m._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:  # one group per module in older torch
+                single = getattr(state, "_fsdp_param_group", None)
+                groups = [single] if single is not None else []
+            for group in groups:
+                return bool(group.reduce_grads)
+    return True
 
 
 def _grads(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:

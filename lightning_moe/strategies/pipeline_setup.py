@@ -51,6 +51,7 @@ __all__ = [
     "check_pipeline_model",
     "check_pipeline_trainer",
     "cut_for_pipeline",
+    "cut_stages_of",
     "find_transformer",
     "pipeline_options",
 ]
@@ -134,13 +135,19 @@ def find_transformer(module: nn.Module) -> tuple[nn.Module | None, nn.Module | N
     return None, None
 
 
+def cut_stages_of(module: nn.Module) -> LocalStages | None:
+    """This rank's stages when ``module`` (or its ``model`` attribute) was cut already, else ``None``."""
+    stages = module if isinstance(module, LocalStages) else getattr(module, "model", None)
+    return stages if isinstance(stages, LocalStages) else None
+
+
 def check_pipeline_model(
     owner: str, options: PipelineOptions, module: nn.Module, *, cp: int = 1, sequence_parallel: bool = False
 ) -> None:
     """The module can be cut into ``pp * v`` stages: an MoETransformer-shaped model whose blocks
     split evenly, embeddings not tied (a Hugging Face causal LM: not under ``cp > 1`` or
     ``sequence_parallel``). ``ValueError`` naming the fix; nothing at ``pp = 1``."""
-    if options.pp == 1:
+    if options.pp == 1 or cut_stages_of(module) is not None:  # cut already: by configure_model or an earlier fit
         return
     _, model = find_transformer(module)
     _, hf = find_hf_causal_lm(module) if model is None else (None, None)

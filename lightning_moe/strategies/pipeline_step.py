@@ -26,7 +26,9 @@ A :class:`PipelineRunner` belongs to a strategy at ``pp > 1``; the training step
 3. training: torch's schedule for this batch shape (built once per shape, with the stage shapes
    given up front — the hidden states ``[b, S/tp, H]`` under sequence parallel — so torch runs no
    shape-inference forward through the MoE layers; the
-   zero-bubble schedules compute weight gradients with the input gradients, see ``_SPLIT``);
+   zero-bubble schedules compute weight gradients with the input gradients, see ``_SPLIT``; FSDP
+   reduces each stage's gradients once, in its last micro-batch's backward, and not at all on an
+   accumulating batch: ``parallel/pipeline_sync.py``);
    validation: each micro-batch forward through the stages in order (:meth:`_forward_only`);
 4. the loss to log: the sum of the micro-batch losses times ``accumulate`` (the batch's
    token-mean share of this data rank), broadcast over the pp group from the rank holding the
@@ -38,6 +40,7 @@ A :class:`PipelineRunner` belongs to a strategy at ``pp > 1``; the training step
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -134,7 +137,7 @@ class PipelineRunner:
             return self._run(batch, train=False, accumulate=1)
 
     def _run(self, batch: dict[str, torch.Tensor], train: bool, accumulate: int) -> torch.Tensor:
-        ids_BS, labels_BS, ids_kw = self._check_batch(batch)
+        ids_BS, labels_BS, ids_kw = self._check_batch(batch, whole_microbatches=train)
         group, ranks = self.loss_group
         tokens = (labels_BS != IGNORE_INDEX).sum().to(torch.float32).reshape(())
         if group is not None and ranks > 1:
@@ -146,15 +149,19 @@ class PipelineRunner:
         ids_kw = {k: v.to(self.device) for k, v in ids_kw.items()}
         if not train:
             return self._loss_to_log(self._forward_only(ids_BS, labels_BS, ids_kw), accumulate)
-        schedule = self._schedule(tuple(ids_BS.shape))
+        schedule, stages = self._schedule(tuple(ids_BS.shape))
         losses: list[torch.Tensor] = []
         args = (ids_BS,) if self.holds_first else ()
         target, out = (labels_BS, losses) if self.holds_last else (None, None)
         self._moe_stats.start()
+        for stage in stages:
+            stage.begin_step()
         try:
             schedule.step(*args, target=target, losses=out, **ids_kw)  # the kwargs reach every stage
         finally:
             self._moe_stats.stop()
+            for stage in stages:
+                stage.end_step()
         return self._loss_to_log(losses, accumulate)
 
     def moe_stats(self) -> StepMoEStats:
@@ -162,18 +169,56 @@ class PipelineRunner:
         (``parallel/pipeline_moe_stats.py``); a collective over the pp group, once per step."""
         return self._moe_stats.reduce()
 
+    def predict_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward only: the logits ``[B, S, V]`` of ``batch`` (``input_ids``, and the packed ids when
+        present; ``labels`` are not needed), on every rank of the pp group, as one process returns
+        them: the last stage's rank sends them to the others (one broadcast of their shape and dtype,
+        one of the logits)."""
+        if self.context.size > 1:
+            raise ValueError(
+                f"{self.owner}: predict at cp={self.context.size} would return each CP rank's sequence chunks; "
+                "predict with cp=1 (a checkpoint saved at any cp loads at cp=1)."
+            )
+        batch = batch if "labels" in batch else {**batch, "labels": batch["input_ids"]}
+        ids_BS, _, ids_kw = self._check_batch(batch, whole_microbatches=False)
+        ids_BS, ids_kw = ids_BS.to(self.device), {k: v.to(self.device) for k, v in ids_kw.items()}
+        parts: list[torch.Tensor] = []
+        with torch.no_grad():
+            self._forward_stages(ids_BS, ids_kw, lambda m, logits_bSV: parts.append(logits_bSV))
+        logits_BSV = torch.cat(parts) if self.holds_last else None
+        return self._from_last_stage(logits_BSV)
+
+    def _from_last_stage(self, value: torch.Tensor | None) -> torch.Tensor:
+        """``value`` of the rank holding the last stage, on every rank of the pp group."""
+        header: list[Any] = [None if value is None else (tuple(value.shape), value.dtype)]
+        dist.broadcast_object_list(header, group=self.pp_group, group_src=self.last_stage_rank)
+        shape, dtype = header[0]
+        if value is None:
+            value = torch.empty(shape, dtype=dtype, device=self.device)
+        value = value.contiguous()
+        dist.broadcast(value, group=self.pp_group, group_src=self.last_stage_rank)
+        return value
+
     def _forward_only(
         self, ids_BS: torch.Tensor, labels_BS: torch.Tensor, ids_kw: dict[str, torch.Tensor]
     ) -> list[torch.Tensor]:
-        """Validation: each micro-batch through the stages in order, the hidden states sent to the
-        rank of the next stage (plain send/recv over the pp group; any placement, "V" included,
-        whose torch schedules have no forward-only mode). The losses on the last stage's rank."""
+        """Validation: the loss of each micro-batch on the last stage's rank (:meth:`_forward_stages`)."""
+        labels = labels_BS.chunk(self.options.microbatches)
+        losses: list[torch.Tensor] = []
+        self._forward_stages(ids_BS, ids_kw, lambda m, logits_bSV: losses.append(self._loss(logits_bSV, labels[m])))
+        return losses
+
+    def _forward_stages(
+        self, ids_BS: torch.Tensor, ids_kw: dict[str, torch.Tensor], on_logits: Callable[[int, torch.Tensor], None]
+    ) -> None:
+        """Each micro-batch through the stages in order, the hidden states sent to the rank of the
+        next stage (plain send/recv over the pp group; any placement, "V" included, whose torch
+        schedules have no forward-only mode). ``on_logits(m, logits)`` on the last stage's rank."""
         opts = self.options
         owner = {s: r for r in range(opts.pp) for s in stage_indices(r, opts.pp, opts.schedule, opts.virtual_stages)}
         local = dict(self.stages.stages)
-        losses = []
         chunks = {k: v.chunk(opts.microbatches) for k, v in ids_kw.items()}
-        for m, (ids_bS, labels_bS) in enumerate(zip(ids_BS.chunk(opts.microbatches), labels_BS.chunk(opts.microbatches))):
+        for m, ids_bS in enumerate(ids_BS.chunk(opts.microbatches)):
             x, kw = ids_bS, {k: v[m] for k, v in chunks.items()}
             for s in range(opts.stages):
                 if owner[s] != self.pp_rank:
@@ -185,15 +230,16 @@ class PipelineRunner:
                 if s < opts.stages - 1 and owner[s + 1] != self.pp_rank:
                     dist.send(x.contiguous(), group=self.pp_group, group_dst=owner[s + 1])
             if self.holds_last:
-                losses.append(self._loss(x, labels_bS))
-        return losses
+                on_logits(m, x)
 
     def _check_batch(
-        self, batch: dict[str, torch.Tensor]
+        self, batch: dict[str, torch.Tensor], whole_microbatches: bool
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """``(input_ids, labels, per-token ids)`` of this CP rank's chunks: the ids are the batch's
         ``position_ids`` (the chunks' global positions under CP) and ``document_ids`` present,
-        each ``[B, S]`` like ``input_ids``."""
+        each ``[B, S]`` like ``input_ids``. ``whole_microbatches``: ``B`` must split into the
+        micro-batches (the schedule's shapes); forward only takes any ``B >= 1`` (a loader's last,
+        shorter batch runs as fewer, smaller micro-batches: ``chunk``)."""
         cp = self.context
         batch = shard_batch(batch, cp.size, cp.rank, owner=self.owner)  # the batch itself at cp=1
         ids_BS, labels_BS = batch["input_ids"], batch["labels"]
@@ -210,7 +256,8 @@ class PipelineRunner:
                     f"{self.owner}: batch[{key!r}] has shape {tuple(value.shape)}, input_ids {tuple(ids_BS.shape)}; "
                     "pass one id per token."
                 )
-        check_pipeline_batch(self.owner, self.options, int(ids_BS.shape[0]))
+        if whole_microbatches or ids_BS.shape[0] == 0:
+            check_pipeline_batch(self.owner, self.options, int(ids_BS.shape[0]))
         B, S = ids_BS.shape
         if self.sequence_shards > 1:
             check_sequence_length(S, self.sequence_shards, owner=self.owner)
@@ -233,26 +280,28 @@ class PipelineRunner:
             total = logits_BSV.sum() * 0.0
         return total * self._scale
 
-    def _schedule(self, shape: tuple[int, ...]) -> Any:
-        """The training schedule for batches of ``shape`` (built once per shape)."""
+    def _schedule(self, shape: tuple[int, ...]) -> tuple[Any, list[Any]]:
+        """The training schedule for batches of ``shape`` and its stages (built once per shape;
+        each stage reduces FSDP gradients in its last backward only, ``parallel/pipeline_sync.py``)."""
         key = shape
         if key not in self._schedules:
-            from torch.distributed.pipelining import PipelineStage
+            from lightning_moe.parallel.pipeline_sync import sync_once_stage
 
             b, S = shape[0] // self.options.microbatches, shape[1]
             stages = []
             for index, view in self.stages.stages:
                 stages.append(
-                    PipelineStage(
-                        view, index, self.options.stages, self.device,
+                    sync_once_stage(
+                        view, index, self.options.stages, self.device, self.options.microbatches,
                         input_args=self._example(view.is_first, b, S, True),
                         output_args=self._example(False, b, S, True, logits=view.is_last),
                         group=self.pp_group, dw_builder=_full_backward if self.options.schedule in _SPLIT else None,
                     )
                 )  # fmt: skip
-            self._schedules[key] = build_schedule(
+            schedule = build_schedule(
                 self.options.schedule, stages, self.options.microbatches, self._loss, scale_grads=False
             )
+            self._schedules[key] = (schedule, stages)
         return self._schedules[key]
 
     def _example(

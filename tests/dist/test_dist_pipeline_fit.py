@@ -14,7 +14,13 @@ parallel and ETP2 (the hidden states travel ``[b, S/2, H]`` between the stages).
 x TP2 with EP4 (each CP rank's load-balanced chunks and their global positions through every
 stage; the mean of the ranks of one data rank is compared, each CP rank logging its chunks'
 share). Every rank's logged batch losses, the logged
-``train/loss`` and every parameter must match to rtol 1e-5. One torchrun job per world size.
+``train/loss``, the logged MoE statistics (aux losses and per-layer load imbalance of the whole
+model over the micro-batches; layouts without CP or sequence parallel, where each rank routes whole
+sequences) and every parameter must match to rtol 1e-5. After the fit, ``trainer.predict`` through
+the pipeline gives every rank the logits one process computes with the final parameters (batches of
+4 rows whose last is shorter than the micro-batch count); under CP it is refused. FSDP2 reduces
+each module's gradients once per optimizer step (3 per module), not once per micro-batch or
+accumulated batch. One torchrun job per world size.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import pytest
 import torch
 
 from _harness import Launch, launch_torchrun, selected_tests
-from _pipeline_models import compare, parse
+from _pipeline_models import PipelineLM, compare, make_data, packed, parse
 
 pytestmark = pytest.mark.dist
 
@@ -67,6 +73,32 @@ def test_trainer_pipeline_equals_one_process(jobs: dict, request: pytest.Fixture
     if layout.get("cp", 1) > 1:  # each CP rank's loss is its chunks' share: their mean is the batch's
         result = {**result, "losses": _mean_per_data_rank(result["losses"])}
     compare(result, spec, dp, steps=3)  # the validation loss too, against the final reference parameters
+    check_predictions(result, spec)
+    for rank, (reductions, fsdp_modules) in enumerate(result["reductions"]):  # once per module and step
+        assert fsdp_modules > 0 and reductions == 3 * fsdp_modules, (rank, reductions, fsdp_modules)
+
+
+def check_predictions(result: dict, spec: str) -> None:
+    """Every rank's ``trainer.predict`` logits equal one process's forward with the run's final
+    parameters (rtol 1e-5), and the ranks of each data rank together cover every sample once per
+    data rank; under CP every rank refused."""
+    if parse(spec).get("cp", 1) > 1:
+        for message in result["predictions"]:
+            assert isinstance(message, str) and "predict at cp=2" in message, message
+        return
+    samples, seed = result["predict_data"]
+    data = make_data(packed(spec), num_samples=samples, seed=seed)
+    lm = PipelineLM()
+    lm.load_state_dict(result["state"], strict=False)
+    batch = torch.utils.data.default_collate([data[i] for i in range(samples)])
+    extra = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
+    with torch.no_grad():
+        want = lm.eval()(batch["input_ids"], **extra)
+    seen: list[int] = []
+    for rank, (indices, logits) in enumerate(result["predictions"]):
+        torch.testing.assert_close(logits, want[indices], rtol=1e-5, atol=1e-5, msg=lambda m, r=rank: f"rank {r}: {m}")
+        seen += indices
+    assert sorted(set(seen)) == list(range(samples)), sorted(seen)
 
 
 def _mean_per_data_rank(losses: list[tuple[int, list[float]]]) -> list[tuple[int, list[float]]]:
