@@ -92,6 +92,14 @@ def _meta_hf_model(pretrained: str | None, swap: bool, dtype: DtypeName, attn_im
         return AutoModelForCausalLM.from_config(config, **kwargs)
 
 
+def mark_experts_loaded(model: nn.Module) -> None:
+    """Mark every MoE layer's experts as loaded: a strategy's ``expert_init_seed`` leaves them."""
+    from lightning_moe.moe.utils import find_moe_layers
+
+    for _, layer in find_moe_layers(model):
+        layer.experts.seeded_or_loaded = True
+
+
 class HFMoELanguageModel(MoELanguageModelBase):
     """Causal LM training of an HF MoE model whose MoE blocks are swapped for ours.
 
@@ -145,6 +153,8 @@ class HFMoELanguageModel(MoELanguageModelBase):
             from lightning_moe.models.hf_norms import swap_rms_norms
 
             swap_rms_norms(self.model)
+        if pretrained is not None and not load_sharded:  # the swapped experts hold the checkpoint's weights
+            mark_experts_loaded(self.model)
         self.config = self.model.config
 
     @override
@@ -193,6 +203,7 @@ class HFMoELanguageModel(MoELanguageModelBase):
                 f"HFMoELanguageModel: another rank could not load its part of {self.hparams['pretrained']!r} "
                 "(its error names the tensors); every rank stops here."
             )
+        mark_experts_loaded(self.model)
 
     def _cut_into_stages(self, strategy: Any) -> None:
         """``self.model`` becomes this rank's pipeline stages of the (meta) model, as the strategy

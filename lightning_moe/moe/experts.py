@@ -95,6 +95,8 @@ class GroupedExperts(nn.Module):
         self.ffn_hidden_size = ffn_hidden_size
         self.requested_backend = backend
         self.init_std = init_std
+        # the weights were seeded per expert id or loaded from a checkpoint: seeding leaves them
+        self.seeded_or_loaded = False
         self.w13 = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * ffn_hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
         self.b13 = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden_size)) if mlp_bias else None

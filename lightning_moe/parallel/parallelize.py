@@ -405,6 +405,9 @@ def init_experts_by_id(module: nn.Module, mesh: FoldedMesh, seed: int) -> None:
 
     For meta-device (empty) init: every EP rank gets different experts, and the values do not
     depend on the layout (the same as one process drawing each expert from its own seed).
+    Experts marked ``seeded_or_loaded`` (seeded here once already, or loaded from a checkpoint:
+    a strategy set up again for ``validate`` after ``fit``, a pretrained model) keep their weights;
+    the others are marked once drawn.
     Call it on a module :func:`parallelize_moe_model` has sharded: each layer's ``num_experts`` is
     the global count there, and this rank's experts are ``num_experts // ep`` of them.
     """
@@ -412,6 +415,8 @@ def init_experts_by_id(module: nn.Module, mesh: FoldedMesh, seed: int) -> None:
     for ordinal, (_, layer) in enumerate((n, m) for n, m in module.named_modules() if isinstance(m, MoELayer)):
         index = getattr(layer, "global_moe_index", ordinal)  # a pipeline stage's layers keep the model's count
         ex = layer.experts
+        if getattr(ex, "seeded_or_loaded", False):
+            continue
         e = ex.num_experts // lay.ep
         w13_parts, w2_parts = [], []
         for g in range(mesh.rank("ep") * e, (mesh.rank("ep") + 1) * e):
@@ -431,6 +436,7 @@ def init_experts_by_id(module: nn.Module, mesh: FoldedMesh, seed: int) -> None:
                     edp, edp_rank = mesh.size("edp"), mesh.rank("edp")
                     local = local.chunk(edp, dim=1)[edp_rank]
                 target.copy_(local.to(target.dtype))
+        ex.seeded_or_loaded = True
 
 
 def parallelize_moe_model(

@@ -111,7 +111,9 @@ class FoldedMoECore:
             optional ``deep_ep`` package, and bf16).
         expert_init_seed: if set, experts are re-initialised per global expert id from this seed
             (layout-independent, every EP rank distinct); always done (seed 0 when unset) for a
-            module built on the meta device.
+            module built on the meta device. Done once per module: experts seeded already (a
+            ``validate`` or ``predict`` after ``fit``) or loaded from a checkpoint
+            (``HFMoELanguageModel(pretrained=...)``) keep their weights.
         save_distributed_checkpoint: DCP folder (sharded, reshardable) instead of one file.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks the device's default.
         timeout: collective timeout of the default process group (``init_process_group``), in

@@ -106,3 +106,45 @@ def test_module_shares_the_base_and_saves_every_init_argument() -> None:
     assert lit.val_history == [] and lit.device_mesh is None
     with pytest.raises(ValueError, match="HFMoELanguageModel: optimizer_impl='fast' is unknown"):
         HFMoELanguageModel(hf_config=TINY, optimizer_impl="fast")
+
+
+def test_expert_init_seed_keeps_pretrained_experts_and_trained_ones_on_validate(tmp_path: Path) -> None:
+    """``FoldedMoEStrategy(expert_init_seed=...)`` seeds experts it builds, never experts loaded from
+    ``pretrained``, and not again when ``validate`` sets the strategy up after ``fit``."""
+    from datetime import timedelta
+
+    import lightning as L
+
+    from lightning_moe.strategies import FoldedMoEStrategy
+
+    ref = HFMoELanguageModel(hf_config=TINY, swap=False)
+    ref.model.save_pretrained(tmp_path / "ckpt")
+    lit = HFMoELanguageModel(pretrained=str(tmp_path / "ckpt"))
+    loaded = {n: p.detach().clone() for n, p in lit.named_parameters() if ".experts." in n}
+    assert loaded and all(layer.experts.seeded_or_loaded for _, layer in find_moe_layers(lit.model))
+    ids = torch.randint(0, 64, (4, 8))
+    loader = torch.utils.data.DataLoader([{"input_ids": r, "labels": r} for r in ids], batch_size=2)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=FoldedMoEStrategy(expert_init_seed=3, timeout=timedelta(seconds=60)),
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.validate(lit, dataloaders=loader)
+    for name, want in loaded.items():  # the strategy's setup left the pretrained experts
+        torch.testing.assert_close(_local(dict(lit.named_parameters())[name]), want, rtol=0, atol=0)
+    fresh = HFMoELanguageModel(hf_config=TINY)  # experts built here: seeded on the first setup only
+    built = {n: p.detach().clone() for n, p in fresh.named_parameters() if ".experts." in n}
+    trainer.validate(fresh, dataloaders=loader)
+    seeded = {n: _local(p) for n, p in fresh.named_parameters() if ".experts." in n}
+    assert any(not torch.equal(seeded[n], built[n]) for n in built), "expert_init_seed did not seed"
+    with torch.no_grad():
+        for p in seeded.values():
+            p.add_(1.0)  # as training would change them
+    trained = {n: p.clone() for n, p in seeded.items()}
+    trainer.validate(fresh, dataloaders=loader)  # set up again: no second seeding
+    for name, want in trained.items():
+        torch.testing.assert_close(_local(dict(fresh.named_parameters())[name]), want, rtol=0, atol=0)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return (p.to_local() if hasattr(p, "to_local") else p).detach()
