@@ -151,6 +151,7 @@ def _copy_into_experts(
             std = float(base.float().std()) * noise_std
             noise = torch.randn(w.shape, generator=generator, dtype=torch.float32, device="cpu") * std
             w.add_(noise.to(device=w.device, dtype=w.dtype))
+    layer.experts.seeded_or_loaded = True  # a strategy's expert_init_seed keeps the upcycled weights
 
 
 def _init_router(layer: MoELayer, router_init: str, router_std: float, generator: torch.Generator | None) -> None:

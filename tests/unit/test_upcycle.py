@@ -151,3 +151,10 @@ def test_match_output_false_copies_down_projection_unscaled_and_output_is_k_over
     torch.testing.assert_close(layer.experts.w2.detach(), w2_expected, atol=0, rtol=0)
     x = _x()
     torch.testing.assert_close(layer(x), mlp(x) * (2 / 8), atol=1e-6, rtol=1e-5)
+
+
+def test_upcycled_experts_are_marked_so_expert_seeding_keeps_them() -> None:
+    """``init_experts_by_id`` (a strategy's ``expert_init_seed``) skips experts marked ``seeded_or_loaded``."""
+    layer = upcycle_mlp(_mlp(), 4, 2)
+    assert layer.experts.seeded_or_loaded
+    assert not MoELayer(layer.config).experts.seeded_or_loaded
