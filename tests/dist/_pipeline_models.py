@@ -2,8 +2,12 @@
 
 The model is ``_models``'s with 4 blocks (1 dense, 3 MoE), so it splits into 2 or 4 stages. A
 batch of ``BATCH`` rows runs as ``MICRO`` micro-batches; the reference is one process that runs
-the same micro-batches of each data-parallel shard one after the other, each loss scaled by
-``1 / (dp * ACCUM * MICRO)`` and the aux losses likewise: the arithmetic a pipeline must equal.
+the same micro-batches of each data-parallel shard one after the other: each micro-batch's
+cross-entropy summed over its labelled tokens and divided by ``accum`` times the labelled tokens
+of the batch over all data ranks (the token mean the product defines, whatever labels
+:class:`LabelHoles` leaves out on each rank), the aux losses scaled by ``1 / (dp * accum * micro)``,
+clipping (unless a spec turns it off) and the SGD step closing each optimizer step: the arithmetic
+a pipeline must equal. A spec's :class:`Recipe` names what its run trains on beyond the layout.
 :func:`phased_reference` runs phases of other layouts in turn (a checkpoint resumed at another
 ``pp`` and ``dp``), each with its data-parallel size and micro-batches, over one global sample
 stream and with the module's AdamW and schedule.
@@ -24,6 +28,8 @@ from _models import ACCUM, CLIP, LR, RecordingLM, TokenData, model_config
 from lightning_moe.lit import MoELanguageModel
 from lightning_moe.moe.utils import find_moe_layers, set_aux_loss_scale
 from lightning_moe.optimizer import OptimizerConfig
+from lightning_moe.parallel.fold_batch import IGNORE_INDEX
+from lightning_moe.parallel.vocab import lm_cross_entropy
 
 NUM_LAYERS, BATCH, MICRO = 4, 4, 4
 
@@ -41,68 +47,127 @@ class PackedData(TokenData):
         return {**item, "document_ids": starts.long().cumsum(0)}
 
 
-def make_data(packed: bool, **kwargs: Any) -> TokenData:
-    return PackedData(**kwargs) if packed else TokenData(**kwargs)
+class LabelHoles(torch.utils.data.Dataset):
+    """``data``'s samples with ``IGNORE_INDEX`` labels: at random positions of each sample (about
+    40 %, drawn per sample), and at every position of each sample whose index is ``FULLY_IGNORED``
+    modulo ``FULLY_IGNORED_EVERY``. The data ranks' batches then hold different labelled-token
+    counts, and a one-row micro-batch of a fully ignored sample holds none."""
+
+    HOLE_RATE, FULLY_IGNORED, FULLY_IGNORED_EVERY = 0.4, 5, 16
+
+    def __init__(self, data: TokenData) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = self.data[i]
+        g = torch.Generator().manual_seed(self.data.seed + 200_000 + i)
+        holes = torch.rand(item["labels"].shape, generator=g) < self.HOLE_RATE
+        if i % self.FULLY_IGNORED_EVERY == self.FULLY_IGNORED:
+            holes[:] = True
+        return {**item, "labels": item["labels"].masked_fill(holes, IGNORE_INDEX)}
+
+
+def make_data(packed: bool, ignore: bool = False, **kwargs: Any) -> torch.utils.data.Dataset:
+    """``TokenData`` (``PackedData`` with ``packed``), its labels holed by :class:`LabelHoles` with ``ignore``."""
+    data = PackedData(**kwargs) if packed else TokenData(**kwargs)
+    return LabelHoles(data) if ignore else data
 
 
 class PipelineLM(RecordingLM):
-    """``RecordingLM`` with 4 blocks and batches of ``BATCH`` rows (packed documents with ``packed``)."""
+    """``RecordingLM`` with 4 blocks and batches of ``BATCH`` rows (packed documents with ``packed``,
+    labels holed by :class:`LabelHoles` with ``ignore``)."""
 
-    def __init__(self, packed: bool = False) -> None:
+    def __init__(self, packed: bool = False, ignore: bool = False) -> None:
         super().__init__(model_config(num_layers=NUM_LAYERS))
-        self.packed = packed
+        self.packed, self.ignore = packed, ignore
 
-    def train_data(self) -> TokenData:
-        return make_data(self.packed)
+    def train_data(self) -> torch.utils.data.Dataset:
+        return make_data(self.packed, self.ignore)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train_data(), batch_size=BATCH, shuffle=False)
 
 
+_RECIPE_KEYS = ("accum", "packed", "clip", "ignore")
+
+
 def parse(spec: str) -> dict[str, Any]:
     """``pp=2,ep=2,schedule=1f1b,v=1,n=4`` -> strategy keyword arguments (``sp=1``:
-    ``sequence_parallel=True``; ``accum=1``, the
-    Trainer's gradient accumulation, and ``packed=1``, packed-document data, are left out: see
-    :func:`accumulation` and :func:`packed`)."""
+    ``sequence_parallel=True``; the keys of a :class:`Recipe`, ``accum``, ``packed``, ``clip`` and
+    ``ignore``, are left out: see :func:`recipe`)."""
     names = {"schedule": "pp_schedule", "v": "pp_virtual_stages", "n": "pp_microbatches", "sp": "sequence_parallel"}
     out: dict[str, Any] = {}
     for item in spec.split(","):
         key, value = item.split("=")
         if key == "sp":
             out[names[key]] = value == "1"
-        elif key not in ("accum", "packed"):
+        elif key not in _RECIPE_KEYS:
             out[names.get(key, key)] = value if key == "schedule" else int(value)
     return out
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """What a run trains on beyond its layout: ``accum`` batches per optimizer step, ``micro``
+    micro-batches per batch, packed documents, labels holed by :class:`LabelHoles` (``ignore``)
+    and the gradient-clipping norm (``clip``; 0: no clipping, so the gradients' overall scale
+    reaches the parameters)."""
+
+    accum: int = ACCUM
+    micro: int = MICRO
+    packed: bool = False
+    ignore: bool = False
+    clip: float = CLIP
+
+
+def recipe(spec: str) -> Recipe:
+    """A spec's :class:`Recipe`: ``accum=N`` (else ``ACCUM``), ``n=N`` (else ``MICRO``), ``packed=1``,
+    ``ignore=1`` and ``clip=X`` (else ``CLIP``)."""
+    items = dict(item.split("=") for item in spec.split(",") if "=" in item)  # "hf," names a model
+    return Recipe(
+        accum=int(items.get("accum", ACCUM)), micro=int(items.get("n", MICRO)), packed=items.get("packed") == "1",
+        ignore=items.get("ignore") == "1", clip=float(items.get("clip", CLIP)),
+    )  # fmt: skip
+
+
 def accumulation(spec: str) -> int:
     """``accum=N`` of a spec, else ``ACCUM``."""
-    found = [int(item.split("=")[1]) for item in spec.split(",") if item.startswith("accum=")]
-    return found[0] if found else ACCUM
+    return recipe(spec).accum
 
 
 def packed(spec: str) -> bool:
     """Whether a spec trains on packed documents (``packed=1``)."""
-    return "packed=1" in spec.split(",")
+    return recipe(spec).packed
 
 
-@functools.lru_cache(maxsize=None)
+def mean_per_data_rank(losses: list[tuple[int, list[float]]]) -> list[tuple[int, list[float]]]:
+    """One ``(dp_rank, losses)`` per data rank: the mean over the ranks that share its batches
+    (under CP each rank's loss is its chunks' share, their mean the batch's)."""
+    by_dp: dict[int, list[list[float]]] = {}
+    for dp_rank, values in losses:
+        by_dp.setdefault(dp_rank, []).append(values)
+    return [(d, torch.tensor(rows, dtype=torch.float64).mean(0).tolist()) for d, rows in sorted(by_dp.items())]
+
+
 def pipeline_reference(
-    dp: int, steps: int, accum: int = ACCUM, micro: int = MICRO, is_packed: bool = False
+    dp: int, steps: int, run: Recipe = Recipe()
 ) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
-    """``losses[batch][dp_rank]`` (each the mean of its micro-batches' losses) and the final parameters."""
-    run = _reference_run(dp, steps, accum, micro, is_packed)
-    return run[0], run[1]
+    """``losses[batch][dp_rank]`` and the final parameters. A data rank's loss is its share of the
+    batch's token mean: its micro-batches' token sums times ``dp`` over the labelled tokens of the
+    batch on every data rank (with equal counts, the mean of its micro-batches' losses)."""
+    losses, state, _ = _reference_run(dp, steps, run)
+    return losses, state
 
 
-def reference_moe_stats(
-    dp: int, steps: int, accum: int = ACCUM, micro: int = MICRO, is_packed: bool = False
-) -> list[list[dict[str, float]]]:
+def reference_moe_stats(dp: int, steps: int, run: Recipe = Recipe()) -> list[list[dict[str, float]]]:
     """``stats[batch][dp_rank]``: what one process running the batch's micro-batches logs as the
     batch's MoE statistics: ``train/<aux>`` the sum over MoE layers of each aux loss's mean over the
     micro-batches, ``load_imbalance/<layer>`` ``max/mean`` of the tokens routed to each expert summed
     over the micro-batches."""
-    return _reference_run(dp, steps, accum, micro, is_packed)[2]
+    return _reference_run(dp, steps, run)[2]
 
 
 def _batch_moe_stats(model: torch.nn.Module, per_micro: list[dict[str, torch.Tensor]], micro: int) -> dict[str, float]:
@@ -125,9 +190,19 @@ def _micro_moe_record(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return record
 
 
+def _token_sum(lm: PipelineLM, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The cross-entropy of ``batch`` summed over its labelled tokens (0, in the graph, for none)."""
+    extra = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
+    logits_BSV = lm(batch["input_ids"], **extra)
+    count = int((batch["labels"] != IGNORE_INDEX).sum())
+    if count == 0:
+        return logits_BSV.sum() * 0.0
+    return lm_cross_entropy(lm.model, logits_BSV, batch["labels"]) * count
+
+
 @functools.lru_cache(maxsize=None)
 def _reference_run(
-    dp: int, steps: int, accum: int, micro: int, is_packed: bool
+    dp: int, steps: int, run: Recipe
 ) -> tuple[list[list[float]], dict[str, torch.Tensor], list[list[dict[str, float]]]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -136,30 +211,33 @@ def _reference_run(
         lm = PipelineLM()
         model = lm.model
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-        data = make_data(is_packed)
+        data = make_data(run.packed, run.ignore)
         orders = [list(DistributedSampler(data, num_replicas=dp, rank=d, shuffle=True, seed=0)) for d in range(dp)]
-        scale = 1.0 / (dp * accum * micro)
-        set_aux_loss_scale(model, scale)
+        set_aux_loss_scale(model, 1.0 / (dp * run.accum * run.micro))
         losses: list[list[float]] = []
         stats: list[list[dict[str, float]]] = []
         for step in range(steps):
-            for part in range(accum):
+            for part in range(run.accum):
+                b = step * run.accum + part
+                batches = [
+                    torch.utils.data.default_collate([data[i] for i in orders[d][b * BATCH : (b + 1) * BATCH]])
+                    for d in range(dp)
+                ]
+                tokens = max(sum(int((x["labels"] != IGNORE_INDEX).sum()) for x in batches), 1)  # all data ranks
                 row, stats_row = [], []
-                for d in range(dp):
-                    b = step * accum + part
-                    idx = orders[d][b * BATCH : (b + 1) * BATCH]
-                    batch = torch.utils.data.default_collate([data[i] for i in idx])
+                for batch in batches:
                     total, records = 0.0, []
-                    for m in range(micro):
-                        loss = lm._lm_loss({k: v.chunk(micro)[m] for k, v in batch.items()})
+                    for m in range(run.micro):
+                        loss_sum = _token_sum(lm, {k: v.chunk(run.micro)[m] for k, v in batch.items()})
                         records.append(_micro_moe_record(model))
-                        (loss * scale).backward()
-                        total += float(loss.detach())
-                    row.append(total / micro)
-                    stats_row.append(_batch_moe_stats(model, records, micro))
+                        (loss_sum / (tokens * run.accum)).backward()
+                        total += float(loss_sum.detach())
+                    row.append(total * dp / tokens)
+                    stats_row.append(_batch_moe_stats(model, records, run.micro))
                 losses.append(row)
                 stats.append(stats_row)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            if run.clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), run.clip)
             opt.step()
             opt.zero_grad()
         return losses, {f"model.{k}": v.detach().clone() for k, v in model.named_parameters()}, stats
@@ -172,7 +250,7 @@ def compare_moe_stats(
 ) -> None:
     """Every rank's logged MoE statistics of every batch equal the one-process numbers
     (:func:`reference_moe_stats`): the same keys (every MoE layer of the model), values to ``rtol``."""
-    want_all = reference_moe_stats(dp, steps, accumulation(spec), parse(spec)["pp_microbatches"], packed(spec))
+    want_all = reference_moe_stats(dp, steps, recipe(spec))
     for rank, (dp_rank, batches) in enumerate(recorded):
         want = [row[dp_rank] for row in want_all]
         assert len(batches) == len(want), (label, rank, len(batches), len(want))
@@ -185,7 +263,7 @@ def compare_moe_stats(
             )  # fmt: skip
 
 
-def reference_val_loss(state: dict[str, torch.Tensor], data: TokenData) -> float:
+def reference_val_loss(state: dict[str, torch.Tensor], data: torch.utils.data.Dataset) -> float:
     """The mean next-token loss over every sample of ``data`` with parameters ``state`` (one forward:
     the loss of a token does not depend on the batch it is routed in)."""
     lm = PipelineLM()
@@ -199,7 +277,8 @@ def compare(result: dict, spec: str, dp: int, steps: int, rtol: float = 1e-5, la
     """Every rank's batch losses, the logged loss and the final parameters equal the reference."""
     atol = rtol / 10
     label = label or spec
-    ref_losses, ref_state = pipeline_reference(dp, steps, accumulation(spec), parse(spec)["pp_microbatches"], packed(spec))
+    run = recipe(spec)
+    ref_losses, ref_state = pipeline_reference(dp, steps, run)
     for rank, (dp_rank, losses) in enumerate(result["losses"]):
         want = [row[dp_rank] for row in ref_losses]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=rtol, atol=atol,
@@ -212,7 +291,7 @@ def compare(result: dict, spec: str, dp: int, steps: int, rtol: float = 1e-5, la
     assert set(result["state"]) == set(ref_state), (label, sorted(set(result["state"]) ^ set(ref_state)))
     if result.get("val_data") is not None:  # validation ran through the pipeline
         samples, seed = result["val_data"]
-        want = reference_val_loss(ref_state, make_data(packed(spec), num_samples=samples, seed=seed))
+        want = reference_val_loss(ref_state, make_data(run.packed, run.ignore, num_samples=samples, seed=seed))
         torch.testing.assert_close(torch.tensor(result["val_loss"]), torch.tensor(want), rtol=rtol, atol=atol,
                                    msg=lambda m: f"{label} val/loss: {m}")  # fmt: skip
     for name, want in ref_state.items():

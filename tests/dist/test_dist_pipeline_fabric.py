@@ -8,9 +8,12 @@ zbv and interleaved 1f1b over 4 stages (2 per rank); PP2 x TP2 with sequence par
 PP2 x EP2 on packed documents (``document_ids`` reach every stage); the swapped Hugging Face
 Qwen3-MoE of the Trainer's HF test (``_pipeline_hf_models``, the HF model itself given to
 ``fabric.setup``) at PP2 x EP2 with 1f1b, its validation loss through ``pipeline.eval_step``
-included. W=8: PP2 x CP2 x TP2 with EP4, the whole batch given to ``pipeline_step`` on every rank
-(the runner cuts it to this CP rank's load-balanced chunks); each CP rank's loss is its chunks'
-share, so the mean of the ranks of one data rank is compared. rtol 1e-5 against the one-process
+included; PP2 x EP2 with 1f1b without clipping on labels with holes (``clip=0,ignore=1``: the
+gradients' overall scale reaches the parameters, and the data ranks' batches hold different
+labelled-token counts, some one-row micro-batches none). W=8: PP2 x CP2 x TP2 with EP4, the whole
+batch given to ``pipeline_step`` on every rank (the runner cuts it to this CP rank's load-balanced
+chunks); each CP rank's loss is its chunks' share, so the mean of the ranks of one data rank is
+compared. rtol 1e-5 against the one-process
 reference. One torchrun job per world size.
 """
 
@@ -23,7 +26,7 @@ import torch
 
 from _harness import Launch, launch_torchrun, selected_tests
 from _pipeline_hf_models import compare_hf, hf_spec
-from _pipeline_models import compare, parse
+from _pipeline_models import compare, mean_per_data_rank, parse
 
 pytestmark = pytest.mark.dist
 
@@ -32,7 +35,7 @@ SPECS = {
     4: [
         "pp=2,ep=2,schedule=1f1b,n=4", "pp=2,ep=2,schedule=zbv,v=2,n=4", "pp=2,ep=2,schedule=interleaved_1f1b,v=2,n=4",
         "pp=2,tp=2,etp=2,sp=1,schedule=1f1b,n=4", "pp=2,ep=2,schedule=1f1b,n=4,packed=1",
-        "hf,pp=2,ep=2,schedule=1f1b,n=4",
+        "hf,pp=2,ep=2,schedule=1f1b,n=4", "pp=2,ep=2,schedule=1f1b,n=4,clip=0,ignore=1",
     ],
     8: ["pp=2,cp=2,tp=2,ep=4,schedule=1f1b,n=4"],
 }
@@ -69,13 +72,5 @@ def test_fabric_pipeline_equals_one_process(jobs: dict, request: pytest.FixtureR
         compare_hf(result, layout_spec, dp, steps=3)
         return
     if layout.get("cp", 1) > 1:  # each CP rank's loss is its chunks' share: their mean is the batch's
-        result = {**result, "losses": _mean_per_data_rank(result["losses"])}
+        result = {**result, "losses": mean_per_data_rank(result["losses"])}
     compare(result, spec, dp, steps=3, label=f"fabric {spec}")
-
-
-def _mean_per_data_rank(losses: list[tuple[int, list[float]]]) -> list[tuple[int, list[float]]]:
-    """One ``(dp_rank, losses)`` per data rank: the mean over the ranks that share its batches."""
-    by_dp: dict[int, list[list[float]]] = {}
-    for dp_rank, values in losses:
-        by_dp.setdefault(dp_rank, []).append(values)
-    return [(d, torch.tensor(rows, dtype=torch.float64).mean(0).tolist()) for d, rows in sorted(by_dp.items())]

@@ -10,12 +10,16 @@ after the pipeline's backward ran). W=4: PP2 x EP2 (dp 2) with 1f1b, interleaved
 stages (2 per rank) and the zero-bubble "V" schedules (zbv, dualpipev); PP2 x TP2 with each
 stage's experts EP2 over its two TP ranks; PP2 x EP2 on packed documents (``document_ids`` reach
 every stage, which restarts RoPE and masks attention per document); PP2 x TP2 with sequence
-parallel and ETP2 (the hidden states travel ``[b, S/2, H]`` between the stages). W=8: PP2 x CP2
-x TP2 with EP4 (each CP rank's load-balanced chunks and their global positions through every
-stage; the mean of the ranks of one data rank is compared, each CP rank logging its chunks'
-share). Every rank's logged batch losses, the logged
-``train/loss``, the logged MoE statistics (aux losses and per-layer load imbalance of the whole
-model over the micro-batches; layouts without CP or sequence parallel, where each rank routes whole
+parallel and ETP2 (the hidden states travel ``[b, S/2, H]`` between the stages); PP2 x EP2 with
+1f1b without clipping (``clip=0``: a wrong overall gradient scale, of the token loss or of the aux
+losses, reaches the parameters instead of being clipped away) on labels with holes (``ignore=1``:
+the data ranks' batches hold different counts of labelled tokens, some one-row micro-batches none,
+so each micro-batch's token sum must be divided by the labelled tokens of the whole batch over
+every data rank). W=8: PP2 x CP2 x TP2 with EP4 (each CP rank's load-balanced chunks and their
+global positions through every stage; the mean of the ranks of one data rank is compared, each CP
+rank logging its chunks' share). Every rank's logged batch losses, the logged ``train/loss``, the
+logged MoE statistics (aux losses and per-layer load imbalance of the whole model over the
+micro-batches; layouts without CP or sequence parallel, where each rank routes whole
 sequences) and every parameter must match to rtol 1e-5. After the fit, ``trainer.predict`` through
 the pipeline gives every rank the logits one process computes with the final parameters (batches of
 4 rows whose last is shorter than the micro-batch count); under CP it is refused. FSDP2 reduces
@@ -31,7 +35,7 @@ import pytest
 import torch
 
 from _harness import Launch, launch_torchrun, selected_tests
-from _pipeline_models import PipelineLM, compare, make_data, packed, parse
+from _pipeline_models import PipelineLM, compare, make_data, mean_per_data_rank, packed, parse
 
 pytestmark = pytest.mark.dist
 
@@ -41,6 +45,7 @@ SPECS = {
         "pp=2,ep=2,schedule=1f1b,n=4", "pp=2,ep=2,schedule=interleaved_1f1b,v=2,n=4", "pp=2,ep=2,schedule=zbv,v=2,n=4",
         "pp=2,ep=2,schedule=dualpipev,v=2,n=4", "pp=2,tp=2,ep=2,schedule=1f1b,n=4",
         "pp=2,ep=2,schedule=1f1b,n=4,packed=1", "pp=2,tp=2,etp=2,sp=1,schedule=1f1b,n=4",
+        "pp=2,ep=2,schedule=1f1b,n=4,clip=0,ignore=1",
     ],
     8: ["pp=2,cp=2,tp=2,ep=4,schedule=1f1b,n=4"],
 }
@@ -71,7 +76,7 @@ def test_trainer_pipeline_equals_one_process(jobs: dict, request: pytest.Fixture
     dp = world // (layout["pp"] * layout.get("tp", 1) * layout.get("cp", 1))
     assert result["val_loss"] is not None, "no validation loss was logged"
     if layout.get("cp", 1) > 1:  # each CP rank's loss is its chunks' share: their mean is the batch's
-        result = {**result, "losses": _mean_per_data_rank(result["losses"])}
+        result = {**result, "losses": mean_per_data_rank(result["losses"])}
     compare(result, spec, dp, steps=3)  # the validation loss too, against the final reference parameters
     check_predictions(result, spec)
     for rank, (reductions, fsdp_modules) in enumerate(result["reductions"]):  # once per module and step
@@ -99,14 +104,6 @@ def check_predictions(result: dict, spec: str) -> None:
         torch.testing.assert_close(logits, want[indices], rtol=1e-5, atol=1e-5, msg=lambda m, r=rank: f"rank {r}: {m}")
         seen += indices
     assert sorted(set(seen)) == list(range(samples)), sorted(seen)
-
-
-def _mean_per_data_rank(losses: list[tuple[int, list[float]]]) -> list[tuple[int, list[float]]]:
-    """One ``(dp_rank, losses)`` per data rank: the mean over the ranks that share its batches."""
-    by_dp: dict[int, list[list[float]]] = {}
-    for dp_rank, values in losses:
-        by_dp.setdefault(dp_rank, []).append(values)
-    return [(d, torch.tensor(rows, dtype=torch.float64).mean(0).tolist()) for d, rows in sorted(by_dp.items())]
 
 
 def _selected(request: pytest.FixtureRequest, world: int, spec: str) -> bool:

@@ -2,13 +2,15 @@
 
 ``python worker_pipeline_fit.py OUT_DIR SPEC...``; a spec is ``pp=2,ep=2,schedule=1f1b,v=1,n=4``
 (``_pipeline_models.parse``). Each trains ``STEPS`` optimizer steps with gradient accumulation 2
-(``accum=N`` in the spec: N; ``packed=1``: packed documents) and clipping, fp32, and a validation pass through the pipeline at the
-end. Rank 0 writes ``OUT_DIR/<spec>.pt``: every rank's (dp coordinate, logged batch losses), the logged
-``train/loss``, the validation loss, the final full parameters gathered from every stage and, where
-each rank routes whole sequences (no CP, no sequence parallel), every rank's logged MoE statistics
-of every batch (aux losses, per-layer load imbalance), and every rank's ``trainer.predict``
-output after the fit: ``(sample indices, logits)``, or under CP the refusal's message; and every
-rank's count of FSDP2 gradient reductions during the fit with its number of FSDP modules.
+and clipping, fp32 (``_pipeline_models.recipe``: ``accum=N``, N batches per step; ``packed=1``,
+packed documents; ``ignore=1``, labels with holes; ``clip=0``, no clipping), and a validation pass
+through the pipeline at the end. Rank 0 writes ``OUT_DIR/<spec>.pt``: every rank's (dp coordinate,
+logged batch losses), the logged ``train/loss``, the validation loss, the final full parameters
+gathered from every stage and, where each rank routes whole sequences (no CP, no sequence
+parallel), every rank's logged MoE statistics of every batch (aux losses, per-layer load
+imbalance), and every rank's ``trainer.predict`` output after the fit: ``(sample indices,
+logits)``, or under CP the refusal's message; and every rank's count of FSDP2 gradient reductions
+during the fit with its number of FSDP modules.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 import lightning_moe  # noqa: F401 - registers "folded_moe"
-from _models import CLIP, leave_together
-from _pipeline_models import PipelineLM, accumulation, make_data, packed, parse
+from _models import leave_together
+from _pipeline_models import PipelineLM, make_data, packed, parse, recipe
 from lightning_moe.parallel.checkpoint import gather_full_state
 from lightning_moe.strategies import FoldedMoEStrategy
 
@@ -41,8 +43,8 @@ class ValidatedLM(PipelineLM):
     """Validates at the end, and records every training batch's logged MoE statistics (aux losses,
     per-layer load imbalance)."""
 
-    def __init__(self, packed: bool = False) -> None:
-        super().__init__(packed)
+    def __init__(self, packed: bool = False, ignore: bool = False) -> None:
+        super().__init__(packed, ignore)
         self.log_layer_load = True
         self.moe_logged: list[dict[str, float]] = []
 
@@ -56,7 +58,7 @@ class ValidatedLM(PipelineLM):
         super().log(name, value, *args, **kwargs)  # type: ignore[arg-type]
 
     def val_dataloader(self) -> torch.utils.data.DataLoader:
-        data = make_data(self.packed, num_samples=VAL_DATA[0], seed=VAL_DATA[1])
+        data = make_data(self.packed, self.ignore, num_samples=VAL_DATA[0], seed=VAL_DATA[1])
         return torch.utils.data.DataLoader(data, batch_size=4)
 
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
@@ -111,12 +113,13 @@ class ReductionCount:
 
 def fit_one(spec: str, out_dir: Path, world: int) -> None:
     torch.manual_seed(0)
-    model = ValidatedLM(packed(spec))
+    run = recipe(spec)
+    model = ValidatedLM(run.packed, run.ignore)
     strategy = FoldedMoEStrategy(**parse(spec), timeout=timedelta(seconds=90))
-    accum = accumulation(spec)
+    accum = run.accum
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=accum,
-        gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        gradient_clip_val=run.clip or None, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=1.0, val_check_interval=STEPS * accum,
     )  # fmt: skip
     with ReductionCount() as reductions:
