@@ -15,6 +15,7 @@ stream and with the module's AdamW and schedule.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -25,8 +26,9 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from _models import ACCUM, CLIP, LR, RecordingLM, TokenData, model_config
+from lightning_moe.models.transformer import TransformerConfig
 from lightning_moe.lit import MoELanguageModel
-from lightning_moe.moe.utils import find_moe_layers, set_aux_loss_scale
+from lightning_moe.moe.utils import find_moe_layers, set_aux_loss_scale, update_expert_biases
 from lightning_moe.optimizer import OptimizerConfig
 from lightning_moe.parallel.fold_batch import IGNORE_INDEX
 from lightning_moe.parallel.vocab import lm_cross_entropy
@@ -76,12 +78,23 @@ def make_data(packed: bool, ignore: bool = False, **kwargs: Any) -> torch.utils.
     return LabelHoles(data) if ignore else data
 
 
+def pipeline_model_config(bias: bool = False, recompute: str = "") -> TransformerConfig:
+    """``_models``' model with 4 blocks; ``bias``: the routers' aux-loss-free expert bias, stepped
+    after every optimizer step; ``recompute``: one ``TransformerConfig.recompute`` target."""
+    config = model_config(num_layers=NUM_LAYERS)
+    if bias:
+        config.moe = dataclasses.replace(config.moe, expert_bias=True, bias_update_rate=1e-2)
+    if recompute:
+        config = dataclasses.replace(config, recompute=[recompute])
+    return config
+
+
 class PipelineLM(RecordingLM):
     """``RecordingLM`` with 4 blocks and batches of ``BATCH`` rows (packed documents with ``packed``,
-    labels holed by :class:`LabelHoles` with ``ignore``)."""
+    labels holed by :class:`LabelHoles` with ``ignore``; the model of :func:`pipeline_model_config`)."""
 
-    def __init__(self, packed: bool = False, ignore: bool = False) -> None:
-        super().__init__(model_config(num_layers=NUM_LAYERS))
+    def __init__(self, packed: bool = False, ignore: bool = False, bias: bool = False, recompute: str = "") -> None:
+        super().__init__(pipeline_model_config(bias, recompute))
         self.packed, self.ignore = packed, ignore
 
     def train_data(self) -> torch.utils.data.Dataset:
@@ -91,7 +104,7 @@ class PipelineLM(RecordingLM):
         return DataLoader(self.train_data(), batch_size=BATCH, shuffle=False)
 
 
-_RECIPE_KEYS = ("accum", "packed", "clip", "ignore")
+_RECIPE_KEYS = ("accum", "packed", "clip", "ignore", "bias", "recompute")
 
 
 def parse(spec: str) -> dict[str, Any]:
@@ -114,22 +127,25 @@ class Recipe:
     """What a run trains on beyond its layout: ``accum`` batches per optimizer step, ``micro``
     micro-batches per batch, packed documents, labels holed by :class:`LabelHoles` (``ignore``)
     and the gradient-clipping norm (``clip``; 0: no clipping, so the gradients' overall scale
-    reaches the parameters)."""
+    reaches the parameters); the model's expert bias (``bias``) and recompute target (``recompute``)."""
 
     accum: int = ACCUM
     micro: int = MICRO
     packed: bool = False
     ignore: bool = False
     clip: float = CLIP
+    bias: bool = False
+    recompute: str = ""
 
 
 def recipe(spec: str) -> Recipe:
     """A spec's :class:`Recipe`: ``accum=N`` (else ``ACCUM``), ``n=N`` (else ``MICRO``), ``packed=1``,
-    ``ignore=1`` and ``clip=X`` (else ``CLIP``)."""
+    ``ignore=1``, ``clip=X`` (else ``CLIP``), ``bias=1`` and ``recompute=<target>``."""
     items = dict(item.split("=") for item in spec.split(",") if "=" in item)  # "hf," names a model
     return Recipe(
         accum=int(items.get("accum", ACCUM)), micro=int(items.get("n", MICRO)), packed=items.get("packed") == "1",
-        ignore=items.get("ignore") == "1", clip=float(items.get("clip", CLIP)),
+        ignore=items.get("ignore") == "1", clip=float(items.get("clip", CLIP)), bias=items.get("bias") == "1",
+        recompute=items.get("recompute", ""),
     )  # fmt: skip
 
 
@@ -208,7 +224,7 @@ def _reference_run(
     torch.set_num_threads(1)
     try:
         torch.manual_seed(0)
-        lm = PipelineLM()
+        lm = PipelineLM(bias=run.bias, recompute=run.recompute)
         model = lm.model
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
         data = make_data(run.packed, run.ignore)
@@ -240,7 +256,10 @@ def _reference_run(
                 torch.nn.utils.clip_grad_norm_(model.parameters(), run.clip)
             opt.step()
             opt.zero_grad()
-        return losses, {f"model.{k}": v.detach().clone() for k, v in model.named_parameters()}, stats
+            update_expert_biases(model)  # counts of every data rank's tokens, as the strategy's group sums them
+        state = {f"model.{k}": v.detach().clone() for k, v in model.named_parameters()}
+        state |= {f"model.{k}": v.detach().clone() for k, v in model.named_buffers() if k.endswith("expert_bias")}
+        return losses, state, stats
     finally:
         torch.set_num_threads(threads)
 
@@ -263,10 +282,11 @@ def compare_moe_stats(
             )  # fmt: skip
 
 
-def reference_val_loss(state: dict[str, torch.Tensor], data: torch.utils.data.Dataset) -> float:
-    """The mean next-token loss over every sample of ``data`` with parameters ``state`` (one forward:
-    the loss of a token does not depend on the batch it is routed in)."""
-    lm = PipelineLM()
+def reference_val_loss(state: dict[str, torch.Tensor], data: torch.utils.data.Dataset, bias: bool = False) -> float:
+    """The mean next-token loss over every sample of ``data`` with parameters ``state`` (and the
+    routers' expert biases with ``bias``; one forward: the loss of a token does not depend on the
+    batch it is routed in)."""
+    lm = PipelineLM(bias=bias)
     lm.load_state_dict(state, strict=False)
     batch = torch.utils.data.default_collate([data[i] for i in range(len(data))])
     with torch.no_grad():
@@ -291,7 +311,7 @@ def compare(result: dict, spec: str, dp: int, steps: int, rtol: float = 1e-5, la
     assert set(result["state"]) == set(ref_state), (label, sorted(set(result["state"]) ^ set(ref_state)))
     if result.get("val_data") is not None:  # validation ran through the pipeline
         samples, seed = result["val_data"]
-        want = reference_val_loss(ref_state, make_data(run.packed, run.ignore, num_samples=samples, seed=seed))
+        want = reference_val_loss(ref_state, make_data(run.packed, run.ignore, num_samples=samples, seed=seed), run.bias)
         torch.testing.assert_close(torch.tensor(result["val_loss"]), torch.tensor(want), rtol=rtol, atol=atol,
                                    msg=lambda m: f"{label} val/loss: {m}")  # fmt: skip
     for name, want in ref_state.items():

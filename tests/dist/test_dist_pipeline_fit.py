@@ -7,7 +7,10 @@ reference's final parameters). The reference (``_pipeline_models``) is
 one process running the same micro-batches. W=2: PP2 with 1f1b, and gpipe over 2 micro-batches
 without accumulation (the Trainer zeroes gradients between the training step and its backward,
 after the pipeline's backward ran). W=4: PP2 x EP2 (dp 2) with 1f1b, interleaved 1f1b over 4
-stages (2 per rank) and the zero-bubble "V" schedules (zbv, dualpipev); PP2 x TP2 with each
+stages (2 per rank; with ``recompute=["moe"]``: the MoE layers' forwards run again in the
+backward, between the schedule's micro-batches) and the zero-bubble
+"V" schedules (zbv with the routers' aux-loss-free expert bias, stepped after every optimizer step
+from the tokens of both data ranks, and compared like a parameter; dualpipev); PP2 x TP2 with each
 stage's experts EP2 over its two TP ranks; PP2 x EP2 on packed documents (``document_ids`` reach
 every stage, which restarts RoPE and masks attention per document); PP2 x TP2 with sequence
 parallel and ETP2 (the hidden states travel ``[b, S/2, H]`` between the stages); PP2 x EP2 with
@@ -35,14 +38,15 @@ import pytest
 import torch
 
 from _harness import Launch, launch_torchrun, selected_tests
-from _pipeline_models import PipelineLM, compare, make_data, mean_per_data_rank, packed, parse
+from _pipeline_models import PipelineLM, compare, make_data, mean_per_data_rank, packed, parse, recipe
 
 pytestmark = pytest.mark.dist
 
 SPECS = {
     2: ["pp=2,schedule=1f1b,n=4", "pp=2,schedule=gpipe,n=2,accum=1"],
     4: [
-        "pp=2,ep=2,schedule=1f1b,n=4", "pp=2,ep=2,schedule=interleaved_1f1b,v=2,n=4", "pp=2,ep=2,schedule=zbv,v=2,n=4",
+        "pp=2,ep=2,schedule=1f1b,n=4", "pp=2,ep=2,schedule=interleaved_1f1b,v=2,n=4,recompute=moe",
+        "pp=2,ep=2,schedule=zbv,v=2,n=4,bias=1",
         "pp=2,ep=2,schedule=dualpipev,v=2,n=4", "pp=2,tp=2,ep=2,schedule=1f1b,n=4",
         "pp=2,ep=2,schedule=1f1b,n=4,packed=1", "pp=2,tp=2,etp=2,sp=1,schedule=1f1b,n=4",
         "pp=2,ep=2,schedule=1f1b,n=4,clip=0,ignore=1",
@@ -93,7 +97,7 @@ def check_predictions(result: dict, spec: str) -> None:
         return
     samples, seed = result["predict_data"]
     data = make_data(packed(spec), num_samples=samples, seed=seed)
-    lm = PipelineLM()
+    lm = PipelineLM(bias=recipe(spec).bias)
     lm.load_state_dict(result["state"], strict=False)
     batch = torch.utils.data.default_collate([data[i] for i in range(samples)])
     extra = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}

@@ -43,8 +43,8 @@ class ValidatedLM(PipelineLM):
     """Validates at the end, and records every training batch's logged MoE statistics (aux losses,
     per-layer load imbalance)."""
 
-    def __init__(self, packed: bool = False, ignore: bool = False) -> None:
-        super().__init__(packed, ignore)
+    def __init__(self, packed: bool = False, ignore: bool = False, bias: bool = False, recompute: str = "") -> None:
+        super().__init__(packed, ignore, bias, recompute)
         self.log_layer_load = True
         self.moe_logged: list[dict[str, float]] = []
 
@@ -114,7 +114,7 @@ class ReductionCount:
 def fit_one(spec: str, out_dir: Path, world: int) -> None:
     torch.manual_seed(0)
     run = recipe(spec)
-    model = ValidatedLM(run.packed, run.ignore)
+    model = ValidatedLM(run.packed, run.ignore, run.bias, run.recompute)
     strategy = FoldedMoEStrategy(**parse(spec), timeout=timedelta(seconds=90))
     accum = run.accum
     trainer = pl.Trainer(
@@ -126,6 +126,8 @@ def fit_one(spec: str, out_dir: Path, world: int) -> None:
         trainer.fit(model)
     fsdp_modules = sum(isinstance(m, FSDPModule) for m in model.model.modules())
     state = {f"model.{k}": v for k, v in gather_full_state(model.model).items()}
+    # the routers' expert biases (buffers, the same on every rank of a stage) with run.bias
+    state |= {f"model.{k}": v.detach().cpu().clone() for k, v in model.model.named_buffers() if k.endswith("expert_bias")}
     states = [None] * world
     dist.all_gather_object(states, state)
     merged = {k: v for s in states for k, v in s.items()}
