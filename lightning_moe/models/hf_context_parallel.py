@@ -16,7 +16,9 @@ no mask function for, so no ``[s, s]`` mask is made either.
 The model's forward takes ``position_ids`` (required: this rank's global positions) and, for packed
 rows, ``document_ids [B, s]``; a forward pre-hook on the model keeps both for the attention
 function (they stay until the next forward, so recomputed attention in the backward sees them)
-and passes ``document_ids`` no further. A 2-D ``attention_mask`` (padding) is refused.
+and passes ``document_ids`` no further. A 2-D ``attention_mask`` (padding) is refused. A pipeline
+rank's stages of an HF model (``models/hf_pipeline_stage.py: HFLocalStages``) count as one model
+whose pre-hook sits on each stage, the module the pipeline schedule calls with the ids.
 
 Families: :data:`CP_ATTENTION_CLASSES` (checked one by one against one process in
 ``tests/dist/test_dist_hf_context.py``); every other attention class is refused with the reason
@@ -32,6 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from lightning_moe.parallel.context import context_parallel_attention
+from lightning_moe.parallel.pipeline_stage import LocalStages
 from lightning_moe.parallel.tp_plans import is_attention_like
 
 __all__ = [
@@ -83,7 +86,21 @@ def hf_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _is_hf_model(m: nn.Module) -> bool:
-    return hasattr(getattr(m, "config", None), "_attn_implementation") and hasattr(m, "get_input_embeddings")
+    whole = hasattr(getattr(m, "config", None), "_attn_implementation") and hasattr(m, "get_input_embeddings")
+    return whole or bool(_stage_views(m))
+
+
+def _stage_views(m: nn.Module) -> list[nn.Module]:
+    """The stages of a pipeline rank's stages of an HF model (``HFLocalStages``), ``[]`` for any other module."""
+    if not isinstance(m, LocalStages):
+        return []
+    return [view for _, view in m.stages if hasattr(getattr(view, "config", None), "_attn_implementation")]
+
+
+def _config_of(root: nn.Module) -> Any:
+    """The HF config of a model, or of a rank's pipeline stages (shared by every stage)."""
+    views = _stage_views(root)
+    return views[0].config if views else root.config
 
 
 def _hf_roots(model: nn.Module) -> list[nn.Module]:
@@ -143,11 +160,11 @@ def enable_hf_context_parallel(model: nn.Module, cp_group: dist.ProcessGroup | N
         for m in root.modules():
             if is_attention_like(m):
                 m.cp_group, m._lm_sequence_ids = cp_group, ids
-        root._lm_context_parallel = (
-            root.config._attn_implementation,
-            root.register_forward_pre_hook(_take_ids_hook(ids), with_kwargs=True),
-        )
-        root.config._attn_implementation = CP_ATTENTION
+        config = _config_of(root)
+        callers = _stage_views(root) or [root]  # the modules called with the ids
+        hooks = [c.register_forward_pre_hook(_take_ids_hook(ids), with_kwargs=True) for c in callers]
+        root._lm_context_parallel = (config._attn_implementation, hooks)
+        config._attn_implementation = CP_ATTENTION
 
 
 def uses_hf_context_parallel(model: nn.Module) -> bool:
@@ -159,9 +176,10 @@ def _restore(root: nn.Module) -> None:
     state = root.__dict__.pop("_lm_context_parallel", None)
     if state is None:
         return
-    implementation, handle = state
-    handle.remove()
-    root.config._attn_implementation = implementation
+    implementation, hooks = state
+    for hook in hooks:
+        hook.remove()
+    _config_of(root)._attn_implementation = implementation
     for m in root.modules():
         if is_attention_like(m):
             m.cp_group = None

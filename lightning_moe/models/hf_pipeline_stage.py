@@ -12,13 +12,30 @@ contract: the first stage takes token ids ``[B, S]``, the others hidden states `
 last returns logits ``[B, S, V]``. :func:`cut_hf_rank_stages` gathers a pipeline rank's stages into
 an :class:`HFLocalStages`.
 
-Every stage runs what the HF decoder runs around its layers, for a plain unpadded batch: positions
-``0..S-1``, the model's own rotary embedding (``rotary_emb``, shared by every stage; no
-parameters) and the attention mask from transformers' own helpers (``create_causal_mask``, or
+Every stage runs what the HF decoder runs around its layers: the positions, the model's own rotary
+embedding (``rotary_emb``, shared by every stage; no parameters) at those positions, and the
+attention mask from transformers' own helpers (``create_causal_mask``, or
 ``create_sliding_window_causal_mask`` for sliding-window layers, per layer type where the config
 has ``layer_types``), each decoder layer then called as the HF decoder calls it
-(``layer(h, attention_mask=, position_ids=, position_embeddings=(cos, sin))``). Padding masks,
-packed documents, caches and context parallel are not carried between stages.
+(``layer(h, attention_mask=, position_ids=, position_embeddings=(cos, sin))``). Caches and padding
+masks are not carried between stages.
+
+``forward(x, position_ids=None, document_ids=None)`` takes the per-token ids ``[B, S]`` as keyword
+arguments, which the pipeline schedule splits into micro-batches and hands to every stage, and
+builds from them what the whole model builds from them at ``pp = 1``:
+
+- positions ``0..S-1`` when neither is given; ``position_ids`` when given; else the positions
+  restarting with each document of ``document_ids``;
+- packed rows (``document_ids``): the 4-D mask that keeps attention within each document, the
+  one ``HFMoELanguageModel.forward`` gives the model (``models/hf_packed.py: packed_forward_kwargs``);
+- context parallel (``models/hf_context_parallel.py``, enabled on the rank's
+  :class:`HFLocalStages`): ``position_ids`` are this rank's global positions, a forward pre-hook on
+  each stage hands them and ``document_ids`` to the context-parallel attention, and transformers
+  builds no mask for it;
+- sequence parallel (``parallel/parallelize.py``): the hidden states hold ``S/tp`` positions (the
+  first stage's embedding output is scattered along the sequence, the last stage's head input
+  gathered) while the ids, the rotary tables and the mask cover all ``S`` positions; the attention
+  and dense MLPs gather their input along the sequence.
 
 Parameter names follow :class:`TransformerStage` (``embed.weight``, ``layers.3.self_attn.q_proj.weight``,
 ``norm.weight``, ``lm_head.weight``); :func:`hf_parameter_name` maps them to the HF model's
@@ -26,7 +43,8 @@ Parameter names follow :class:`TransformerStage` (``embed.weight``, ``layers.3.s
 ``lm_head.weight``).
 
 Only families whose decoder forward is exactly that recipe are cut (:data:`MASK_RULES`, checked
-against the installed transformers); the others are refused with the reason
+against the installed transformers; :data:`MASKS_WITHOUT_POSITIONS`: those whose decoder builds
+its masks without the position ids); the others are refused with the reason
 (:func:`check_hf_pipeline_model`): tied embeddings, hybrid linear-attention or state-space layers,
 vision-language wrappers, scaled embeddings or logits, and families not checked.
 """
@@ -39,10 +57,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from lightning_moe.data.packing import position_ids_from_document_ids
+from lightning_moe.models.hf_packed import packed_forward_kwargs
 from lightning_moe.moe.layer import MoELayer
 from lightning_moe.parallel.pipeline_stage import LocalStages, TransformerStage, check_stage_range
 
 __all__ = [
+    "MASKS_WITHOUT_POSITIONS",
     "MASK_RULES",
     "REFUSED_FAMILIES",
     "HFLocalStages",
@@ -72,6 +93,10 @@ MASK_RULES: dict[str, str] = {
     "dots1": "layer_types",
     "gpt_oss": "layer_types",
 }
+
+# families whose decoder builds its masks without position_ids (positions restarting mid-row then
+# mark no packed sequences in the mask, as they do for the other families)
+MASKS_WITHOUT_POSITIONS = frozenset({"qwen2_moe", "dots1", "gpt_oss"})
 
 _HYBRID = (
     "its decoder mixes attention with linear-attention or state-space layers, whose per-layer state, "
@@ -150,6 +175,35 @@ def _rotary_tables(rotary_emb: nn.Module, seq_len: int, device: torch.device) ->
     return rotary_emb(x, torch.arange(seq_len, device=device).unsqueeze(0))
 
 
+def _rotary_at(
+    rotary_emb: nn.Module, position_ids_BS: torch.Tensor | None, document_ids_BS: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The HF rotary embedding's fp32 ``(cos, sin)`` at ``position_ids_BS``, or at the positions
+    restarting with each document of ``document_ids_BS``."""
+    positions_BS = _positions(position_ids_BS, document_ids_BS)
+    return rotary_emb(torch.zeros(1, 1, 1, device=positions_BS.device), positions_BS)
+
+
+def _positions(position_ids_BS: torch.Tensor | None, document_ids_BS: torch.Tensor | None) -> torch.Tensor:
+    if position_ids_BS is not None:
+        return position_ids_BS
+    if document_ids_BS is None:
+        raise ValueError("HFTransformerStage: pass position_ids or document_ids for the positions of the tokens.")
+    return position_ids_from_document_ids(document_ids_BS)
+
+
+class _MaskSource:
+    """What ``packed_forward_kwargs`` reads of a model: its config, and its embedding's dtype (the
+    dtype of the additive mask that eager attention takes)."""
+
+    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+        self.config = config
+        self.weight = torch.empty(0, dtype=dtype)
+
+    def get_input_embeddings(self) -> _MaskSource:
+        return self
+
+
 class HFTransformerStage(TransformerStage):
     """A :class:`TransformerStage` of HF decoder layers: the embedding (first stage), a contiguous
     run of decoder layers, the norm and head (last stage), and the model's rotary embedding."""
@@ -164,37 +218,69 @@ class HFTransformerStage(TransformerStage):
         norm: nn.Module | None = None,
         lm_head: nn.Module | None = None,
     ) -> None:
-        super().__init__(blocks, functools.partial(_rotary_tables, rotary_emb), embed=embed, norm=norm, lm_head=lm_head)
+        super().__init__(
+            blocks, functools.partial(_rotary_tables, rotary_emb), embed=embed, norm=norm, lm_head=lm_head,
+            rope_positions=functools.partial(_rotary_at, rotary_emb),
+        )  # fmt: skip
         self.rotary_emb = rotary_emb
         self.config = config
         self.mask_rule = mask_rule
 
-    def _masks(self, h_BSH: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
-        """The attention mask of each layer type of this stage, as the HF decoder builds it."""
+    def _kind(self, index: str) -> str:
+        """The mask key of layer ``index``: its layer type under the ``layer_types`` rule, else ``all``."""
+        return self.config.layer_types[int(index)] if self.mask_rule == "layer_types" else "all"
+
+    def _sliding(self) -> bool:
+        return self.mask_rule == "sliding_if_set" and getattr(self.config, "sliding_window", None) is not None
+
+    def _masks(self, h_BsH: torch.Tensor, position_ids_BS: torch.Tensor) -> dict[str, Any]:
+        """The attention mask of each layer type of this stage, as the HF decoder builds it for the
+        whole sequence of ``position_ids_BS`` (``h_BsH`` may hold ``S/tp`` of its positions)."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        kwargs = dict(
-            config=self.config, inputs_embeds=h_BSH, attention_mask=None, cache=None, position_ids=position_ids
-        )
+        # the helpers read the batch size, the query length, the dtype and the device of the embeddings
+        whole_BS0 = h_BsH.new_empty(h_BsH.shape[0], position_ids_BS.shape[-1], 0)
+        positions = None if getattr(self.config, "model_type", None) in MASKS_WITHOUT_POSITIONS else position_ids_BS
+        kwargs = dict(config=self.config, inputs_embeds=whole_BS0, attention_mask=None, cache=None, position_ids=positions)
         if self.mask_rule == "layer_types":
-            types = {self.config.layer_types[int(i)] for i in self.layers}
             makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-            return {t: makers[t](**kwargs) for t in types}
-        sliding = self.mask_rule == "sliding_if_set" and getattr(self.config, "sliding_window", None) is not None
-        return {"all": (create_sliding_window_causal_mask if sliding else create_causal_mask)(**kwargs)}
+            return {t: makers[t](**kwargs) for t in {self._kind(i) for i in self.layers}}
+        return {"all": (create_sliding_window_causal_mask if self._sliding() else create_causal_mask)(**kwargs)}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h_BSH = self.embed(x) if self.embed is not None else x
-        position_ids = torch.arange(h_BSH.shape[1], device=h_BSH.device).unsqueeze(0)
-        cos_sin = self.rotary_emb(h_BSH, position_ids)
-        masks = self._masks(h_BSH, position_ids)
+    def _packed_masks(
+        self, h_BsH: torch.Tensor, position_ids_BS: torch.Tensor | None, document_ids_BS: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The positions and the per-layer-type masks that keep attention within each document, as
+        ``HFMoELanguageModel.forward`` builds them for the whole model (``packed_forward_kwargs``;
+        the document ids stand in for the token ids, of which it checks only the shape)."""
+        source = _MaskSource(self.config, h_BsH.dtype)
+        packed = packed_forward_kwargs(source, document_ids_BS, document_ids_BS, position_ids_BS)  # type: ignore[arg-type]
+        mask = packed["attention_mask"]
+        if not isinstance(mask, dict):
+            return packed["position_ids"], {self._kind(i): mask for i in self.layers}
+        if self.mask_rule != "layer_types":
+            mask = {"all": mask["sliding_attention" if self._sliding() else "full_attention"]}
+        return packed["position_ids"], mask
+
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h_BsH = self.embed(x) if self.embed is not None else x  # s = S/tp under sequence parallel
+        if document_ids is not None:
+            position_ids, masks = self._packed_masks(h_BsH, position_ids, document_ids)
+        else:
+            if position_ids is None:
+                position_ids = torch.arange(h_BsH.shape[1], device=h_BsH.device).unsqueeze(0)
+            masks = self._masks(h_BsH, position_ids)
+        cos_sin = self.rotary_emb(h_BsH, position_ids)
         for index, layer in self.layers.items():
-            kind = self.config.layer_types[int(index)] if self.mask_rule == "layer_types" else "all"
-            out = layer(h_BSH, attention_mask=masks[kind], position_ids=position_ids, position_embeddings=cos_sin)
-            h_BSH = out[0] if isinstance(out, tuple) else out
+            out = layer(
+                h_BsH, attention_mask=masks[self._kind(index)], position_ids=position_ids, position_embeddings=cos_sin
+            )
+            h_BsH = out[0] if isinstance(out, tuple) else out
         if self.lm_head is None:
-            return h_BSH
-        return self.lm_head(self.norm(h_BSH))
+            return h_BsH
+        return self.lm_head(self.norm(h_BsH))
 
 
 def build_hf_stage(hf_model: nn.Module, layers: range, num_layers: int) -> HFTransformerStage:

@@ -16,8 +16,9 @@ Stages of :func:`parallelize_moe_model` (collectives named with their group):
    ``sequence_parallel`` (``parallel/sequence.py``): the residual stream, the norms and the MoE
    layers hold ``S/tp`` positions; the embedding output is scattered along the sequence,
    all-gather(TP) before attention and the dense MLP, reduce-scatter(TP) after ``o_proj`` and
-   ``down_proj``, all-gather before the head (a pipeline rank's ``LocalStages``: the scatter on the
-   first stage's rank, the gather on the last's; the hidden states travel between stages sharded). Norm, router and shared-expert weights are
+   ``down_proj``, all-gather before the head (a pipeline rank's ``LocalStages``, of an MoETransformer
+   or an HF model: the scatter after the embedding on the first stage's rank, the gather on the
+   last's; the hidden states travel between stages sharded). Norm, router and shared-expert weights are
    ``Replicate`` DTensors whose gradients are summed over TP. ``vocab_parallel``
    (``parallel/vocab.py``): the embedding rows and the head's vocabulary split over TP.
 3. EP over ``ep`` (+ETP over ``etp``) on every :class:`MoELayer`: ``w13``/``w2`` are cut to this
@@ -74,6 +75,7 @@ __all__ = [
     "applied_expert_grad_scale",
     "check_dispatcher",
     "check_model_for_layout",
+    "check_sequence_parallel_attention",
     "init_experts_by_id",
     "parallelize_moe_model",
     "shard_expert_biases",
@@ -170,7 +172,8 @@ def _check_sequence_vocab(
     if not (sequence_parallel or vocab_parallel):
         return
     root = _transformer_parts(module)
-    if root is None and not (sequence_parallel and not vocab_parallel and _hf_decoder_parts(module) is not None):
+    hf = _hf_decoder_parts(module) is not None or _hf_stages(module) is not None
+    if root is None and not (sequence_parallel and not vocab_parallel and hf):
         raise ValueError(
             f"parallelize_moe_model: sequence_parallel needs an MoETransformer-shaped model (embed, layers of blocks "
             "with attn_norm/attn/ffn_norm/ffn, norm, lm_head) or a Hugging Face causal LM (model.embed_tokens, "
@@ -216,13 +219,7 @@ def check_model_for_layout(
     if layout.tp > 1:
         check_tp_plans(module, layout.tp)
         if sequence_parallel:
-            for name, m, plan in tp_targets(module):
-                reason = sequence_parallel_refusal(plan) if isinstance(plan, AttentionPlan) else None
-                if reason is not None:
-                    raise ValueError(
-                        f"FoldedMoEStrategy: sequence_parallel=True is not supported with {name} "
-                        f"({type(m).__name__}): {reason}. Set sequence_parallel=False for this model."
-                    )
+            check_sequence_parallel_attention(module)
     if layout.etp > 1 and not sequence_parallel:  # with it, every rank routes its own tokens
         for group in layout.groups("etp"):
             if not set(group) <= set(layout.group_of("tp", group[0])):
@@ -236,6 +233,18 @@ def check_model_for_layout(
             f"FoldedMoEStrategy: {type(module).__name__} holds parameters directly; FSDP would leave them "
             "unreduced. Move them into a submodule."
         )
+
+
+def check_sequence_parallel_attention(module: nn.Module, owner: str = "FoldedMoEStrategy") -> None:
+    """``ValueError`` naming the first attention module under ``module`` whose class sequence parallel
+    cannot take (``tp_plans.sequence_parallel_refusal``: e.g. multi-head latent attention)."""
+    for name, m, plan in tp_targets(module):
+        reason = sequence_parallel_refusal(plan) if isinstance(plan, AttentionPlan) else None
+        if reason is not None:
+            raise ValueError(
+                f"{owner}: sequence_parallel=True is not supported with {name} ({type(m).__name__}): {reason}. "
+                "Set sequence_parallel=False for this model."
+            )
 
 
 def _apply_tp(module: nn.Module, mesh: FoldedMesh, *, sequence_parallel: bool = False, vocab_parallel: bool = False) -> None:
@@ -256,6 +265,10 @@ def _apply_tp(module: nn.Module, mesh: FoldedMesh, *, sequence_parallel: bool = 
         root = _transformer_parts(module)
         if root is not None:
             _apply_sequence_and_vocab(root, mesh, sequence_parallel, vocab_parallel)
+            return
+        stages = _hf_stages(module)
+        if stages is not None:
+            _apply_hf_stages_sequence(stages, mesh)
             return
         hf_parts = _hf_decoder_parts(module)
         assert hf_parts is not None  # checked by check_model_for_layout
@@ -291,6 +304,14 @@ def _hf_decoder_parts(module: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     return None
 
 
+def _hf_stages(module: nn.Module) -> LocalStages | None:
+    """A pipeline rank's stages of a Hugging Face causal LM under ``module`` (a :class:`LocalStages`
+    whose blocks are not MoETransformer blocks), or ``None``."""
+    if _transformer_parts(module) is not None:
+        return None
+    return next((m for m in module.modules() if isinstance(m, LocalStages)), None)
+
+
 def _scatter_first_input(group: Any, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
     if args:
         return (scatter_to_sequence(args[0], group), *args[1:]), kwargs
@@ -303,13 +324,36 @@ def _apply_hf_sequence(decoder: nn.Module, lm_head: nn.Module, mesh: FoldedMesh)
     TP and the head's input all-gathered, so the residual stream between them, the norms and the MoE
     layers hold ``S/tp`` positions. Modules of a decoder layer outside the TP-cut attention and MLPs
     (the norms; an MoE layer's router and shared expert) get their gradients summed over TP."""
-    tp_mesh, tp_group = mesh.mesh("tp"), mesh.group("tp")
-    sequence_group = mesh.group("tp_cp") if mesh.size("cp") > 1 else tp_group
+    tp_group = mesh.group("tp")
     decoder.layers[0].register_forward_pre_hook(functools.partial(_scatter_first_input, tp_group), with_kwargs=True)
     lm_head.register_forward_pre_hook(functools.partial(_gather_input, tp_group))
-    sum_grads_over_tp(decoder.norm, tp_mesh)
-    cut = {id(m) for _, m, _ in tp_targets(decoder)}
-    for block in decoder.layers:
+    _sum_hf_sequence_grads(decoder, decoder.norm, list(decoder.layers), mesh)
+
+
+def _apply_hf_stages_sequence(stages: LocalStages, mesh: FoldedMesh) -> None:
+    """Sequence parallel for a pipeline rank's HF stages: the first stage's embedding output is
+    scattered along the sequence over TP (each stage builds its rotary tables and mask for the whole
+    sequence from the ids it is given) and the last stage's head input all-gathered; the gradients
+    summed over TP as for the whole model (:func:`_apply_hf_sequence`)."""
+    tp_group = mesh.group("tp")
+    if stages.embed is not None:
+        stages.embed.register_forward_hook(functools.partial(_scatter_output, tp_group))
+    if stages.lm_head is not None:
+        stages.lm_head.register_forward_pre_hook(functools.partial(_gather_input, tp_group))
+    _sum_hf_sequence_grads(stages, stages.norm, list(stages.layers.values()), mesh)
+
+
+def _sum_hf_sequence_grads(
+    module: nn.Module, norm: nn.Module | None, blocks: list[nn.Module], mesh: FoldedMesh
+) -> None:
+    """The final ``norm`` and each decoder layer's modules outside the TP-cut attention and MLPs of
+    ``module`` get their gradients summed over TP (:func:`_sum_sequence_grads`)."""
+    tp_mesh = mesh.mesh("tp")
+    sequence_group = mesh.group("tp_cp") if mesh.size("cp") > 1 else mesh.group("tp")
+    if norm is not None:
+        sum_grads_over_tp(norm, tp_mesh)
+    cut = {id(m) for _, m, _ in tp_targets(module)}
+    for block in blocks:
         _sum_sequence_grads(block, cut, tp_mesh, sequence_group)
 
 

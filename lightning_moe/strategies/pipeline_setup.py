@@ -11,9 +11,9 @@ Stages, in the order a strategy runs them:
    their global positions, and the hidden states travel sharded along the sequence over TP);
 2. :func:`check_pipeline_model` and :func:`check_pipeline_batch` (``setup_environment``, before any
    process group): the module holds an ``MoETransformer``-shaped model, or a Hugging Face causal
-   LM of a family that can be cut (``strategies/pipeline_hf.py``; its stages take no per-token
-   ids, so not under context or sequence parallel), whose blocks split evenly into ``pp * v`` stages, without
-   tied embeddings; the data module's batch divides into ``n``;
+   LM of a family that can be cut (``strategies/pipeline_hf.py``; under context or sequence parallel
+   also one that ``pp = 1`` takes with them), whose blocks split evenly into ``pp * v`` stages,
+   without tied embeddings; the data module's batch divides into ``n``;
 3. :func:`check_pipeline_callbacks` (Trainer ``setup``): callbacks that act on the whole model in
    one forward (``supports_pipeline_parallel = False``) are refused;
 4. :func:`cut_for_pipeline` (module setup, before ``parallelize``): the transformer is replaced by
@@ -40,11 +40,14 @@ from lightning_moe.parallel.pipeline import (
     split_layers,
     stage_indices,
 )
+from lightning_moe.parallel.parallelize import check_sequence_parallel_attention
 from lightning_moe.parallel.pipeline_stage import LocalStages, cut_rank_stages
 from lightning_moe.strategies.pipeline_hf import cut_hf_for_pipeline, find_hf_causal_lm, hf_layer_count
+from lightning_moe.strategies.sharding import check_model_for_context_parallel
 
 __all__ = [
     "PipelineOptions",
+    "check_hf_sharded_sequences",
     "check_pipeline_batch",
     "check_pipeline_callbacks",
     "check_pipeline_combination",
@@ -145,8 +148,9 @@ def check_pipeline_model(
     owner: str, options: PipelineOptions, module: nn.Module, *, cp: int = 1, sequence_parallel: bool = False
 ) -> None:
     """The module can be cut into ``pp * v`` stages: an MoETransformer-shaped model whose blocks
-    split evenly, embeddings not tied (a Hugging Face causal LM: not under ``cp > 1`` or
-    ``sequence_parallel``). ``ValueError`` naming the fix; nothing at ``pp = 1``."""
+    split evenly, embeddings not tied (a Hugging Face causal LM: also the ``pp = 1`` checks of
+    ``cp > 1`` and ``sequence_parallel``, :func:`check_hf_sharded_sequences`). ``ValueError``
+    naming the fix (``TypeError`` for attention context parallel cannot wrap); nothing at ``pp = 1``."""
     if options.pp == 1 or cut_stages_of(module) is not None:  # cut already: by configure_model or an earlier fit
         return
     _, model = find_transformer(module)
@@ -159,15 +163,8 @@ def check_pipeline_model(
             "pp=1."
         )
     if hf is not None:
-        for name, value, on in (("cp", cp, cp != 1), ("sequence_parallel", sequence_parallel, sequence_parallel)):
-            if on:
-                fix = "cp=1" if name == "cp" else "sequence_parallel=False"
-                raise ValueError(
-                    f"{owner}: {name}={value} with pp={options.pp} cuts a Hugging Face causal LM "
-                    f"({type(hf).__name__}), whose stages do not carry the per-token positions that sharded "
-                    f"sequences need; set {fix}, use MoELanguageModel, or set pp=1."
-                )
         _check_split(owner, options, hf_layer_count(owner, hf, options.pp))
+        check_hf_sharded_sequences(owner, hf, cp, sequence_parallel)
         return
     if getattr(model.config, "tie_embeddings", False):
         raise ValueError(
@@ -175,6 +172,17 @@ def check_pipeline_model(
             f"stages at pp={options.pp}; set tie_embeddings=False in the model config, or pp=1."
         )
     _check_split(owner, options, len(model.layers))
+
+
+def check_hf_sharded_sequences(owner: str, hf: nn.Module, cp: int, sequence_parallel: bool) -> None:
+    """The checks ``pp = 1`` makes of a Hugging Face causal LM under context and sequence parallel,
+    made on the whole model before it is cut: its stages carry this rank's positions and document
+    ids, so a family ``pp = 1`` takes with ``cp > 1`` or ``sequence_parallel`` runs at ``pp > 1``
+    too, and one it refuses (gpt-oss's attention sinks under CP, DeepSeek's multi-head latent
+    attention under sequence parallel) is refused with the same reason."""
+    check_model_for_context_parallel(owner, hf, cp)
+    if sequence_parallel:
+        check_sequence_parallel_attention(hf, owner)
 
 
 def _check_split(owner: str, options: PipelineOptions, num_layers: int) -> None:

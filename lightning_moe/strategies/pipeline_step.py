@@ -14,8 +14,8 @@ A :class:`PipelineRunner` belongs to a strategy at ``pp > 1``; the training step
    this CP rank's load-balanced chunks with their global ``position_ids`` (as at ``pp = 1``); the batch's ``position_ids`` and
    ``document_ids`` (packed documents) go to the schedule as keyword arguments, which torch's
    schedules split into micro-batches and hand to every stage (positional arguments reach only the
-   first), so each stage builds its RoPE and document mask as the whole model would (stages of a
-   Hugging Face model take no per-token ids: packed batches are refused for them);
+   first), so each stage builds its RoPE and document mask as the whole model would (a Hugging
+   Face model's stages too: ``models/hf_pipeline_stage.py``);
 2. the loss normalisation: the labelled tokens of the whole batch, summed over the loss group
    (``dp_cp``, one all-reduce); each micro-batch's loss is its token sum times
    ``ranks / tokens / accumulate``, so the sum of the micro-batch gradients, averaged by FSDP over
@@ -87,7 +87,7 @@ class PipelineRunner:
         hidden_size: ``H`` of the activations sent between stages.
         sequence_shards: ``tp`` under sequence parallel (the hidden states between stages hold
             ``S/tp`` positions, and every stage gets ``position_ids``, ``0..S-1`` when the batch
-            has none, to build its RoPE for the whole sequence), else 1.
+            has neither them nor ``document_ids``, to build its RoPE for the whole sequence), else 1.
         context: the CP group, size and this rank's coordinate (``cp > 1``: each batch is cut to
             this rank's load-balanced chunks with their global ``position_ids`` first,
             ``fold_batch.shard_batch``, and the stages' attention runs over the CP group).
@@ -246,9 +246,9 @@ class PipelineRunner:
         ids_kw = {k: batch[k] for k in _PACKED_KEYS if batch.get(k) is not None}
         if ids_kw and not self.takes_ids:
             raise ValueError(
-                f"{self.owner}: the batch holds {next(iter(ids_kw))!r} (packed documents), which the stages of this "
-                f"model (a Hugging Face causal LM) do not carry at pp={self.options.pp}; pack without document ids, "
-                "use MoELanguageModel, or set pp=1."
+                f"{self.owner}: the batch holds {next(iter(ids_kw))!r} (packed documents), which these stages, built "
+                f"without rope_positions, do not carry at pp={self.options.pp}; cut the model with cut_rank_stages "
+                "(or the strategy), pack without document ids, or set pp=1."
             )
         for key, value in ids_kw.items():
             if tuple(value.shape) != tuple(ids_BS.shape):
@@ -261,14 +261,14 @@ class PipelineRunner:
         B, S = ids_BS.shape
         if self.sequence_shards > 1:
             check_sequence_length(S, self.sequence_shards, owner=self.owner)
-            if "position_ids" not in ids_kw:  # the stages see S/tp positions of the hidden states
+            if not ids_kw:  # the stages see S/tp positions of the hidden states (documents: their own positions)
                 ids_kw["position_ids"] = torch.arange(S, device=ids_BS.device).expand(B, S)
         return ids_BS, labels_BS, ids_kw
 
     @property
     def takes_ids(self) -> bool:
         """Whether this rank's stages take ``position_ids`` / ``document_ids`` (``TransformerStage``
-        built with ``rope_positions``; a Hugging Face model's stages do not)."""
+        built with ``rope_positions``, as ``cut_rank_stages`` and a Hugging Face model's stages are)."""
         return all(getattr(view, "rope_positions", None) is not None for _, view in self.stages.stages)
 
     def _loss(self, logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:

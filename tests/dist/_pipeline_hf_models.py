@@ -18,8 +18,8 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from _models import CLIP, LR, VOCAB, TokenData
-from _pipeline_models import BATCH, accumulation, parse
+from _models import CLIP, LR, VOCAB
+from _pipeline_models import BATCH, accumulation, make_data, packed, parse
 from lightning_moe.lit_hf import HFMoELanguageModel
 from lightning_moe.models.hf_pipeline_stage import HFLocalStages, hf_parameter_name
 from lightning_moe.parallel.checkpoint import gather_full_state
@@ -32,15 +32,17 @@ HF_CONFIG: dict[str, Any] = dict(
     bos_token_id=0, eos_token_id=1, pad_token_id=2,
 )  # fmt: skip
 MOE = {"aux_loss": "switch", "aux_loss_coeff": 0.01, "z_loss_coeff": 1e-3, "experts_backend": "torch"}
-VAL = (8, 7)  # validation TokenData(num_samples, seed)
+VAL = (8, 7)  # validation data (num_samples, seed)
 
 
 class HFRecordingLM(HFMoELanguageModel):
-    """The tiny Qwen3-MoE with SGD and every batch loss recorded, batches of ``BATCH`` rows."""
+    """The tiny Qwen3-MoE with SGD and every batch loss recorded, batches of ``BATCH`` rows (packed
+    documents, training and validation, with ``packed``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, packed: bool = False) -> None:
         super().__init__(hf_config=dict(HF_CONFIG), moe=dict(MOE), log_layer_load=False)
         self.recorded: list[float] = []
+        self.packed = packed
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
@@ -51,10 +53,10 @@ class HFRecordingLM(HFMoELanguageModel):
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(TokenData(), batch_size=BATCH, shuffle=False)
+        return DataLoader(make_data(self.packed), batch_size=BATCH, shuffle=False)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(TokenData(num_samples=VAL[0], seed=VAL[1]), batch_size=BATCH)
+        return DataLoader(make_data(self.packed, num_samples=VAL[0], seed=VAL[1]), batch_size=BATCH)
 
 
 HF_PREFIX = "hf,"  # a spec of the Fabric pipeline test that trains this model: "hf,pp=2,ep=2,..."
@@ -76,13 +78,15 @@ def model_names(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @functools.lru_cache(maxsize=None)
-def hf_reference(dp: int, steps: int, accum: int, micro: int) -> tuple[list[list[float]], dict[str, torch.Tensor], float]:
+def hf_reference(
+    dp: int, steps: int, accum: int, micro: int, is_packed: bool = False
+) -> tuple[list[list[float]], dict[str, torch.Tensor], float]:
     """``losses[batch][dp_rank]``, the final parameters (HF names) and the final validation loss."""
     torch.manual_seed(0)
     lm = HFRecordingLM()
     model = lm.model
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    data = TokenData()
+    data = make_data(is_packed)
     orders = [list(DistributedSampler(data, num_replicas=dp, rank=d, shuffle=True, seed=0)) for d in range(dp)]
     scale = 1.0 / (dp * accum * micro)
     set_aux_loss_scale(model, scale)
@@ -95,8 +99,8 @@ def hf_reference(dp: int, steps: int, accum: int, micro: int) -> tuple[list[list
                 idx = orders[d][b * BATCH : (b + 1) * BATCH]
                 batch = torch.utils.data.default_collate([data[i] for i in idx])
                 total = 0.0
-                for ids, labels in zip(batch["input_ids"].chunk(micro), batch["labels"].chunk(micro)):
-                    loss = lm._lm_loss({"input_ids": ids, "labels": labels})
+                for m in range(micro):
+                    loss = lm._lm_loss({k: v.chunk(micro)[m] for k, v in batch.items()})
                     (loss * scale).backward()
                     total += float(loss.detach())
                 row.append(total / micro)
@@ -104,7 +108,7 @@ def hf_reference(dp: int, steps: int, accum: int, micro: int) -> tuple[list[list
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
-    val_data = TokenData(num_samples=VAL[0], seed=VAL[1])
+    val_data = make_data(is_packed, num_samples=VAL[0], seed=VAL[1])
     with torch.no_grad():
         val = float(lm._lm_loss(torch.utils.data.default_collate([val_data[i] for i in range(len(val_data))])))
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}, val
@@ -113,7 +117,9 @@ def hf_reference(dp: int, steps: int, accum: int, micro: int) -> tuple[list[list
 def compare_hf(result: dict, spec: str, dp: int, steps: int, rtol: float = 1e-5) -> None:
     """Every rank's batch losses, the logged and validation losses and the final parameters equal the reference."""
     atol = rtol / 10
-    ref_losses, ref_state, ref_val = hf_reference(dp, steps, accumulation(spec), parse(spec)["pp_microbatches"])
+    ref_losses, ref_state, ref_val = hf_reference(
+        dp, steps, accumulation(spec), parse(spec)["pp_microbatches"], packed(spec)
+    )
     for rank, (dp_rank, losses) in enumerate(result["losses"]):
         want = [row[dp_rank] for row in ref_losses]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=rtol, atol=atol,

@@ -2,37 +2,63 @@
 
 ``worker_pipeline_hf_fit.py`` trains a tiny random Qwen3-MoE (4 MoE decoder layers; switch aux loss
 and z-loss; ``_pipeline_hf_models``) for 3 optimizer steps with gradient accumulation 2 and gradient
-clipping, fp32, batches of 4 rows as 4 micro-batches, then validates through the pipeline. W=4:
-PP2 x EP2 (dp 2) with 1f1b, the model cut into two stages of two HF decoder layers
-(``models/hf_pipeline_stage.py``). Every rank's logged batch losses, the logged ``train/loss``, the
-validation loss and every parameter (stage names mapped to the HF model's) must match the
-one-process reference to rtol 1e-5. W=2: the model built on ``meta`` (PP2), whose stages must get
-the rotary frequencies back after materialisation; DCP checkpoints at PP2 (``worker_pipeline_hf_ckpt.py``)
-resume bitwise at pp=2, load at pp=1 and back (saved under the HF model's names), and export to an
-HF directory holding the final parameters.
+clipping, fp32, batches of 4 rows as 4 micro-batches, then validates through the pipeline. W=4, in
+one job, each with 1f1b and the model cut into two stages of two HF decoder layers
+(``models/hf_pipeline_stage.py``): PP2 x EP2 (dp 2); PP2 x TP2 with sequence parallel and ETP2
+(the first stage scatters its embedding output along the sequence, the hidden states travel
+``[b, S/2, H]`` between the stages, the last stage gathers them before the head); PP2 x CP2 (each
+CP rank's load-balanced chunks with their global ``position_ids`` reach every stage, whose
+attention runs over the CP group; the mean of the CP ranks' losses is compared, each logging its
+chunks' share); PP2 x EP2 on packed documents (``document_ids`` reach every stage, which restarts
+the rotary positions and masks attention per document, in training and validation). Every rank's
+logged batch losses, the logged ``train/loss``, the validation loss and every parameter (stage
+names mapped to the HF model's) must match the one-process reference to rtol 1e-5. W=2: the model
+built on ``meta`` (PP2), whose stages must get the rotary frequencies back after materialisation;
+DCP checkpoints at PP2 (``worker_pipeline_hf_ckpt.py``) resume bitwise at pp=2, load at pp=1 and
+back (saved under the HF model's names), and export to an HF directory holding the final
+parameters.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from _harness import launch_torchrun
+from _harness import Launch, launch_torchrun, selected_tests
 from _pipeline_hf_models import MOE, compare_hf
+from _pipeline_models import mean_per_data_rank, parse
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("transformers")
 
-SPEC = "pp=2,ep=2,schedule=1f1b,n=4"
+SPECS = [
+    "pp=2,ep=2,schedule=1f1b,n=4", "pp=2,tp=2,etp=2,sp=1,schedule=1f1b,n=4", "pp=2,cp=2,schedule=1f1b,n=4",
+    "pp=2,ep=2,schedule=1f1b,n=4,packed=1",
+]  # fmt: skip
 
 
-def test_trainer_hf_pipeline_equals_one_process(tmp_path) -> None:
-    job = launch_torchrun("worker_pipeline_hf_fit.py", 4, [str(tmp_path), SPEC], timeout=570)
-    if f"DONE {SPEC}" not in job.output:
-        pytest.fail(f"worker_pipeline_hf_fit {SPEC!r} did not finish:\n{job.failure() or job.output[-6000:]}", pytrace=False)
-    result = torch.load(tmp_path / f"{SPEC}.pt")
+@pytest.fixture(scope="module")
+def w4_job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Launch]:
+    """One W=4 job for the selected layouts (tests chosen by node id run only theirs)."""
+    chosen = {item.nodeid for item in selected_tests(request.config)}
+    selected = [s for s in SPECS if any(f"[{s}]" in node for node in chosen)] or SPECS
+    out = tmp_path_factory.mktemp("pipeline_hf_fit")
+    return out, launch_torchrun("worker_pipeline_hf_fit.py", 4, [str(out), *selected], timeout=570)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=SPECS)
+def test_trainer_hf_pipeline_equals_one_process(w4_job: tuple[Path, Launch], spec: str) -> None:
+    out, job = w4_job
+    if f"DONE {spec}" not in job.output:
+        pytest.fail(f"worker_pipeline_hf_fit {spec!r} did not finish:\n{job.failure() or job.output[-6000:]}", pytrace=False)
+    result = torch.load(out / f"{spec}.pt")
     assert result["val_loss"] is not None, "no validation loss was logged"
-    compare_hf(result, SPEC, dp=2, steps=3)
+    layout = parse(spec)
+    if layout.get("cp", 1) > 1:  # each CP rank's loss is its chunks' share: their mean is the batch's
+        result = {**result, "losses": mean_per_data_rank(result["losses"])}
+    compare_hf(result, spec, dp=4 // (layout["pp"] * layout.get("tp", 1) * layout.get("cp", 1)), steps=3)
 
 
 def test_trainer_hf_pipeline_of_a_meta_built_model_restores_the_rotary_frequencies(tmp_path) -> None:

@@ -1,8 +1,8 @@
 """Worker: Trainer.fit of a swapped Hugging Face Qwen3-MoE with FoldedMoEStrategy at pp > 1.
 
 ``python worker_pipeline_hf_fit.py OUT_DIR SPEC...``; a spec is ``pp=2,ep=2,schedule=1f1b,n=4``
-(``_pipeline_models.parse``). Each trains ``STEPS`` optimizer steps with gradient accumulation 2 and
-clipping, fp32, then validates through the pipeline. Rank 0 writes ``OUT_DIR/<spec>.pt``: every
+(``_pipeline_models.parse``; ``packed=1``: packed-document data). Each trains ``STEPS`` optimizer
+steps with gradient accumulation 2 and clipping, fp32, then validates through the pipeline. Rank 0 writes ``OUT_DIR/<spec>.pt``: every
 rank's (dp coordinate, logged batch losses), the logged ``train/loss``, the validation loss and the
 final parameters of every stage under the HF model's names. A spec ending in ``,meta`` builds the
 model on ``meta`` instead and trains one step (:func:`fit_meta`).
@@ -22,7 +22,7 @@ import torch.distributed as dist
 import lightning_moe  # noqa: F401 - registers "folded_moe"
 from _models import CLIP, leave_together
 from _pipeline_hf_models import HFRecordingLM, model_names
-from _pipeline_models import accumulation, parse
+from _pipeline_models import accumulation, packed, parse
 from lightning_moe.strategies import FoldedMoEStrategy
 
 STEPS = 3
@@ -32,7 +32,7 @@ def fit_one(spec: str, out_dir: Path, world: int) -> None:
     if spec.endswith(",meta"):
         return fit_meta(spec.removesuffix(",meta"), out_dir, world)
     torch.manual_seed(0)
-    model = HFRecordingLM()
+    model = HFRecordingLM(packed=packed(spec))
     strategy = FoldedMoEStrategy(**parse(spec), timeout=timedelta(seconds=90))
     accum = accumulation(spec)
     trainer = pl.Trainer(

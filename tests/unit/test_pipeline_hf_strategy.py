@@ -1,12 +1,13 @@
 """Pipeline parallel of a swapped Hugging Face MoE model in the folded strategies, in one process.
 
 A tiny random Qwen3-MoE ``HFMoELanguageModel`` (4 decoder layers, untied embeddings): the strategy's
-model check accepts it at pp=2 and refuses an uneven split, tied embeddings and a module holding
-no model, each with the strategy's name; the cut puts this rank's ``HFLocalStages`` where the HF
-model was (its ``model`` attribute, or the stages themselves for Fabric); stages materialised from
-``meta`` get the rotary frequencies a fresh model computes; ``num_active_params`` counts a rank's
-stages; checkpoint names of the stages map to the whole model's (model and optimizer entries), and
-the export maps stage names back too (the exported model equals the one exported uncut).
+model check accepts it at pp=2 (also under cp=2 and sequence parallel, which its stages carry) and
+refuses an uneven split, tied embeddings and a module holding no model, each with the strategy's
+name; the cut puts this rank's ``HFLocalStages`` where the HF model was (its ``model`` attribute, or
+the stages themselves for Fabric); stages materialised from ``meta`` get the rotary frequencies a
+fresh model computes; ``num_active_params`` counts a rank's stages; checkpoint names of the stages
+map to the whole model's (model and optimizer entries), and the export maps stage names back too
+(the exported model equals the one exported uncut).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def _lm(**changes: Any) -> HFMoELanguageModel:
 def test_model_check_accepts_a_cuttable_hf_model_and_refuses_the_rest() -> None:
     strategy = FoldedMoEStrategy(pp=2)
     strategy.check_pipeline_model(_lm())
+    FoldedMoEStrategy(pp=2, cp=2).check_pipeline_model(_lm())
+    FoldedMoEStrategy(pp=2, tp=2, sequence_parallel=True).check_pipeline_model(_lm())
     with pytest.raises(ValueError, match="FoldedMoEStrategy: num_layers=3 does not split evenly into 2 stages"):
         strategy.check_pipeline_model(_lm(num_hidden_layers=3))
     with pytest.raises(ValueError, match=r"FoldedMoEStrategy: cannot cut a qwen3_moe model .*tie_word_embeddings=True"):

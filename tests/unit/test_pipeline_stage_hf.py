@@ -5,9 +5,12 @@ sequence, eager attention), DeepSeek-V3 (MLA, a dense first layer, grouped sigmo
 and gpt-oss (sliding-window and full-attention layers, window shorter than the sequence) are built
 here (nothing is downloaded), their MoE blocks swapped as ``HFMoELanguageModel`` does, and cut into
 2 and 4 stages and two uneven splits. Running the stages one after the other gives the model's
-logits and every parameter gradient bitwise; a stage's parameter names map onto the model's; a
-rank's stages built on ``meta`` load their slice of the model's state dict; the families that
-cannot be cut are refused with the reason.
+logits and every parameter gradient bitwise, also with per-token ids passed to every stage (packed
+documents: the model's packed forward; position ids restarting mid-row: the model's forward with
+them); a stage's parameter names map onto the model's; a rank's stages built on ``meta`` load
+their slice of the model's state dict; context parallel on a rank's stages hooks each stage (a call
+without positions refused) and turns back; the families that cannot be cut are refused with the
+reason.
 """
 
 from __future__ import annotations
@@ -119,6 +122,69 @@ def test_chained_stages_equal_the_model_logits_and_gradients(name: str, split: s
     assert sorted(got_grads) == sorted(want_grads)
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, atol=0, rtol=0, msg=name)
+
+
+def _packed_ids(ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Document ids starting a document at random tokens, and the positions restarting with each."""
+    from lightning_moe.data.packing import position_ids_from_document_ids
+
+    starts = torch.rand(ids_BS.shape, generator=torch.Generator().manual_seed(5)) < 0.2
+    starts[:, 0] = False
+    documents_BS = starts.long().cumsum(1)
+    return documents_BS, position_ids_from_document_ids(documents_BS)
+
+
+@pytest.mark.parametrize("ids", ["documents", "positions"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral_sliding_eager", "gpt_oss", "deepseek_v3"])
+def test_chained_stages_given_per_token_ids_equal_the_model_given_them(name: str, ids: str) -> None:
+    from lightning_moe.models.hf_packed import packed_forward_kwargs
+
+    model = _model(name)
+    documents_BS, positions_BS = _packed_ids(_ids())
+    if ids == "documents":  # what HFMoELanguageModel.forward gives the model for packed rows
+        stage_kw: dict[str, torch.Tensor] = {"document_ids": documents_BS}
+        model_kw = lambda ids_BS: packed_forward_kwargs(model, ids_BS, documents_BS)  # noqa: E731
+    else:
+        stage_kw = {"position_ids": positions_BS}
+        model_kw = lambda ids_BS: {"position_ids": positions_BS}  # noqa: E731
+    want_logits, want_grads = _logits_and_grads(model, lambda i: model(input_ids=i, use_cache=False, **model_kw(i)).logits)
+    plain, _ = _logits_and_grads(model, lambda i: model(input_ids=i, use_cache=False).logits)
+    assert (plain - want_logits).abs().max() > 1e-5, "the ids do not change the logits: a weak test"
+    stages = [build_hf_stage(model, r, LAYERS) for r in SPLITS["uneven"]]
+
+    def run(ids_BS: torch.Tensor) -> torch.Tensor:
+        x = ids_BS
+        for stage in stages:
+            x = stage(x, **stage_kw)
+        return x
+
+    got_logits, got_grads = _logits_and_grads(model, run)
+    torch.testing.assert_close(got_logits, want_logits, atol=0, rtol=0)
+    assert sorted(got_grads) == sorted(want_grads)
+    for key, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[key], grad, atol=0, rtol=0, msg=key)
+
+
+def test_context_parallel_on_a_ranks_stages_hooks_each_stage_and_turns_back(fake_world: Any) -> None:
+    import torch.distributed as dist
+
+    from lightning_moe.models.context_parallel import enable_context_parallel
+    from lightning_moe.models.hf_context_parallel import CP_ATTENTION, uses_hf_context_parallel
+
+    fake_world(0, 1)
+    model = _model("qwen3_moe")
+    holder = nn.Module()
+    holder.model = cut_hf_rank_stages(model, SPLITS["4"], (1, 3))
+    enable_context_parallel(holder, dist.group.WORLD)
+    assert uses_hf_context_parallel(holder) and model.config._attn_implementation == CP_ATTENTION
+    views = [view for _, view in holder.model.stages]
+    assert all(len(view._forward_pre_hooks) == 1 for view in views)
+    for view in views:
+        with pytest.raises(ValueError, match="under context parallelism pass position_ids"):
+            view(torch.zeros(2, 8, 32), document_ids=torch.zeros(2, 8, dtype=torch.long))
+    enable_context_parallel(holder, None)
+    assert not uses_hf_context_parallel(holder) and model.config._attn_implementation == "sdpa"
+    assert all(not view._forward_pre_hooks for view in views)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
