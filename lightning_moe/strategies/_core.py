@@ -60,6 +60,7 @@ from lightning_moe.strategies.pipeline_setup import (
     check_pipeline_batch,
     check_pipeline_combination,
     check_pipeline_model,
+    check_pipeline_overlap,
     cut_for_pipeline,
     cut_stages_of,
     find_transformer,
@@ -102,6 +103,12 @@ class FoldedMoECore:
             the schedule's minimum, ``pp * pp_virtual_stages``.
         pp_virtual_stages: stages per rank; ``None`` is the schedule's count (1; 2 for the
             interleaved and "V" schedules).
+        pp_overlap_expert_comm: in the schedule's steady state, run one micro-batch's forward and
+            another's backward taking turns at their expert all-to-alls, so one's all-to-all is in
+            flight while the other computes (``parallel/pipeline_overlap.py``); the numbers are
+            those without it. Needs ``pp_schedule="dualpipev"`` (the schedule whose torch class has
+            overlapped forward+backward actions), ``ep > 1`` and ``dispatcher`` ``"alltoall"`` or
+            ``"alltoall_dedup"``; refused otherwise at construction.
         dp: data-parallel degree of the dense layers, ``"auto"`` = ``W/(tp*cp*pp)``.
         edp: data-parallel degree of the experts, ``"auto"`` = ``W/(etp*ep*pp)``.
         order: rank order, fastest first (Megatron-Core's ``RankGenerator``), e.g. ``"tp-cp-ep-dp-pp"``.
@@ -151,6 +158,7 @@ class FoldedMoECore:
         pp_schedule: str = "1f1b",
         pp_microbatches: int | None = None,
         pp_virtual_stages: int | None = None,
+        pp_overlap_expert_comm: bool = False,
         dp: Degree = "auto",
         edp: Degree = "auto",
         order: str = "tp-cp-ep-dp-pp",
@@ -167,7 +175,10 @@ class FoldedMoECore:
     ) -> None:
         check_args(type(self).__name__, tp, cp, ep, etp, pp, dp, edp, order, dispatcher)
         check_parallel_options(type(self).__name__, tp, sequence_parallel, vocab_parallel)
-        self.pipeline_options = pipeline_options(type(self).__name__, pp, pp_schedule, pp_microbatches, pp_virtual_stages)
+        self.pipeline_options = pipeline_options(
+            type(self).__name__, pp, pp_schedule, pp_microbatches, pp_virtual_stages, pp_overlap_expert_comm
+        )
+        check_pipeline_overlap(type(self).__name__, self.pipeline_options, ep, dispatcher)
         check_pipeline_combination(type(self).__name__, self.pipeline_options, cp, sequence_parallel, vocab_parallel)
         self.rank_liveness_timeout_s = check_liveness_timeout(type(self).__name__, rank_liveness_timeout_s)
         check_nonfinite_options(type(self).__name__, guard_nonfinite, skip_nonfinite)

@@ -6,7 +6,10 @@ Stages, in the order a strategy runs them:
 
 1. :func:`pipeline_options` (constructor, no world size): ``pp_schedule`` known and offered by this
    torch with ``pp_virtual_stages`` per rank, ``pp_microbatches`` enough for it
-   (``parallel/pipeline.py``); :func:`check_pipeline_combination`: at ``pp > 1`` vocab parallel is
+   (``parallel/pipeline.py``); ``pp_overlap_expert_comm`` only for a schedule that overlaps one
+   micro-batch's forward with another's backward in this torch, at ``pp > 1`` and ``ep > 1`` with
+   an all-to-all dispatcher (:func:`check_pipeline_overlap`, ``parallel/pipeline_overlap.py``);
+   :func:`check_pipeline_combination`: at ``pp > 1`` vocab parallel is
    refused (context and sequence parallel are not: each stage gets this CP rank's chunks with
    their global positions, and the hidden states travel sharded along the sequence over TP);
 2. :func:`check_pipeline_model` and :func:`check_pipeline_batch` (``setup_environment``, before any
@@ -41,6 +44,7 @@ from lightning_moe.parallel.pipeline import (
     stage_indices,
 )
 from lightning_moe.parallel.parallelize import check_sequence_parallel_attention
+from lightning_moe.parallel.pipeline_overlap import check_overlap_schedule
 from lightning_moe.parallel.pipeline_stage import LocalStages, cut_rank_stages
 from lightning_moe.strategies.pipeline_hf import cut_hf_for_pipeline, find_hf_causal_lm, hf_layer_count
 from lightning_moe.strategies.sharding import check_model_for_context_parallel
@@ -52,6 +56,7 @@ __all__ = [
     "check_pipeline_callbacks",
     "check_pipeline_combination",
     "check_pipeline_model",
+    "check_pipeline_overlap",
     "check_pipeline_trainer",
     "cut_for_pipeline",
     "cut_stages_of",
@@ -62,12 +67,14 @@ __all__ = [
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    """A checked pipeline plan: degree, schedule name, micro-batches per batch, stages per rank."""
+    """A checked pipeline plan: degree, schedule name, micro-batches per batch, stages per rank, and
+    whether one micro-batch's expert all-to-all overlaps another's compute."""
 
     pp: int
     schedule: str
     microbatches: int
     virtual_stages: int
+    overlap_expert_comm: bool = False
 
     @property
     def stages(self) -> int:
@@ -81,10 +88,12 @@ class PipelineOptions:
 
 
 def pipeline_options(
-    owner: str, pp: int, schedule: str, microbatches: int | None, virtual_stages: int | None
+    owner: str, pp: int, schedule: str, microbatches: int | None, virtual_stages: int | None,
+    overlap_expert_comm: bool = False,
 ) -> PipelineOptions:
     """The checked options; ``None`` micro-batches is ``pp * v`` and ``None`` virtual stages is the
-    schedule's own count (2 for ``interleaved_1f1b``). Raises ``ValueError`` naming the fix."""
+    schedule's own count (2 for ``interleaved_1f1b``). Raises ``ValueError`` naming the fix.
+    ``overlap_expert_comm`` is kept as given (:func:`check_pipeline_overlap` checks it)."""
     if not isinstance(schedule, str) or schedule not in SCHEDULES:
         raise ValueError(f"{owner}: pp_schedule={schedule!r} is unknown; choose one of {sorted(SCHEDULES)}.")
     for name, value in (("pp_microbatches", microbatches), ("pp_virtual_stages", virtual_stages)):
@@ -92,7 +101,7 @@ def pipeline_options(
             raise ValueError(f"{owner}: {name}={value!r} must be a positive int or None (the schedule's minimum).")
     v = virtual_stages if virtual_stages is not None else (SCHEDULES[schedule].virtual_stages or 2)
     if not isinstance(pp, int) or pp < 1:
-        return PipelineOptions(1, schedule, microbatches or 1, v)  # the degree's own check names it
+        return PipelineOptions(1, schedule, microbatches or 1, v, overlap_expert_comm)  # the degree's own check names it
     n = microbatches if microbatches is not None else pp * v
     if pp > 1:
         try:
@@ -100,7 +109,37 @@ def pipeline_options(
             check_microbatches(schedule, n, pp, v)
         except ValueError as error:
             raise _reworded(owner, f"pp_schedule={schedule!r}, pp_microbatches={n}", error) from None
-    return PipelineOptions(pp, schedule, n, v)
+    return PipelineOptions(pp, schedule, n, v, overlap_expert_comm)
+
+
+_OVERLAP_DISPATCHERS = ("alltoall", "alltoall_dedup")
+
+
+def check_pipeline_overlap(owner: str, options: PipelineOptions, ep: int, dispatcher: str) -> None:
+    """``pp_overlap_expert_comm=True`` needs ``pp > 1``, a schedule that overlaps a forward with a
+    backward in this torch, ``ep > 1`` (an all-to-all to overlap) and an all-to-all dispatcher."""
+    value = options.overlap_expert_comm
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}: pp_overlap_expert_comm={value!r} must be a bool; pass True or False.")
+    if not value:
+        return
+    if options.pp == 1:
+        raise ValueError(
+            f"{owner}: pp_overlap_expert_comm=True with pp=1: without pipeline stages there is no other micro-batch "
+            "to overlap; set pp > 1 with pp_schedule='dualpipev', or pp_overlap_expert_comm=False."
+        )
+    check_overlap_schedule(owner, options.schedule)
+    if ep == 1:
+        raise ValueError(
+            f"{owner}: pp_overlap_expert_comm=True with ep=1: the experts are local, so there is no all-to-all to "
+            "overlap; set ep > 1, or pp_overlap_expert_comm=False."
+        )
+    if dispatcher not in _OVERLAP_DISPATCHERS:
+        raise ValueError(
+            f"{owner}: pp_overlap_expert_comm=True with dispatcher={dispatcher!r}: only the all-to-all dispatchers "
+            f"{list(_OVERLAP_DISPATCHERS)} overlap their communication; choose one of them, or "
+            "pp_overlap_expert_comm=False."
+        )
 
 
 def _reworded(owner: str, options: str, error: ValueError) -> ValueError:

@@ -28,7 +28,9 @@ A :class:`PipelineRunner` belongs to a strategy at ``pp > 1``; the training step
    shape-inference forward through the MoE layers; the
    zero-bubble schedules compute weight gradients with the input gradients, see ``_SPLIT``; FSDP
    reduces each stage's gradients once, in its last micro-batch's backward, and not at all on an
-   accumulating batch: ``parallel/pipeline_sync.py``);
+   accumulating batch: ``parallel/pipeline_sync.py``; with ``pp_overlap_expert_comm`` the
+   schedule's overlapped forward+backward actions take turns at the MoE layers' all-to-alls,
+   ``parallel/pipeline_overlap.py``);
    validation: each micro-batch forward through the stages in order (:meth:`_forward_only`);
 4. the loss to log: the sum of the micro-batch losses times ``accumulate`` (the batch's
    token-mean share of this data rank), broadcast over the pp group from the rank holding the
@@ -46,10 +48,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_moe.moe.dispatch.turns import CommTurns
 from lightning_moe.moe.utils import set_aux_loss_scale
 from lightning_moe.parallel.fold_batch import IGNORE_INDEX, ContextParallel, shard_batch
 from lightning_moe.parallel.pipeline import stage_indices
 from lightning_moe.parallel.pipeline_moe_stats import PipelineMoEStats, StepMoEStats
+from lightning_moe.parallel.pipeline_overlap import attach_comm_turns
 from lightning_moe.parallel.pipeline_schedule import build_schedule
 from lightning_moe.parallel.pipeline_stage import LocalStages
 from lightning_moe.parallel.sequence import check_sequence_length
@@ -117,6 +121,9 @@ class PipelineRunner:
         self._schedules: dict[tuple[int, ...], Any] = {}
         self._scale = 1.0
         self._moe_stats = PipelineMoEStats(stages.stages, stages, pp_group, device)
+        self._turns = CommTurns() if options.overlap_expert_comm else None
+        if self._turns is not None:  # the MoE layers' all-to-alls take turns in overlapped actions
+            attach_comm_turns(stages, self._turns)
 
     @property
     def holds_first(self) -> bool:
@@ -299,7 +306,8 @@ class PipelineRunner:
                     )
                 )  # fmt: skip
             schedule = build_schedule(
-                self.options.schedule, stages, self.options.microbatches, self._loss, scale_grads=False
+                self.options.schedule, stages, self.options.microbatches, self._loss, scale_grads=False,
+                turns=self._turns,
             )
             self._schedules[key] = (schedule, stages)
         return self._schedules[key]

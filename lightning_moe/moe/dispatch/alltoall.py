@@ -39,6 +39,11 @@ same inverse regroup, reverse all-to-all and gather-sum as the activation-dtype 
 ``etp_sequence_parallel`` the FP8 rows are all-gathered over ETP packed
 (``fp8_rows.gather_expert_fp8_rows``), the placeholder's gradient reduce-scattered back.
 
+Overlap (``comm_turns`` set, by a pipeline whose schedule overlaps one micro-batch's forward with
+another's backward): the row all-to-alls of stages 4 (dispatch) and 3 (combine), FP8 rows
+included, and their backward's, are issued asynchronously and the turn handed to the other
+micro-batch while they are in flight (``moe/dispatch/turns.py``).
+
 The dispatcher holds only its groups; it is not an ``nn.Module``.
 """
 
@@ -54,6 +59,7 @@ from torch.distributed import ProcessGroup
 from lightning_moe.moe.dispatch.base import DispatchedTokens, DispatcherCapabilities, fp8_rows_of, row_weights
 from lightning_moe.moe.dispatch.comm import ExpertRowsLayout, all_to_all_rows, check_etp_sequence_parallel, exchange_rows
 from lightning_moe.moe.dispatch.ep import ExpertParallelDispatcher
+from lightning_moe.moe.dispatch.turns import CommTurns
 from lightning_moe.moe.dispatch.etp_rows import collect_from_etp, share_over_etp
 from lightning_moe.moe.dispatch.fp8_rows import (
     dispatch_fp8_rows,
@@ -87,15 +93,16 @@ class _AllToAllRoute:
     regroup_R: torch.Tensor
     unregroup_R: torch.Tensor
     group: ProcessGroup
+    turns: CommTurns | None = None
 
     def send(self, q_TH: Any) -> Any:
         packed_NB = pack_rows(q_TH, self.perm.src_token_R)
-        packed_MB = exchange_rows(packed_NB, self.recv_splits, self.send_splits, self.group)
+        packed_MB = exchange_rows(packed_NB, self.recv_splits, self.send_splits, self.group, self.turns)
         return gather_rows(unpack_rows(packed_MB, q_TH.data.shape[-1], (q_TH.recipe, q_TH.fmt, False)), self.regroup_R)
 
     def send_back(self, grad_RH: torch.Tensor) -> torch.Tensor:
         grad_MH = grad_RH.index_select(0, self.unregroup_R)
-        grad_NH = exchange_rows(grad_MH, self.send_splits, self.recv_splits, self.group)
+        grad_NH = exchange_rows(grad_MH, self.send_splits, self.recv_splits, self.group, self.turns)
         return unpermute_sum(grad_NH, self.perm)  # the gradient of permute_rows
 
 
@@ -113,10 +120,12 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
             ``w2`` partial outputs reduce-scattered back, instead of all-reduced.
 
     Capabilities: FP8 rows (``fp8_rows``: quantized once, one all-to-all for data and scales).
+    ``comm_turns``: set by a pipeline that overlaps micro-batches (module docstring).
     """
 
     capabilities = DispatcherCapabilities(carries_fp8_rows=True)
     fp8_rows = None  # (recipe, fmt, pow2_scales) when the layer's FP8 experts take FP8 rows
+    comm_turns: CommTurns | None = None
 
     def __init__(
         self,
@@ -155,11 +164,11 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         unregroup_R[regroup_R] = torch.arange(regroup_R.numel(), device=regroup_R.device)
         x_fp8 = None
         if spec is not None:
-            route = _AllToAllRoute(perm, send_splits, recv_splits, regroup_R, unregroup_R, self.ep_group)
+            route = _AllToAllRoute(perm, send_splits, recv_splits, regroup_R, unregroup_R, self.ep_group, self.comm_turns)
             x_RH, x_fp8 = dispatch_fp8_rows(x_TH, route, spec)
         else:
             x_NH = permute_rows(x_TH, perm)
-            x_RH = all_to_all_rows(x_NH, recv_splits, send_splits, self.ep_group)
+            x_RH = all_to_all_rows(x_NH, recv_splits, send_splits, self.ep_group, self.comm_turns)
             x_RH = reorder_rows(x_RH, regroup_R, unregroup_R)
         w_R = reorder_rows(w_R, regroup_R, unregroup_R)
         tokens_per_expert_e = recv_Pe.sum(0)
@@ -172,7 +181,7 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
     def combine(self, y_RH: torch.Tensor, handle: AllToAllHandle, weighted: bool) -> torch.Tensor:
         y_RH = collect_from_etp(y_RH, handle.etp_rows, self.etp_group)
         y_RH = reorder_rows(y_RH, handle.unregroup_R, handle.regroup_R)
-        y_NH = all_to_all_rows(y_RH, handle.send_splits, handle.recv_splits, self.ep_group)
+        y_NH = all_to_all_rows(y_RH, handle.send_splits, handle.recv_splits, self.ep_group, self.comm_turns)
         weights_TK = handle.topk_weights_TK if weighted else None
         return unpermute_sum(y_NH, handle.perm, weights_TK)
 

@@ -23,6 +23,11 @@ reduce-scatter(ETP) of the row-parallel ``w2`` partial outputs back to the rows'
 ``copy_to_group``/``reduce_from_group`` are Megatron's "copy to / reduce from the tensor-parallel
 region": the first marks an input every rank of the group holds identically (its gradient is a
 partial sum per rank), the second sums partial outputs.
+
+``exchange_rows`` and ``all_to_all_rows`` take ``turns`` (a :class:`~lightning_moe.moe.dispatch.turns.CommTurns`,
+``None`` by default): the all-to-all (and, for ``all_to_all_rows``, its backward's) is issued
+asynchronously and the turn handed to the other side of an overlapped pipeline action before this
+side waits for it (``moe/dispatch/turns.py``); without ``turns`` it completes before returning.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from lightning_moe.moe.dispatch.turns import CommTurns
 from lightning_moe.ops.permute import reorder_rows
 
 __all__ = [
@@ -49,36 +55,48 @@ __all__ = [
 ]
 
 
-def exchange_rows(x_RH: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup) -> torch.Tensor:
+def exchange_rows(
+    x_RH: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup, turns: CommTurns | None = None
+) -> torch.Tensor:
     """Uneven all-to-all of rows, no autograd: ``in_splits[j]`` rows to rank j, ``out_splits[j]`` from it."""
-    return _a2a(x_RH, out_splits, in_splits, group)
+    return _a2a(x_RH, out_splits, in_splits, group, turns)
 
 
-def _a2a(x_RH: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup) -> torch.Tensor:
+def _a2a(
+    x_RH: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup, turns: CommTurns | None = None
+) -> torch.Tensor:
     x_RH = x_RH.contiguous()
     out = x_RH.new_empty((sum(out_splits), *x_RH.shape[1:]))
-    dist.all_to_all_single(out, x_RH, out_splits, in_splits, group=group)
+    if turns is None:
+        dist.all_to_all_single(out, x_RH, out_splits, in_splits, group=group)
+        return out
+    work = dist.all_to_all_single(out, x_RH, out_splits, in_splits, group=group, async_op=True)
+    turns.hand_over()  # the other side of an overlapped pipeline action computes meanwhile
+    work.wait()
     return out
 
 
 class _AllToAllRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_RH: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup):  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx, x_RH: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup,
+        turns: CommTurns | None,
+    ):  # fmt: skip
         ctx.splits = (out_splits, in_splits)
-        ctx.group = group
-        return _a2a(x_RH, out_splits, in_splits, group)
+        ctx.group, ctx.turns = group, turns
+        return _a2a(x_RH, out_splits, in_splits, group, turns)
 
     @staticmethod
     def backward(ctx, grad_RH: torch.Tensor):  # type: ignore[override]
         out_splits, in_splits = ctx.splits
-        return _a2a(grad_RH, in_splits, out_splits, ctx.group), None, None, None
+        return _a2a(grad_RH, in_splits, out_splits, ctx.group, ctx.turns), None, None, None, None
 
 
 def all_to_all_rows(
-    x_RH: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup
+    x_RH: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup, turns: CommTurns | None = None
 ) -> torch.Tensor:
     """Send ``in_splits[j]`` leading rows to rank j of ``group``, receive ``out_splits[j]`` from it."""
-    return _AllToAllRows.apply(x_RH, out_splits, in_splits, group)
+    return _AllToAllRows.apply(x_RH, out_splits, in_splits, group, turns)
 
 
 class _CopyToGroup(torch.autograd.Function):

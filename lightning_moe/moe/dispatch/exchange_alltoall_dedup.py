@@ -21,6 +21,12 @@ into the source tokens (in fp32 at least). The backward calls are the same two m
 ``dispatch_fp8``: the same exchange for FP8 rows: stage 4 sends each row's FP8 data and fp32
 scales packed in one ``uint8`` row (``moe/dispatch/fp8_rows.py``), so a row costs ``H + 4`` bytes
 (rowwise) or ``H + 4 ceil(H/128)`` (blockwise) instead of ``2 H`` in bfloat16.
+
+Overlap (``comm_turns`` set, by a pipeline whose schedule overlaps one micro-batch's forward with
+another's backward): the all-to-alls of the rows (dispatch, combine and their mirrored backward
+calls; not the counts, whose sizes go to the host, nor the small routing columns) are issued
+asynchronously and the turn handed to the other micro-batch while they are in flight
+(``moe/dispatch/turns.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_moe.moe.dispatch.comm import exchange_rows
 from lightning_moe.moe.dispatch.fp8_rows import pack_rows, unpack_rows
+from lightning_moe.moe.dispatch.turns import CommTurns
 
 __all__ = ["AllToAllTokenExchange"]
 
@@ -52,6 +59,7 @@ class AllToAllTokenExchange:
     takes_any_expert_count = True
     needs_bf16 = False
     carries_fp8_rows = True
+    comm_turns: CommTurns | None = None  # set by a pipeline that overlaps micro-batches (module docstring)
 
     def __init__(self, group: ProcessGroup) -> None:
         self.group = group
@@ -77,7 +85,7 @@ class AllToAllTokenExchange:
         local_NK = torch.where(here_NK, ids_NK % e, -1)
         meta_dtype = torch.promote_types(w_TK.dtype, torch.float32)
         meta_NK2 = torch.cat([local_NK.to(meta_dtype), w_TK[send_N].to(meta_dtype)], dim=1)
-        x_MH = exchange_rows(x_TH[send_N], recv_splits, send_splits, self.group)
+        x_MH = exchange_rows(x_TH[send_N], recv_splits, send_splits, self.group, self.comm_turns)
         meta_MK2 = exchange_rows(meta_NK2, recv_splits, send_splits, self.group)
         ids_MK = meta_MK2[:, :K].long()
         w_MK = meta_MK2[:, K:].to(w_TK.dtype)
@@ -93,7 +101,7 @@ class AllToAllTokenExchange:
 
     def _sum_back(self, rows_MX: torch.Tensor, layout: _Layout) -> torch.Tensor:
         """Rows back to their source ranks, summed into the source tokens (fp32 at least)."""
-        back_NX = exchange_rows(rows_MX, layout.send_splits, layout.recv_splits, self.group)
+        back_NX = exchange_rows(rows_MX, layout.send_splits, layout.recv_splits, self.group, self.comm_turns)
         acc_dtype = torch.promote_types(rows_MX.dtype, torch.float32)
         out_TX = torch.zeros((layout.num_tokens, *rows_MX.shape[1:]), dtype=acc_dtype, device=rows_MX.device)
         out_TX.index_add_(0, layout.send_N, back_NX.to(acc_dtype))
@@ -103,7 +111,7 @@ class AllToAllTokenExchange:
         return self._sum_back(y_MH, layout)
 
     def dispatch_again(self, grad_TH: torch.Tensor, layout: _Layout) -> torch.Tensor:
-        return exchange_rows(grad_TH[layout.send_N], layout.recv_splits, layout.send_splits, self.group)
+        return exchange_rows(grad_TH[layout.send_N], layout.recv_splits, layout.send_splits, self.group, self.comm_turns)
 
     def combine_grads(
         self, grad_x_MH: torch.Tensor, grad_w_MK: torch.Tensor, layout: _Layout
