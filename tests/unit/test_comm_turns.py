@@ -20,10 +20,10 @@ from lightning_moe.parallel.pipeline_overlap import attach_comm_turns, check_ove
 
 
 def _side(log: list[str], label: str, turns: CommTurns, exchanges: int) -> None:
-    """Compute, then for each exchange: issue, hand over, wait, compute."""
+    """Compute, then for each exchange: start it, hand over, wait, compute."""
     log.append(f"{label} compute")
     for n in range(exchanges):
-        log.append(f"{label} issue {n}")
+        log.append(f"{label} starts {n}")
         turns.hand_over()
         log.append(f"{label} wait {n}")
         log.append(f"{label} compute")
@@ -33,12 +33,12 @@ def test_each_side_computes_while_the_other_ones_exchange_is_in_flight() -> None
     turns, log = CommTurns(), []
     turns.run_pair(lambda: _side(log, "F", turns, 2), lambda: _side(log, "B", turns, 3))
     assert log == [
-        "F compute", "F issue 0",
-        "B compute", "B issue 0",
-        "F wait 0", "F compute", "F issue 1",
-        "B wait 0", "B compute", "B issue 1",
+        "F compute", "F starts 0",
+        "B compute", "B starts 0",
+        "F wait 0", "F compute", "F starts 1",
+        "B wait 0", "B compute", "B starts 1",
         "F wait 1", "F compute",  # the forward ends: the backward goes on alone
-        "B wait 1", "B compute", "B issue 2", "B wait 2", "B compute",
+        "B wait 1", "B compute", "B starts 2", "B wait 2", "B compute",
     ]  # fmt: skip
 
 
