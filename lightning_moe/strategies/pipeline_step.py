@@ -144,6 +144,8 @@ class PipelineRunner:
             return self._run(batch, train=False, accumulate=1)
 
     def _run(self, batch: dict[str, torch.Tensor], train: bool, accumulate: int) -> torch.Tensor:
+        if train:
+            self._check_no_hf_checkpointing_under_cp()
         ids_BS, labels_BS, ids_kw = self._check_batch(batch, whole_microbatches=train)
         group, ranks = self.loss_group
         tokens = (labels_BS != IGNORE_INDEX).sum().to(torch.float32).reshape(())
@@ -238,6 +240,19 @@ class PipelineRunner:
                     dist.send(x.contiguous(), group=self.pp_group, group_dst=owner[s + 1])
             if self.holds_last:
                 on_logits(m, x)
+
+    def _check_no_hf_checkpointing_under_cp(self) -> None:
+        """A Hugging Face model's context-parallel attention reads the ids of the micro-batch that ran
+        forward last (``models/hf_context_parallel.py``); under a schedule a recomputed forward in the
+        backward (transformers' ``gradient_checkpointing``) would read a later micro-batch's."""
+        if self.context.size == 1:
+            return
+        if any(getattr(m, "gradient_checkpointing", False) is True for m in self.stages.modules()):
+            raise ValueError(
+                f"{self.owner}: transformers' gradient checkpointing is on in a Hugging Face model at "
+                f"cp={self.context.size} and pp={self.options.pp}, where a recomputed attention would read another "
+                "micro-batch's positions; call model.gradient_checkpointing_disable(), or set cp=1 or pp=1."
+            )
 
     def _check_batch(
         self, batch: dict[str, torch.Tensor], whole_microbatches: bool

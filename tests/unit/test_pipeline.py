@@ -181,3 +181,24 @@ def test_rank_stages_hold_the_model_names_once_and_cover_the_model(schedule: str
     assert sorted(held) == sorted(n for n, _ in model.named_parameters())
     moe_layers = [b.ffn for b in model.layers if hasattr(b.ffn, "experts")]
     assert [m.global_moe_index for m in moe_layers] == list(range(len(moe_layers)))
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_hf_gradient_checkpointing_under_cp_is_refused_before_the_schedule(cp: int) -> None:
+    """Under CP an HF model's attention reads the last forward's ids, which a recomputed forward in a
+    pipeline schedule's backward would not see: refused at cp > 1, allowed at cp = 1."""
+    from lightning_moe.parallel.fold_batch import ContextParallel
+    from lightning_moe.strategies.pipeline_setup import PipelineOptions
+    from lightning_moe.strategies.pipeline_step import PipelineRunner
+
+    runner = PipelineRunner.__new__(PipelineRunner)  # the check reads owner, options, stages, context only
+    runner.owner, runner.options = "FoldedMoEStrategy", PipelineOptions(2, "1f1b", 4, 1)
+    runner.context = ContextParallel(None, cp, 0)
+    runner.stages = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    runner._check_no_hf_checkpointing_under_cp()  # no checkpointing: nothing to refuse
+    runner.stages[0].gradient_checkpointing = True
+    if cp == 1:
+        runner._check_no_hf_checkpointing_under_cp()
+        return
+    with pytest.raises(ValueError, match="gradient checkpointing is on .* cp=2 and pp=2.*gradient_checkpointing_disable"):
+        runner._check_no_hf_checkpointing_under_cp()
