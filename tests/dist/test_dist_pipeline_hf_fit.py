@@ -12,7 +12,9 @@ attention runs over the CP group; the mean of the CP ranks' losses is compared, 
 chunks' share); PP2 x EP2 on packed documents (``document_ids`` reach every stage, which restarts
 the rotary positions and masks attention per document, in training and validation). Every rank's
 logged batch losses, the logged ``train/loss``, the validation loss and every parameter (stage
-names mapped to the HF model's) must match the one-process reference to rtol 1e-5. W=2: the model
+names mapped to the HF model's) must match the one-process reference to rtol 1e-5; after the fit,
+``trainer.predict`` through the stages gives every rank the logits of the whole model with the
+final parameters (refused under CP). W=2: the model
 built on ``meta`` (PP2), whose stages must get the rotary frequencies back after materialisation;
 DCP checkpoints at PP2 (``worker_pipeline_hf_ckpt.py``) resume bitwise at pp=2, load at pp=1 and
 back (saved under the HF model's names), and export to an HF directory holding the final
@@ -27,8 +29,8 @@ import pytest
 import torch
 
 from _harness import Launch, launch_torchrun, selected_tests
-from _pipeline_hf_models import MOE, compare_hf
-from _pipeline_models import mean_per_data_rank, parse
+from _pipeline_hf_models import MOE, HFRecordingLM, compare_hf
+from _pipeline_models import make_data, mean_per_data_rank, packed, parse
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("transformers")
@@ -59,6 +61,29 @@ def test_trainer_hf_pipeline_equals_one_process(w4_job: tuple[Path, Launch], spe
     if layout.get("cp", 1) > 1:  # each CP rank's loss is its chunks' share: their mean is the batch's
         result = {**result, "losses": mean_per_data_rank(result["losses"])}
     compare_hf(result, spec, dp=4 // (layout["pp"] * layout.get("tp", 1) * layout.get("cp", 1)), steps=3)
+    check_hf_predictions(result, spec)
+
+
+def check_hf_predictions(result: dict, spec: str) -> None:
+    """Every rank's ``trainer.predict`` logits equal the whole HF model's forward with the run's final
+    parameters (rtol 1e-5); every sample predicted; under CP every rank refused."""
+    if parse(spec).get("cp", 1) > 1:
+        assert all(isinstance(m, str) and "predict at cp=2" in m for m in result["predictions"]), result["predictions"]
+        return
+    samples, seed = result["predict_data"]
+    data = make_data(packed(spec), num_samples=samples, seed=seed)
+    lm = HFRecordingLM()
+    missing, unexpected = lm.model.load_state_dict(result["state"], strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    batch = torch.utils.data.default_collate([data[i] for i in range(samples)])
+    extra = {"document_ids": batch["document_ids"]} if "document_ids" in batch else {}
+    with torch.no_grad():
+        want = lm.eval()(batch["input_ids"], **extra)
+    seen: list[int] = []
+    for rank, (indices, logits) in enumerate(result["predictions"]):
+        torch.testing.assert_close(logits, want[indices], rtol=1e-5, atol=1e-5, msg=lambda m, r=rank: f"rank {r}: {m}")
+        seen += indices
+    assert sorted(set(seen)) == list(range(samples)), sorted(seen)
 
 
 def test_trainer_hf_pipeline_of_a_meta_built_model_restores_the_rotary_frequencies(tmp_path) -> None:

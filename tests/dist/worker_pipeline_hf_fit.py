@@ -4,7 +4,8 @@
 (``_pipeline_models.parse``; ``packed=1``: packed-document data). Each trains ``STEPS`` optimizer
 steps with gradient accumulation 2 and clipping, fp32, then validates through the pipeline. Rank 0 writes ``OUT_DIR/<spec>.pt``: every
 rank's (dp coordinate, logged batch losses), the logged ``train/loss``, the validation loss and the
-final parameters of every stage under the HF model's names. A spec ending in ``,meta`` builds the
+final parameters of every stage under the HF model's names, and every rank's ``trainer.predict``
+output after the fit (sample indices and logits; under CP the refusal's message). A spec ending in ``,meta`` builds the
 model on ``meta`` instead and trains one step (:func:`fit_meta`).
 """
 
@@ -22,17 +23,37 @@ import torch.distributed as dist
 import lightning_moe  # noqa: F401 - registers "folded_moe"
 from _models import CLIP, leave_together
 from _pipeline_hf_models import HFRecordingLM, model_names
-from _pipeline_models import accumulation, packed, parse
+from _pipeline_models import accumulation, make_data, packed, parse
 from lightning_moe.strategies import FoldedMoEStrategy
 
 STEPS = 3
+PREDICT_DATA = (6, 11)  # predicted samples and seed
+
+
+class PredictingHFLM(HFRecordingLM):
+    """Predictions name their samples: ``{"index", "logits"}`` per batch."""
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        return {"index": batch["index"], "logits": super().predict_step(batch, batch_idx)}
+
+
+def predict(trainer: pl.Trainer, model: HFRecordingLM, spec: str) -> object:
+    """``trainer.predict`` of ``PREDICT_DATA`` in batches of 4 (the last shorter than the micro-batch
+    count): this rank's ``(indices, logits)``; under CP the refusal's message instead."""
+    data = make_data(packed(spec), num_samples=PREDICT_DATA[0], seed=PREDICT_DATA[1])
+    samples = [{**data[i], "index": torch.tensor(i)} for i in range(len(data))]
+    try:
+        outputs = trainer.predict(model, dataloaders=torch.utils.data.DataLoader(samples, batch_size=4))
+    except ValueError as error:
+        return str(error)
+    return torch.cat([o["index"] for o in outputs]).tolist(), torch.cat([o["logits"] for o in outputs])
 
 
 def fit_one(spec: str, out_dir: Path, world: int) -> None:
     if spec.endswith(",meta"):
         return fit_meta(spec.removesuffix(",meta"), out_dir, world)
     torch.manual_seed(0)
-    model = HFRecordingLM(packed=packed(spec))
+    model = PredictingHFLM(packed=packed(spec))
     strategy = FoldedMoEStrategy(**parse(spec), timeout=timedelta(seconds=90))
     accum = accumulation(spec)
     trainer = pl.Trainer(
@@ -49,8 +70,11 @@ def fit_one(spec: str, out_dir: Path, world: int) -> None:
     dist.all_gather_object(losses, (strategy.folded_mesh.rank("dp"), model.recorded))
     logged = float(trainer.callback_metrics["train/loss"])
     val = float(trainer.callback_metrics["val/loss"]) if "val/loss" in trainer.callback_metrics else None
+    predictions = [None] * world
+    dist.all_gather_object(predictions, predict(trainer, model, spec))
     if dist.get_rank() == 0:
         result = {"losses": losses, "state": merged, "logged_loss": logged, "val_loss": val}
+        result |= {"predictions": predictions, "predict_data": PREDICT_DATA}
         torch.save(result, out_dir / f"{spec}.pt")
         print(f"DONE {spec}", flush=True)
 
