@@ -98,6 +98,9 @@ case "${1:-layer}" in
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
     LIGHTNING_MOE_TEST_ACCELERATOR=gpu LIGHTNING_MOE_PARITY_RTOL=1e-4 \
       python3 -m pytest tests/dist/test_dist_fit.py -k 2_ranks -q -p no:cacheprovider | tee "$RESULTS/dist_fit.log"
+    # pipeline parallel over NCCL: PP2 (1f1b) and PP2 gpipe on two GPUs against the one-process CPU reference
+    LIGHTNING_MOE_TEST_ACCELERATOR=gpu LIGHTNING_MOE_PARITY_RTOL=1e-4 \
+      python3 -m pytest tests/dist/test_dist_pipeline_fit.py -k W2 -q -p no:cacheprovider | tee "$RESULTS/dist_pipeline.log"
     for d in alltoall alltoall_dedup; do
       torchrun --nproc_per_node="$N" benchmarks/ep_scaling.py --ep "$N" --dispatcher "$d" \
         --out "$RESULTS/ep${N}_$d.json" | tee "$RESULTS/ep${N}_$d.log"

@@ -27,11 +27,14 @@ sequences) and every parameter must match to rtol 1e-5. After the fit, ``trainer
 the pipeline gives every rank the logits one process computes with the final parameters (batches of
 4 rows whose last is shorter than the micro-batch count); under CP it is refused. FSDP2 reduces
 each module's gradients once per optimizer step (3 per module), not once per micro-batch or
-accumulated batch. One torchrun job per world size.
+accumulated batch. One torchrun job per world size. ``LIGHTNING_MOE_TEST_ACCELERATOR=gpu`` runs the
+workers on one GPU per rank over NCCL, compared at ``LIGHTNING_MOE_PARITY_RTOL`` (``bash
+benchmarks/h200.sh multi``: the W=2 cases).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -81,15 +84,16 @@ def test_trainer_pipeline_equals_one_process(jobs: dict, request: pytest.Fixture
     assert result["val_loss"] is not None, "no validation loss was logged"
     if layout.get("cp", 1) > 1:  # each CP rank's loss is its chunks' share: their mean is the batch's
         result = {**result, "losses": mean_per_data_rank(result["losses"])}
-    compare(result, spec, dp, steps=3)  # the validation loss too, against the final reference parameters
-    check_predictions(result, spec)
+    rtol = float(os.environ.get("LIGHTNING_MOE_PARITY_RTOL", "1e-5"))  # looser on GPUs against the CPU reference
+    compare(result, spec, dp, steps=3, rtol=rtol)  # the validation loss too, against the final reference parameters
+    check_predictions(result, spec, rtol)
     for rank, (reductions, fsdp_modules) in enumerate(result["reductions"]):  # once per module and step
         assert fsdp_modules > 0 and reductions == 3 * fsdp_modules, (rank, reductions, fsdp_modules)
 
 
-def check_predictions(result: dict, spec: str) -> None:
+def check_predictions(result: dict, spec: str, rtol: float = 1e-5) -> None:
     """Every rank's ``trainer.predict`` logits equal one process's forward with the run's final
-    parameters (rtol 1e-5), and the ranks of each data rank together cover every sample once per
+    parameters (``rtol``, atol ``rtol``), and the ranks of each data rank together cover every sample once per
     data rank; under CP every rank refused."""
     if parse(spec).get("cp", 1) > 1:
         for message in result["predictions"]:
@@ -105,7 +109,7 @@ def check_predictions(result: dict, spec: str) -> None:
         want = lm.eval()(batch["input_ids"], **extra)
     seen: list[int] = []
     for rank, (indices, logits) in enumerate(result["predictions"]):
-        torch.testing.assert_close(logits, want[indices], rtol=1e-5, atol=1e-5, msg=lambda m, r=rank: f"rank {r}: {m}")
+        torch.testing.assert_close(logits, want[indices], rtol=rtol, atol=rtol, msg=lambda m, r=rank: f"rank {r}: {m}")
         seen += indices
     assert sorted(set(seen)) == list(range(samples)), sorted(seen)
 

@@ -37,6 +37,8 @@ STEPS = 3
 
 VAL_DATA = (8, 7)  # validation samples and seed, stored with the result
 PREDICT_DATA = (6, 11)  # predicted samples and seed
+# "gpu": one GPU per rank over NCCL (``bash benchmarks/h200.sh multi``), against the same CPU reference
+ACCELERATOR = os.environ.get("LIGHTNING_MOE_TEST_ACCELERATOR", "cpu")
 
 
 class ValidatedLM(PipelineLM):
@@ -86,7 +88,7 @@ def predict(trainer: pl.Trainer, model: ValidatedLM, spec: str) -> Any:
         outputs = trainer.predict(model, dataloaders=loader)
     except ValueError as error:
         return str(error)
-    return torch.cat([o["index"] for o in outputs]).tolist(), torch.cat([o["logits"] for o in outputs])
+    return torch.cat([o["index"] for o in outputs]).tolist(), torch.cat([o["logits"].cpu() for o in outputs])
 
 
 class ReductionCount:
@@ -118,7 +120,7 @@ def fit_one(spec: str, out_dir: Path, world: int) -> None:
     strategy = FoldedMoEStrategy(**parse(spec), timeout=timedelta(seconds=90))
     accum = run.accum
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=accum,
+        accelerator=ACCELERATOR, devices=world, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=accum,
         gradient_clip_val=run.clip or None, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=1.0, val_check_interval=STEPS * accum,
     )  # fmt: skip
