@@ -45,6 +45,7 @@ __all__ = [
     "build_transformer_stage",
     "check_stage_range",
     "cut_rank_stages",
+    "cut_stages_of",
     "materialize_stage",
 ]
 
@@ -168,6 +169,13 @@ class LocalStages(nn.Module):
             "LocalStages: a pipeline rank's stages run through the pipeline schedule, not as one module; "
             "call the strategy's pipeline (training_step of MoELanguageModel does)."
         )
+
+
+def cut_stages_of(module: nn.Module) -> LocalStages | None:
+    """This rank's stages when ``module`` (or its ``model`` attribute) was cut already (by
+    ``configure_model`` or an earlier fit), else ``None``."""
+    stages = module if isinstance(module, LocalStages) else getattr(module, "model", None)
+    return stages if isinstance(stages, LocalStages) else None
 
 
 def cut_rank_stages(

@@ -43,6 +43,7 @@ from lightning_moe.parallel.liveness import check_liveness_timeout, collective_t
 from lightning_moe.parallel.mesh import FoldedMesh
 from lightning_moe.parallel.parallelize import DispatcherKind, check_model_for_layout
 from lightning_moe.parallel.pipeline import stage_indices
+from lightning_moe.parallel.pipeline_stage import cut_stages_of
 from lightning_moe.strategies.guards import note_dead_rank, start_liveness_watchdog
 from lightning_moe.strategies.layout import (
     Degree,
@@ -62,7 +63,6 @@ from lightning_moe.strategies.pipeline_setup import (
     check_pipeline_model,
     check_pipeline_overlap,
     cut_for_pipeline,
-    cut_stages_of,
     find_transformer,
     pipeline_options,
 )

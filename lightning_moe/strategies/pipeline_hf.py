@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from lightning_moe.checkpoint.hf_sharded import reset_nonpersistent_buffers
 from lightning_moe.models.hf_pipeline_stage import HFLocalStages, check_hf_pipeline_model, cut_hf_rank_stages
+from lightning_moe.parallel.pipeline_stage import cut_stages_of
 
 __all__ = [
     "cut_hf_for_pipeline",
@@ -91,7 +92,7 @@ def hf_stages_cut_already(owner: str, module: nn.Module, mine: tuple[int, ...]) 
     """``(stages, hidden_size)`` when ``module`` (or its ``model`` attribute) is already this rank's
     HF stages (``mine``: the stage indices this rank holds), ``None`` when it is not cut.
     ``ValueError`` for stages cut for another pipeline layout."""
-    stages = module if isinstance(module, HFLocalStages) else getattr(module, "model", None)
+    stages = cut_stages_of(module)
     if not isinstance(stages, HFLocalStages):
         return None
     held = tuple(index for index, _ in stages.stages)

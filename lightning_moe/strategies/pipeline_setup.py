@@ -45,7 +45,7 @@ from lightning_moe.parallel.pipeline import (
 )
 from lightning_moe.parallel.parallelize import check_sequence_parallel_attention
 from lightning_moe.parallel.pipeline_overlap import check_overlap_schedule
-from lightning_moe.parallel.pipeline_stage import LocalStages, cut_rank_stages
+from lightning_moe.parallel.pipeline_stage import LocalStages, cut_rank_stages, cut_stages_of
 from lightning_moe.strategies.pipeline_hf import cut_hf_for_pipeline, find_hf_causal_lm, hf_layer_count
 from lightning_moe.strategies.sharding import check_model_for_context_parallel
 
@@ -59,7 +59,6 @@ __all__ = [
     "check_pipeline_overlap",
     "check_pipeline_trainer",
     "cut_for_pipeline",
-    "cut_stages_of",
     "find_transformer",
     "pipeline_options",
 ]
@@ -175,12 +174,6 @@ def find_transformer(module: nn.Module) -> tuple[nn.Module | None, nn.Module | N
     if isinstance(inner, nn.Module) and shaped(inner):
         return module, inner
     return None, None
-
-
-def cut_stages_of(module: nn.Module) -> LocalStages | None:
-    """This rank's stages when ``module`` (or its ``model`` attribute) was cut already, else ``None``."""
-    stages = module if isinstance(module, LocalStages) else getattr(module, "model", None)
-    return stages if isinstance(stages, LocalStages) else None
 
 
 def check_pipeline_model(
