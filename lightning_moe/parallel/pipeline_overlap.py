@@ -15,6 +15,12 @@ flight while the other computes (Megatron-Core's combined 1F1B, DeepSeek's DualP
 Each sub-action does what torch's runtime does for a ``FORWARD`` and a ``FULL_BACKWARD`` action
 (the loss on the last stage, the backward counter that marks a stage's last backward, the hand-off
 between two stages of this rank); the arithmetic and its order per stage are unchanged.
+Activation recompute (``TransformerConfig.recompute`` ``["moe"]`` or ``["block"]``) runs an MoE
+layer's forward again inside the backward: on the backward side, whose recomputed all-to-alls take
+turns like its own. The other collectives of both sides (tensor and expert-tensor parallel,
+sequence parallel, FSDP) are issued in each side's program order between the hand-overs, and every
+rank of such a group holds the same pp coordinate (the same stages and actions), so each group's
+order is the same on all its ranks.
 
 Which torch schedules have such a steady state: :data:`OVERLAPPING_SCHEDULES`, checked against
 the installed torch by :func:`check_overlap_schedule`.

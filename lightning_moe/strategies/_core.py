@@ -106,7 +106,8 @@ class FoldedMoECore:
         pp_overlap_expert_comm: in the schedule's steady state, run one micro-batch's forward and
             another's backward taking turns at their expert all-to-alls, so one's all-to-all is in
             flight while the other computes (``parallel/pipeline_overlap.py``); the numbers are
-            those without it. Needs ``pp_schedule="dualpipev"`` (the schedule whose torch class has
+            those without it, also with activation recompute, FP8, sequence parallel and
+            ``etp > 1`` (``docs/layouts.md``). Needs ``pp_schedule="dualpipev"`` (the schedule whose torch class has
             overlapped forward+backward actions), ``ep > 1`` and ``dispatcher`` ``"alltoall"`` or
             ``"alltoall_dedup"``; refused otherwise at construction.
         dp: data-parallel degree of the dense layers, ``"auto"`` = ``W/(tp*cp*pp)``.

@@ -1,11 +1,16 @@
-"""Worker: Fabric at W=4, PP2 x EP2 with the "V" schedule dualpipev, expert all-to-all overlap off and on.
+"""Worker: Fabric with PP2 x EP2 and the "V" schedule dualpipev, expert all-to-all overlap off and on.
 
-``python worker_pipeline_overlap.py OUT_DIR RUN...``; a run is ``<dispatcher>-<off|on>``
+``python worker_pipeline_overlap.py OUT_DIR RUN...``; a run is ``<dispatcher>[-<variant>]-<off|on>``
 (``alltoall_dedup-on``: ``FabricFoldedMoEStrategy(dispatcher="alltoall_dedup",
-pp_overlap_expert_comm=True)``). Each run trains ``STEPS`` SGD steps of the 4-block model of
-``_models`` (1 dense, 3 MoE; 4 stages of one block, 2 per rank) from the same seed on the same
-batches, 4 micro-batches per batch, and records what each rank did during its training steps, in
-order:
+pp_overlap_expert_comm=True)`` at W=4). A variant changes the model or the layout
+(:data:`VARIANTS`): ``recompute_moe`` and ``recompute_block`` (``TransformerConfig.recompute``: the
+MoE layer, or the whole block, run again in the backward, its dispatch and combine all-to-alls
+included), ``fp8`` (FP8 experts, emulated, with FP8 rows through the dispatch all-to-all, and FP8
+dense layers), ``sp_etp`` (W=8: ``tp=2`` with sequence parallel and ``etp=2``, so the TP and
+expert-TP all-gathers and reduce-scatters run between the all-to-alls). Each run trains
+``STEPS`` SGD steps of the 4-block model of ``_models`` (1 dense, 3 MoE; 4 stages of one block, 2
+per rank) from the same seed on the same batches, 4 micro-batches per batch, and records what each
+rank did during its training steps, in order:
 
 * ``("issue", thread, async)``: an all-to-all issued (``torch.distributed.all_to_all_single``,
   ``async``: with ``async_op=True``); ``("wait", thread)``: this thread waited for it (returned
@@ -22,9 +27,11 @@ coordinate and events, and the final full parameters.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,11 +43,32 @@ from torch.utils.data import DataLoader
 
 import lightning_moe  # noqa: F401 - registers "folded_moe"
 from _models import LR, RecordingLM, TokenData, leave_together, model_config
+from lightning_moe.config import Fp8Config
+from lightning_moe.models.transformer import TransformerConfig
 from lightning_moe.moe.dispatch.turns import CommTurns
 from lightning_moe.parallel.checkpoint import gather_full_state
 from lightning_moe.strategies import FabricFoldedMoEStrategy
 
 STEPS, BATCH, MICRO = 2, 4, 4
+
+
+def _fp8(cfg: TransformerConfig) -> TransformerConfig:
+    fp8 = Fp8Config(recipe="blockwise", backend="emulate", dispatch=True)
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, fp8=fp8), fp8_dense="on")
+
+
+def _recompute(target: str) -> Callable[[TransformerConfig], TransformerConfig]:
+    return lambda cfg: dataclasses.replace(cfg, recompute=[target])
+
+
+# a run's variant -> (the change to the model's config, the strategy's options beyond PP2 x EP2)
+VARIANTS: dict[str, tuple[Callable[[TransformerConfig], TransformerConfig], dict[str, Any]]] = {
+    "": (lambda cfg: cfg, {}),
+    "recompute_moe": (_recompute("moe"), {}),
+    "recompute_block": (_recompute("block"), {}),
+    "fp8": (_fp8, {}),
+    "sp_etp": (lambda cfg: cfg, {"tp": 2, "etp": 2, "sequence_parallel": True}),
+}
 
 
 class Recorder:
@@ -99,15 +127,16 @@ def install(recorder: Recorder) -> None:
 
 
 def run(out: Path, name: str, world: int, recorder: Recorder) -> None:
-    dispatcher, mode = name.rsplit("-", 1)
+    dispatcher, *variant, mode = name.split("-")
+    change, options = VARIANTS["".join(variant)]
     strategy = FabricFoldedMoEStrategy(
         pp=2, ep=2, pp_schedule="dualpipev", pp_virtual_stages=2, pp_microbatches=MICRO, dispatcher=dispatcher,
-        pp_overlap_expert_comm=mode == "on", timeout=timedelta(seconds=90),
+        pp_overlap_expert_comm=mode == "on", timeout=timedelta(seconds=90), **options,
     )  # fmt: skip
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
     torch.manual_seed(0)
-    model = fabric.setup(RecordingLM(model_config(num_layers=4)).model)
+    model = fabric.setup(RecordingLM(change(model_config(num_layers=4))).model)
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=LR))
     loader = fabric.setup_dataloaders(DataLoader(TokenData(num_samples=STEPS * BATCH * 2), batch_size=BATCH))
     batches, losses = iter(loader), []
