@@ -210,7 +210,8 @@ def _check_cohere2(name: str, block: nn.Module) -> None:
 
 
 def _check_longcat(name: str, block: nn.Module) -> None:
-    zero = int(getattr(block.experts, "zero_expert_num", 0) or 0)
+    # transformers < 5.25 keeps the count on the experts, later versions on the MoE block
+    zero = max(int(getattr(m, "zero_expert_num", 0) or 0) for m in (block, block.experts))
     if zero:
         raise ValueError(
             f"swap_moe_blocks: {name} has zero_expert_num={zero} zero-computation (identity) experts; MoELayer has no "
