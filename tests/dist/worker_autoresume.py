@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
+from _models import leave_together  # noqa: E402
 from _resume_run import BATCH, SEQ, model_config  # noqa: E402
 
 import lightning_moe  # noqa: F401, E402
@@ -69,6 +70,7 @@ def main(out: Path, which: str) -> None:
     torch.set_num_threads(1)
     first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
     run(out / which, kill=which == "killed" and first_attempt)
+    leave_together()  # a rank reaching interpreter exit while another still uses the group aborts in gloo
 
 
 if __name__ == "__main__":
